@@ -1,0 +1,35 @@
+"""Differential attention (Diff Transformer V1 and V2) as a Hugging Face transformers model.
+
+Importing the package registers `model_type="diff"` with the Auto classes, so `AutoConfig`, `AutoModel` and
+`AutoModelForCausalLM` resolve Diff checkpoints natively (no `trust_remote_code` needed).
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .configuration_diff import DiffConfig
+from .layers import DifferentialAttention, differential_attention
+from .modeling_diff import DiffAttention, DiffDecoderLayer, DiffForCausalLM, DiffModel, DiffPreTrainedModel
+
+
+__version__ = "0.1.0"
+
+AutoConfig.register(DiffConfig.model_type, DiffConfig, exist_ok=True)
+AutoModel.register(DiffConfig, DiffModel, exist_ok=True)
+AutoModelForCausalLM.register(DiffConfig, DiffForCausalLM, exist_ok=True)
+
+# `save_pretrained` copies these classes' source files next to the weights and writes `auto_map`, so saved models
+# also load with `trust_remote_code=True` where this package is not installed.
+DiffConfig.register_for_auto_class("AutoConfig")
+DiffModel.register_for_auto_class("AutoModel")
+DiffForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = [
+    "DiffConfig",
+    "DiffPreTrainedModel",
+    "DiffModel",
+    "DiffForCausalLM",
+    "DiffAttention",
+    "DiffDecoderLayer",
+    "DifferentialAttention",
+    "differential_attention",
+]

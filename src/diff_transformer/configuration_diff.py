@@ -1,0 +1,131 @@
+"""Configuration of the Diff Transformer (differential attention) model.
+
+Self-contained on purpose: this file is copied next to the weights when a model is saved, so that
+`AutoConfig.from_pretrained(..., trust_remote_code=True)` works where `diff_transformer` is not installed.
+"""
+
+import math
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+
+@strict
+class DiffConfig(PreTrainedConfig):
+    r"""
+    Configuration of a decoder-only Diff Transformer. Every field of `LlamaConfig` keeps its meaning, except that
+    `num_attention_heads` counts *differential* heads (H) and `head_dim` is the size d of one query/key sub-head.
+
+    Args:
+        diff_version (`int`, defaults to 1):
+            1: the ICLR 2025 paper, `(softmax(Q1K1ᵀ) - λ softmax(Q2K2ᵀ)) V` with a per-layer scalar λ, V of width 2d
+            and a per-head RMSNorm (`subln`). 2: Diff Transformer V2, 2H standard query heads paired as
+            `a_2h - sigmoid(W_λ x)_h a_2h+1`, K/V and cache exactly a Llama's.
+        head_dim (`int`, *optional*):
+            Query/key sub-head size d. Defaults to `hidden_size // (2 * num_attention_heads)`, so that both
+            versions have the parameter count of a Llama with `2 * num_attention_heads` heads of size d.
+        lambda_init (`float`, *optional*):
+            V1 only. `None` uses the paper's depth schedule `0.8 - 0.6 exp(-0.3 layer_idx)`; a float fixes it.
+        lambda_std (`float`, defaults to 0.1):
+            Standard deviation of the initial V1 re-parameterisation vectors `lambda_{q,k}{1,2}`.
+    """
+
+    model_type = "diff"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    tie_word_embeddings: bool = False
+    rope_parameters: RopeParameters | dict | None = None
+    attention_bias: bool = False
+    attention_dropout: int | float | None = 0.0
+    mlp_bias: bool = False
+    diff_version: int = 1
+    lambda_init: float | None = None
+    lambda_std: float = 0.1
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        self._check_heads()
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // (2 * self.num_attention_heads)
+        self._check_values()
+        super().__post_init__(**kwargs)
+
+    def _check_heads(self):
+        if self.diff_version not in (1, 2):
+            raise ValueError(
+                f"diff_version={self.diff_version!r} is not supported: use 1 (ICLR 2025 paper) or 2 (Diff Transformer V2)."
+            )
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be a positive integer.")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by num_key_value_heads="
+                f"{self.num_key_value_heads}: every differential head needs one key/value group. Pick a "
+                "num_key_value_heads that divides num_attention_heads."
+            )
+        if self.head_dim is None and self.hidden_size < 2 * self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} cannot be split into 2 x num_attention_heads="
+                f"{self.num_attention_heads} sub-heads: lower num_attention_heads or set head_dim explicitly."
+            )
+
+    def _check_values(self):
+        if self.head_dim <= 0 or self.head_dim % 2 != 0:
+            raise ValueError(
+                f"head_dim={self.head_dim} must be a positive even number (rotary embeddings rotate pairs of "
+                "dimensions): set head_dim explicitly or change hidden_size / num_attention_heads."
+            )
+        if self.lambda_init is not None and not 0.0 <= self.lambda_init < 1.0:
+            raise ValueError(
+                f"lambda_init={self.lambda_init} must lie in [0, 1) (V1 scales the output by 1 - lambda_init); "
+                "use None for the paper's depth schedule."
+            )
+        if self.lambda_std < 0:
+            raise ValueError(f"lambda_std={self.lambda_std} must be >= 0.")
+        if self.attention_dropout and self.diff_version == 1:
+            # The V1 pair shares one softmax per map; independent dropout masks would break the noise cancellation.
+            raise ValueError(
+                f"attention_dropout={self.attention_dropout} is not supported with diff_version=1: set it to 0.0 "
+                "or use diff_version=2."
+            )
+
+    def lambda_init_for_layer(self, layer_idx: int) -> float:
+        """V1's λ_init of a (0-based) layer: the configured constant, or the paper's depth schedule."""
+        if self.lambda_init is not None:
+            return float(self.lambda_init)
+        return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+
+
+__all__ = ["DiffConfig"]

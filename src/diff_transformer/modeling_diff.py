@@ -1,0 +1,401 @@
+"""Diff Transformer (differential attention) as a transformers model.
+
+Two variants, selected by `config.diff_version` (see DESIGN.md for the exact math):
+
+* V1 (Ye et al., ICLR 2025): head h computes `(softmax(q1 k1ᵀ) - λ softmax(q2 k2ᵀ)) v` with V of width 2d, then a
+  per-head RMSNorm (`subln`) scaled by `1 - λ_init`; λ is one fp32 scalar per layer.
+* V2 (Diff Transformer V2): 2H ordinary query heads share Llama's K/V; head h outputs
+  `a_2h - sigmoid(W_λ x)_h a_2h+1`.
+
+Both run as ONE standard attention call per layer through `ALL_ATTENTION_FUNCTIONS`, so every backend transformers
+ships (eager, sdpa, flash, flex, paged) computes QKᵀ once. Module names follow Llama's so Llama tooling (PEFT target
+modules, TP plans, conversion scripts) applies unchanged.
+
+Only torch, transformers and `.configuration_diff` are imported: this file is copied into saved checkpoints as Hub
+custom code.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_diff import DiffConfig
+
+
+try:  # `transformers.initialization` respects `_is_hf_initialized`, so loaded weights are never overwritten.
+    from transformers import initialization as init
+except ImportError:  # pragma: no cover - older transformers
+    init = nn.init
+
+
+class DiffRMSNorm(LlamaRMSNorm):
+    pass
+
+
+class DiffRotaryEmbedding(LlamaRotaryEmbedding):
+    pass
+
+
+class DiffMLP(LlamaMLP):
+    pass
+
+
+class DiffLambdaV1(nn.Module):
+    """The paper's re-parameterised scalar: λ = exp(λq1·λk1) - exp(λq2·λk2) + λ_init, kept in fp32."""
+
+    def __init__(self, head_dim: int, lambda_init: float):
+        super().__init__()
+        self.lambda_init = lambda_init
+        self.lambda_q1 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32))
+        self.lambda_k1 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32))
+        self.lambda_q2 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32))
+        self.lambda_k2 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32))
+
+    def forward(self) -> torch.Tensor:
+        lambda_1 = torch.exp(torch.sum(self.lambda_q1.float() * self.lambda_k1.float()))
+        lambda_2 = torch.exp(torch.sum(self.lambda_q2.float() * self.lambda_k2.float()))
+        return lambda_1 - lambda_2 + self.lambda_init  # () fp32
+
+    def extra_repr(self) -> str:
+        return f"lambda_init={self.lambda_init:.4f}"
+
+
+class DiffLambdaV2(nn.Module):
+    """V2's per-token, per-head λ = sigmoid(W x)."""
+
+    def __init__(self, hidden_size: int, num_heads: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, num_heads, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.proj(hidden_states))  # (B, N, H)
+
+
+_PAGED_TO_PLAIN = {"paged|eager": "eager", "paged|sdpa": "sdpa", "paged|flex_attention": "flex_attention"}
+
+
+class DiffAttention(nn.Module):
+    """Differential multi-head attention, one standard attention call per layer for both versions."""
+
+    def __init__(self, config: DiffConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.diff_version = config.diff_version
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        # Query heads per key head in the single attention call: V1 has 2H queries over 2H_kv keys, V2 2H over H_kv.
+        ratio = config.num_attention_heads // config.num_key_value_heads
+        self.num_key_value_groups = ratio if self.diff_version == 1 else 2 * ratio
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+
+        hidden, H, H_kv, d, bias = config.hidden_size, self.num_heads, self.num_key_value_heads, self.head_dim, config.attention_bias
+        self.q_proj = nn.Linear(hidden, 2 * H * d, bias=bias)
+        if self.diff_version == 1:
+            self.k_proj = nn.Linear(hidden, 2 * H_kv * d, bias=bias)
+            self.v_proj = nn.Linear(hidden, 2 * H_kv * d, bias=bias)
+            self.o_proj = nn.Linear(2 * H * d, hidden, bias=bias)
+            self.lambda_init = config.lambda_init_for_layer(layer_idx)
+            self.diff_lambda = DiffLambdaV1(d, self.lambda_init)
+            self.subln = DiffRMSNorm(2 * d, eps=config.rms_norm_eps)
+        else:
+            self.k_proj = nn.Linear(hidden, H_kv * d, bias=bias)
+            self.v_proj = nn.Linear(hidden, H_kv * d, bias=bias)
+            self.o_proj = nn.Linear(H * d, hidden, bias=bias)
+            self.diff_lambda = DiffLambdaV2(hidden, H)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.diff_version == 1:
+            return self._forward_v1(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        return self._forward_v2(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+
+    def _attention_interface(self, paged_cache_handled: bool = False) -> Callable:
+        implementation = self.config._attn_implementation
+        if paged_cache_handled:
+            implementation = _PAGED_TO_PLAIN.get(implementation, implementation)
+        if implementation == "eager":
+            return eager_attention_forward
+        return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+
+    def _forward_v2(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs):
+        B, N, _ = hidden_states.shape
+        H, d = self.num_heads, self.head_dim
+
+        query = self.q_proj(hidden_states).view(B, N, 2 * H, d).transpose(1, 2)  # (B, 2H, N, d)
+        key = self.k_proj(hidden_states).view(B, N, -1, d).transpose(1, 2)  # (B, H_kv, N, d)
+        value = self.v_proj(hidden_states).view(B, N, -1, d).transpose(1, 2)  # (B, H_kv, N, d)
+
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+
+        attn_output, attn_weights = self._attention_interface()(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )  # (B, N, 2H, d)
+
+        lam = self.diff_lambda(hidden_states)  # (B, N, H)
+        pair = attn_output.view(B, N, H, 2, d)  # (B, N, H, 2, d): query heads (2h, 2h+1)
+        out = pair[..., 0, :] - lam.unsqueeze(-1).to(pair.dtype) * pair[..., 1, :]  # (B, N, H, d)
+        out = self.o_proj(out.reshape(B, N, H * d))
+
+        if attn_weights is not None:  # differential maps A_2h - λ A_2h+1, (B, H, N, L)
+            weights = attn_weights.view(B, H, 2, N, -1)
+            attn_weights = weights[:, :, 0] - lam.transpose(1, 2).unsqueeze(-1).to(weights.dtype) * weights[:, :, 1]
+        return out, attn_weights
+
+    def _forward_v1(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs):
+        B, N, _ = hidden_states.shape
+        H, H_kv, d = self.num_heads, self.num_key_value_heads, self.head_dim
+
+        # Component-major head order [all q1 | all q2] and [all k1 | all k2]: the standard GQA mapping
+        # j -> j // (H / H_kv) then pairs q_c of head h with k_c of its own group g(h), for c in {1, 2}.
+        query = self.q_proj(hidden_states).view(B, N, H, 2, d).permute(0, 3, 2, 1, 4).reshape(B, 2 * H, N, d)
+        key = self.k_proj(hidden_states).view(B, N, H_kv, 2, d).permute(0, 3, 2, 1, 4).reshape(B, 2 * H_kv, N, d)
+        # V's two d-wide halves are cached as 2 H_kv heads of size d, so every cache (dynamic, static, paged)
+        # sees what a Llama with 2 H_kv KV heads of size d would store.
+        value = self.v_proj(hidden_states).view(B, N, H_kv, 2, d).permute(0, 3, 2, 1, 4).reshape(B, 2 * H_kv, N, d)
+
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+
+        paged_cache = kwargs.pop("cache", None)
+        if paged_cache is not None:  # continuous batching: write the paged cache once, then attend on what it returns
+            key, value = paged_cache.update(key_states=key, value_states=value, layer_idx=self.layer_idx, kwargs=kwargs)
+        elif past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+
+        batch, _, L, _ = value.shape
+        value = value.reshape(batch, 2, H_kv, L, d).permute(0, 2, 3, 1, 4)  # (B, H_kv, L, 2, d) = v_g
+        # (B, 2H_kv, L, 2d): both maps of a head read the same 2d-wide v_g, built in one copy
+        value = value.unsqueeze(1).expand(batch, 2, H_kv, L, 2, d).reshape(batch, 2 * H_kv, L, 2 * d)
+
+        attn_output, attn_weights = self._attention_interface(paged_cache_handled=paged_cache is not None)(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )  # (B, N, 2H, 2d)
+
+        lam = self.diff_lambda()  # () fp32
+        out = attn_output[:, :, :H] - lam.to(attn_output.dtype) * attn_output[:, :, H:]  # (B, N, H, 2d)
+        out = self.subln(out) * (1.0 - self.lambda_init)
+        out = self.o_proj(out.reshape(B, N, H * 2 * d))
+
+        if attn_weights is not None:  # differential maps A1 - λ A2, (B, H, N, L)
+            attn_weights = attn_weights[:, :H] - lam.to(attn_weights.dtype) * attn_weights[:, H:]
+        return out, attn_weights
+
+
+class DiffDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: DiffConfig, layer_idx: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.self_attn = DiffAttention(config=config, layer_idx=layer_idx)
+        self.mlp = DiffMLP(config)
+        self.input_layernorm = DiffRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = DiffRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+
+
+class DiffPreTrainedModel(PreTrainedModel):
+    config: DiffConfig
+    config_class = DiffConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DiffDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _can_compile_fullgraph = True
+    _supports_attention_backend = True
+    # V1's λ vectors feed an exp(): they stay fp32 whatever dtype the rest of the model loads in.
+    _keep_in_fp32_modules_strict = ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"]
+    _can_record_outputs = {
+        "hidden_states": DiffDecoderLayer,
+        "attentions": DiffAttention,
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)  # Linear, Embedding, RMSNorm (incl. subln -> 1), rotary buffers
+        if isinstance(module, DiffLambdaV1):
+            for param in (module.lambda_q1, module.lambda_k1, module.lambda_q2, module.lambda_k2):
+                init.normal_(param, mean=0.0, std=self.config.lambda_std)
+
+
+class DiffModel(DiffPreTrainedModel):
+    def __init__(self, config: DiffConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([DiffDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = DiffRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = DiffRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens).unsqueeze(0)
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+
+class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: DiffConfig):
+        super().__init__(config)
+        self.model = DiffModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+
+        loss = None
+        if labels is not None:  # kwargs carry `num_items_in_batch` from Trainer for correct gradient accumulation
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = ["DiffPreTrainedModel", "DiffModel", "DiffForCausalLM", "DiffAttention", "DiffDecoderLayer"]
