@@ -10,6 +10,12 @@ from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
+AUTO_MAP = {
+    "AutoConfig": "configuration_diff.DiffConfig",
+    "AutoModel": "modeling_diff.DiffModel",
+    "AutoModelForCausalLM": "modeling_diff.DiffForCausalLM",
+}
+
 
 @strict
 class DiffConfig(PreTrainedConfig):
@@ -80,6 +86,9 @@ class DiffConfig(PreTrainedConfig):
             self.head_dim = self.hidden_size // (2 * self.num_attention_heads)
         self._check_values()
         super().__post_init__(**kwargs)
+        # Saved models carry their code (configuration_diff.py + modeling_diff.py): point every Auto class at it, so a
+        # checkpoint loads with trust_remote_code=True where diff_transformer is not installed.
+        self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
 
     def _check_heads(self):
         if self.diff_version not in (1, 2):

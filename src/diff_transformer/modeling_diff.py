@@ -360,6 +360,26 @@ class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    def init_continuous_batching(self, *args, **kwargs):
+        manager = super().init_continuous_batching(*args, **kwargs)
+        if self.config.diff_version == 1 and not getattr(manager, "_sized_for_diff_v1", False):
+            # The paged cache sizes its pages from config.num_key_value_heads x head_dim. A V1 layer stores what a Llama
+            # with 2 H_kv KV heads of size d (and 2H query heads) stores, so the cache is built with that geometry.
+            create_batch_processor = manager._create_batch_processor
+
+            def create_batch_processor_v1():
+                config = self.config
+                saved = config.num_key_value_heads, config.num_attention_heads
+                config.num_key_value_heads, config.num_attention_heads = 2 * saved[0], 2 * saved[1]
+                try:
+                    return create_batch_processor()
+                finally:
+                    config.num_key_value_heads, config.num_attention_heads = saved
+
+            manager._create_batch_processor = create_batch_processor_v1
+            manager._sized_for_diff_v1 = True
+        return manager
+
     @can_return_tuple
     def forward(
         self,
