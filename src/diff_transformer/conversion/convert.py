@@ -1,0 +1,490 @@
+"""Streaming conversion of Llama / DiffLlama checkpoints into Diff checkpoints (DESIGN.md, "Converting a Llama
+checkpoint").
+
+The source is read tensor by tensor from its safetensors shards and the output is written shard by shard, so peak
+memory stays near one shard. Everything is written into a temporary directory next to OUT and renamed into place only
+once complete; on any error the temporary directory is removed and OUT (and SRC, which is only ever read) is left
+as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import torch
+
+from .errors import ConversionError
+from .layout import IGNORED_SOURCE_TENSORS, Geometry, make_tensor_map
+from .source import SourceCheckpoint, check_float_dtypes, open_source, read_weights_headers
+from .writer import ShardWriter
+
+
+AUTO_MAP = {
+    "AutoConfig": "configuration_diff.DiffConfig",
+    "AutoModel": "modeling_diff.DiffModel",
+    "AutoModelForCausalLM": "modeling_diff.DiffForCausalLM",
+}
+CUSTOM_CODE_FILES = ("configuration_diff.py", "modeling_diff.py")
+
+# Llama / DiffLlama config fields that DiffConfig shares with the same meaning (the head geometry is set separately).
+_COPIED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "hidden_act",
+    "max_position_embeddings",
+    "initializer_range",
+    "rms_norm_eps",
+    "use_cache",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "tie_word_embeddings",
+    "rope_parameters",
+    "attention_bias",
+    "attention_dropout",
+    "mlp_bias",
+)
+# Top-level files of SRC that are never copied to OUT (weights, configs the converter rewrites, code, the card).
+_NOT_COPIED = re.compile(
+    r"(^config\.json$|^README\.md$|\.safetensors$|\.index\.json$|\.(bin|pth|pt|ckpt|pkl|h5|msgpack|onnx|gguf|py|pyc)$|^\.)",
+    re.IGNORECASE,
+)
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# V1's λ vectors feed an exp() and stay float32 whatever `dtype` asks (DiffPreTrainedModel keeps them in fp32 too).
+_FP32_PARAMETERS = re.compile(r"\.diff_lambda\.lambda_[qk][12]$")
+_SOURCE_KINDS = {"llama": "convert_llama_to_diff", "diffllama": "convert_diffllama_to_diff"}
+
+
+def convert_llama_to_diff(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    diff_version: int = 2,
+    dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    *,
+    lambda_std: float = 0.1,
+    seed: int = 0,
+    max_shard_size: int | str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+) -> Path:
+    """Convert a `LlamaForCausalLM` checkpoint (local directory or Hub id) into a Diff checkpoint at `out`.
+
+    Args:
+        src: checkpoint directory (config.json + *.safetensors) or Hub model id (downloaded with `snapshot_download`,
+            cached; honours HF_HUB_OFFLINE). Never modified.
+        out: output directory; must not exist or be empty unless `overwrite`.
+        diff_version: 2 (default) is function-preserving: the result's logits equal the source's at step 0.
+            1 is the paper layout (pairs of Llama heads become differential heads; new λ vectors); it needs even
+            numbers of attention and key/value heads and is not function-preserving.
+        dtype: cast floating tensors to this dtype ("bfloat16", torch.float16, ...); None keeps the stored dtypes.
+            V1's λ vectors are always stored in float32.
+        overwrite: replace a non-empty `out` (only once the new checkpoint is complete).
+        progress: show a tqdm bar over tensors.
+        lambda_std: std of V1's fresh λ vectors (ignored for V2). seed: seeds them (per layer).
+        max_shard_size: bytes (int) or "5GB"-style string for the output shards; None mirrors the input shards.
+        revision, token: forwarded to `snapshot_download` for Hub ids.
+
+    Returns the output directory. Raises `ConversionError` for every problem with the inputs.
+    """
+    return _convert(
+        src,
+        out,
+        source_kind="llama",
+        diff_version=diff_version,
+        dtype=dtype,
+        overwrite=overwrite,
+        progress=progress,
+        lambda_std=lambda_std,
+        seed=seed,
+        max_shard_size=max_shard_size,
+        revision=revision,
+        token=token,
+    )
+
+
+def convert_diffllama_to_diff(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    diff_version: int = 1,
+    dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    *,
+    max_shard_size: int | str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+) -> Path:
+    """Import a transformers `DiffLlamaForCausalLM` checkpoint into Diff V1 with the weight permutation that
+    reproduces DiffLlama's logits exactly (see `layout.diffllama_query_permutation`). Same arguments as
+    `convert_llama_to_diff`; only `diff_version=1` is possible."""
+    return _convert(
+        src,
+        out,
+        source_kind="diffllama",
+        diff_version=diff_version,
+        dtype=dtype,
+        overwrite=overwrite,
+        progress=progress,
+        max_shard_size=max_shard_size,
+        revision=revision,
+        token=token,
+    )
+
+
+def convert_to_diff(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    diff_version: int | None = None,
+    dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    **kwargs,
+) -> Path:
+    """Dispatch on SRC's `model_type`: "llama" -> `convert_llama_to_diff` (diff_version defaults to 2),
+    "diffllama" -> `convert_diffllama_to_diff` (diff_version 1)."""
+    source = open_source(src, revision=kwargs.get("revision"), token=kwargs.get("token"))
+    model_type = source.model_type
+    if model_type == "llama":
+        version = 2 if diff_version is None else diff_version
+        return convert_llama_to_diff(source.path if source.repo_id is None else src, out, version, dtype, overwrite, progress, **kwargs)
+    if model_type == "diffllama":
+        version = 1 if diff_version is None else diff_version
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("lambda_std", "seed")}
+        return convert_diffllama_to_diff(source.path if source.repo_id is None else src, out, version, dtype, overwrite, progress, **kwargs)
+    raise _model_type_error(source, expected=None)
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str):
+        key = dtype.strip().lower().removeprefix("torch.")
+        if key in ("auto", "none", ""):
+            return None
+        if key in _DTYPES:
+            return _DTYPES[key]
+    raise ConversionError(f"dtype={dtype!r} is not supported: use float32, float16 or bfloat16 (or None to keep the stored dtypes).")
+
+
+def parse_size(size: int | str | None) -> int | None:
+    """Bytes from an int or a string like "5GB" (10^9), "500MiB" (2^20 each), "2000000"."""
+    if size is None:
+        return None
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    if isinstance(size, str):
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(IB|B)?", size.strip().upper())
+        if match:
+            number, prefix, unit = float(match.group(1)), match.group(2), match.group(3)
+            base = 1024 if unit == "IB" else 1000
+            value = int(number * base ** "_KMGT".index(prefix or "_")) if prefix else int(number)
+            if value > 0:
+                return value
+    raise ConversionError(f"max_shard_size={size!r} is not a size: pass bytes as an int or a string like '5GB' / '500MB'.")
+
+
+def _model_type_error(source: SourceCheckpoint, expected: str | None) -> ConversionError:
+    model_type = source.model_type
+    where = source.repo_id or str(source.path)
+    if model_type == "diff":
+        return ConversionError(f"{where} is already a Diff checkpoint (model_type 'diff'): load it directly, no conversion is needed.")
+    if expected is not None and model_type in _SOURCE_KINDS:
+        return ConversionError(
+            f"{where} has model_type {model_type!r}, but this converter expects {expected!r}: use {_SOURCE_KINDS[model_type]}."
+        )
+    accepted = "'llama'" if expected == "llama" else "'diffllama'" if expected == "diffllama" else "'llama' or 'diffllama'"
+    return ConversionError(
+        f"{where} has model_type {model_type!r}; only {accepted} checkpoints convert: pick a LlamaForCausalLM checkpoint "
+        "(Llama-architecture models report model_type 'llama' in config.json)."
+    )
+
+
+def _source_config(source: SourceCheckpoint, source_kind: str):
+    where = source.repo_id or str(source.path)
+    if source.model_type != source_kind:
+        raise _model_type_error(source, expected=source_kind)
+    if source.config.get("quantization_config"):
+        method = source.config["quantization_config"].get("quant_method", "?") if isinstance(source.config["quantization_config"], dict) else "?"
+        raise ConversionError(f"{where} is a quantized checkpoint ({method}): convert the unquantized (float) weights instead.")
+    architectures = source.config.get("architectures") or []
+    wanted = "LlamaForCausalLM" if source_kind == "llama" else "DiffLlamaForCausalLM"
+    if architectures and wanted not in architectures:
+        raise ConversionError(
+            f"{where} holds a {', '.join(map(str, architectures))} checkpoint; only {wanted} (with its lm_head) converts: "
+            "pick the causal-LM checkpoint."
+        )
+    if source_kind == "llama":
+        from transformers import LlamaConfig as config_class
+    else:
+        from transformers import DiffLlamaConfig as config_class
+    try:
+        config = config_class.from_dict(dict(source.config))
+    except Exception as exc:
+        raise ConversionError(f"config.json of {where} is not a valid {config_class.__name__} ({_one_line(exc)}): fix or re-download it.") from exc
+    return config
+
+
+def _diff_config(source_config, source_kind: str, diff_version: int, geometry: Geometry, out_dtype: torch.dtype, lambda_std: float, where: str):
+    from ..configuration_diff import DiffConfig
+
+    fields = {name: getattr(source_config, name) for name in _COPIED_FIELDS if hasattr(source_config, name)}
+    if source_kind == "diffllama":
+        fields["mlp_bias"] = False
+        lambda_std = getattr(source_config, "lambda_std_dev", None)
+        lambda_std = 0.1 if lambda_std is None else float(lambda_std)
+    if diff_version == 2:
+        heads, kv_heads = geometry.num_heads, geometry.num_kv_heads
+    else:
+        heads, kv_heads = geometry.num_heads // 2, geometry.num_kv_heads // 2
+    try:
+        config = DiffConfig(
+            **fields,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=geometry.head_dim,
+            diff_version=diff_version,
+            lambda_init=None,  # V1: the paper's depth schedule (also DiffLlama's)
+            lambda_std=float(lambda_std),
+            dtype=_dtype_name(out_dtype),
+        )
+    except Exception as exc:
+        hint = " or use diff_version=2" if diff_version == 1 and source_kind == "llama" else ""
+        raise ConversionError(f"{where} cannot be expressed as a Diff V{diff_version} config ({_one_line(exc)}): fix config.json{hint}.") from exc
+    config.architectures = ["DiffForCausalLM"]
+    config.auto_map = dict(AUTO_MAP)
+    return config
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _validate_tensors(source: SourceCheckpoint, geometry: Geometry, source_kind: str) -> None:
+    where = source.repo_id or str(source.path)
+    expected, optional = geometry.expected_source_tensors(source_kind)
+    for name, info in source.tensors.items():
+        if name in expected:
+            if info.shape != expected[name]:
+                raise ConversionError(
+                    f"tensor {name} in {info.shard.name} has shape {list(info.shape)}, but config.json implies "
+                    f"{list(expected[name])}: config.json does not describe these weights; fix it or re-download the checkpoint."
+                )
+        elif not IGNORED_SOURCE_TENSORS.match(name):
+            raise ConversionError(
+                f"unexpected tensor {name} in {info.shard.name} of {where}: not part of a {source_kind} causal LM with this "
+                "config (unsupported feature or wrong model); convert a plain checkpoint."
+            )
+    missing = [name for name in expected if name not in source.tensors and name not in optional]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConversionError(f"tensor {missing[0]}{more} is missing from {where}: the checkpoint is incomplete; re-download it.")
+    check_float_dtypes(source)
+
+
+def _check_output_against_model(config, writer: ShardWriter) -> None:
+    """The written state dict must be exactly what `DiffForCausalLM(config)` expects (names and shapes)."""
+    from ..modeling_diff import DiffForCausalLM
+
+    with torch.device("meta"):
+        model = DiffForCausalLM(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings and "lm_head.weight" not in writer.shapes:
+        expected.pop("lm_head.weight", None)
+    if expected != writer.shapes:
+        missing = sorted(set(expected) - set(writer.shapes))
+        extra = sorted(set(writer.shapes) - set(expected))
+        wrong = sorted(n for n in set(expected) & set(writer.shapes) if expected[n] != writer.shapes[n])
+        raise ConversionError(
+            f"internal error: converted tensors do not match DiffForCausalLM (missing {missing[:3]}, unexpected {extra[:3]}, "
+            f"wrong shapes {wrong[:3]}); please report this bug."
+        )
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ConversionError(f"OUT {out} exists and is not a directory: choose a directory path.")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConversionError(f"OUT {out} is not empty: pass overwrite=True (--overwrite) or choose another directory.")
+
+
+def _check_no_overlap(src: Path, out: Path) -> None:
+    src, out = src.resolve(), out.resolve()
+    if src == out or src in out.parents or out in src.parents:
+        raise ConversionError(
+            f"OUT {out} overlaps SRC {src}: choose an output directory outside the source checkpoint (SRC is never modified)."
+        )
+
+
+def _make_parents(directory: Path) -> Path | None:
+    """mkdir -p, returning the top-most directory created (to remove on failure) or None."""
+    created = None
+    for parent in reversed([directory, *directory.parents]):
+        if not parent.exists():
+            created = created or parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConversionError(f"cannot create {directory} ({exc}): check the path and permissions.") from exc
+    return created
+
+
+def _copy_side_files(source: SourceCheckpoint, target: Path) -> list[str]:
+    """Tokenizer files, chat template, generation config, licence... every top-level non-weight file."""
+    copied = []
+    for path in sorted(source.path.iterdir()):
+        if path.is_file() and not _NOT_COPIED.search(path.name):
+            shutil.copyfile(path, target / path.name)
+            copied.append(path.name)
+    return copied
+
+
+def _copy_custom_code(target: Path) -> None:
+    package = Path(__file__).resolve().parent.parent
+    for name in CUSTOM_CODE_FILES:
+        shutil.copyfile(package / name, target / name)
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Rename the finished checkpoint into place (replacing an existing OUT only now)."""
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(out, old)
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            os.replace(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
+def _convert(
+    src,
+    out,
+    *,
+    source_kind: str,
+    diff_version: int,
+    dtype,
+    overwrite: bool,
+    progress: bool,
+    lambda_std: float = 0.1,
+    seed: int = 0,
+    max_shard_size=None,
+    revision=None,
+    token=None,
+) -> Path:
+    from tqdm.auto import tqdm
+
+    out_path = Path(out).expanduser().absolute()
+    target_dtype = parse_dtype(dtype)
+    max_shard_bytes = parse_size(max_shard_size)
+    if lambda_std < 0:
+        raise ConversionError(f"lambda_std={lambda_std} must be >= 0.")
+    _check_out(out_path, overwrite)
+
+    source = open_source(src, revision=revision, token=token)
+    where = source.repo_id or str(source.path)
+    _check_no_overlap(source.path, out_path)
+    source_config = _source_config(source, source_kind)
+    geometry = Geometry.from_config(source_config)
+    tensor_map = make_tensor_map(source_kind, diff_version, geometry, lambda_std=lambda_std, seed=seed)
+    read_weights_headers(source)
+    _validate_tensors(source, geometry, source_kind)
+
+    stored = _SAFETENSORS_DTYPES[source.tensors["model.embed_tokens.weight"].dtype]
+    config_dtype = source.config.get("dtype") or source.config.get("torch_dtype")
+    out_dtype = target_dtype or (_DTYPES.get(str(config_dtype).removeprefix("torch."), stored) if config_dtype else stored)
+    config = _diff_config(source_config, source_kind, diff_version, geometry, out_dtype, lambda_std, where)
+
+    created_parent = _make_parents(out_path.parent)
+    tmp = None
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.tmp-", dir=out_path.parent))
+        writer = ShardWriter(tmp, max_shard_bytes)
+        _stream(source, tensor_map, writer, target_dtype, progress, tqdm, f"{source_kind} -> diff v{diff_version}")
+        writer.finish()
+        _check_output_against_model(config, writer)
+        config.to_json_file(str(tmp / "config.json"))
+        _copy_custom_code(tmp)
+        _copy_side_files(source, tmp)
+        from .card import write_model_card
+
+        write_model_card(tmp, source, config, source_kind=source_kind, out_name=out_path.name)
+        _install(tmp, out_path)
+    except BaseException as exc:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if created_parent is not None:
+            shutil.rmtree(created_parent, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise ConversionError(f"writing {out_path} failed ({_one_line(exc)}): check free disk space and permissions.") from exc
+        raise
+    return out_path
+
+
+def _stream(source: SourceCheckpoint, tensor_map, writer: ShardWriter, target_dtype, progress: bool, tqdm, desc: str) -> None:
+    from safetensors import safe_open
+
+    bar = tqdm(total=len(source.tensors), desc=desc, unit="tensor", disable=not progress)
+    try:
+        for shard in source.shards:
+            names = source.tensors_in(shard)
+            try:
+                handle_cm = safe_open(shard, framework="pt")
+            except Exception as exc:
+                raise ConversionError(f"shard {shard.name} is corrupt or truncated ({_one_line(exc)}): re-download it.") from exc
+            with handle_cm as handle:
+                for name in names:
+                    bar.update(1)
+                    if IGNORED_SOURCE_TENSORS.match(name):
+                        continue
+                    try:
+                        tensor = handle.get_tensor(name)
+                    except Exception as exc:
+                        raise ConversionError(
+                            f"reading tensor {name} from shard {shard.name} failed ({_one_line(exc)}): the shard is corrupt; re-download it."
+                        ) from exc
+                    for out_name, out_tensor in tensor_map(name, tensor):
+                        if target_dtype is not None and not _FP32_PARAMETERS.search(out_name):
+                            out_tensor = out_tensor.to(target_dtype)
+                        writer.add(out_name, out_tensor)
+                    del tensor
+            if writer.max_shard_bytes is None:
+                writer.close_shard()  # mirror the input sharding
+    finally:
+        bar.close()
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+__all__ = [
+    "AUTO_MAP",
+    "convert_diffllama_to_diff",
+    "convert_llama_to_diff",
+    "convert_to_diff",
+    "parse_dtype",
+    "parse_size",
+]

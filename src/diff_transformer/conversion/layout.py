@@ -1,0 +1,297 @@
+"""Tensor-level maps from Llama / DiffLlama state dicts to Diff (V1, V2) state dicts.
+
+Every map is a pure function of one source tensor (plus, for the first tensor of a layer, the new parameters of that
+layer), so the converter can stream a checkpoint tensor by tensor. Head layouts (DESIGN.md, "The two attention
+variants"; rows of a projection weight are grouped in blocks of `head_dim` = d):
+
+* Llama (H query heads, H_kv key/value heads, n = H / H_kv): query head j attends with kv head j // n.
+* Diff V2 (H differential heads, H_kv kv heads): query block j in [0, 2H) attends with kv head j // (2n);
+  differential head h = blocks (2h, 2h+1).
+* Diff V1 (H' = H/2 differential heads, H'_kv = H_kv/2 groups, n' = H'/H'_kv = n): q block 2h+c is q_{c+1} of head
+  h (c in {0, 1}), k block 2g+c is k_{c+1} of group g, v blocks (2g, 2g+1) are the 2d-wide v of group g; head h
+  attends with group g(h) = h // n. o_proj's input block 2h+c multiplies the c-th d-wide half of O_h.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConversionError
+
+
+_ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$")
+_DIFFLLAMA_LAMBDA = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(lambda_q1|lambda_k1|lambda_q2|lambda_k2)$")
+# Non-persistent buffers that some old checkpoints still carry; never part of the model's state.
+IGNORED_SOURCE_TENSORS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The shapes of a Llama-family source model."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attention_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_config(cls, config) -> Geometry:
+        num_heads = int(config.num_attention_heads)
+        num_kv_heads = int(config.num_key_value_heads or num_heads)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        return cls(
+            vocab_size=int(config.vocab_size),
+            hidden_size=int(config.hidden_size),
+            intermediate_size=int(config.intermediate_size),
+            num_layers=int(config.num_hidden_layers),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=int(head_dim),
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+    def expected_source_tensors(self, source_kind: str) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+        """(required name -> shape, optional names) of a `LlamaForCausalLM` / `DiffLlamaForCausalLM` checkpoint."""
+        D, I, V, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        H, H_kv = self.num_heads, self.num_kv_heads
+        expected: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
+        optional: set[str] = set()
+        if self.tie_word_embeddings:
+            optional.add("lm_head.weight")
+        mlp_bias = self.mlp_bias and source_kind == "llama"  # DiffLlama's MLP never has biases
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            expected[p + "input_layernorm.weight"] = (D,)
+            expected[p + "post_attention_layernorm.weight"] = (D,)
+            expected[p + "self_attn.q_proj.weight"] = (H * d, D)
+            expected[p + "self_attn.k_proj.weight"] = (H_kv * d, D)
+            expected[p + "self_attn.v_proj.weight"] = (H_kv * d, D)
+            expected[p + "self_attn.o_proj.weight"] = (D, H * d)
+            if self.attention_bias:
+                expected[p + "self_attn.q_proj.bias"] = (H * d,)
+                expected[p + "self_attn.k_proj.bias"] = (H_kv * d,)
+                expected[p + "self_attn.v_proj.bias"] = (H_kv * d,)
+                expected[p + "self_attn.o_proj.bias"] = (D,)
+            expected[p + "mlp.gate_proj.weight"] = (I, D)
+            expected[p + "mlp.up_proj.weight"] = (I, D)
+            expected[p + "mlp.down_proj.weight"] = (D, I)
+            if mlp_bias:
+                expected[p + "mlp.gate_proj.bias"] = (I,)
+                expected[p + "mlp.up_proj.bias"] = (I,)
+                expected[p + "mlp.down_proj.bias"] = (D,)
+            if source_kind == "diffllama":
+                for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+                    expected[p + f"self_attn.{name}"] = (d,)
+        return expected, optional
+
+
+def permute_row_blocks(tensor: torch.Tensor, perm: list[int], block: int) -> torch.Tensor:
+    """Rows regrouped in blocks of `block`: output block b is input block perm[b] (weights (out, in) and biases)."""
+    rest = tensor.shape[1:]
+    index = torch.tensor(perm, dtype=torch.long)
+    return tensor.reshape(len(perm), block, *rest).index_select(0, index).reshape(tensor.shape).contiguous()
+
+
+def permute_column_blocks(tensor: torch.Tensor, perm: list[int], block: int) -> torch.Tensor:
+    """Columns of an (out, in) weight regrouped in blocks of `block`: output block b is input block perm[b]."""
+    index = torch.tensor(perm, dtype=torch.long)
+    rows = tensor.shape[0]
+    return tensor.reshape(rows, len(perm), block).index_select(1, index).reshape(tensor.shape).contiguous()
+
+
+def llama_to_v1_query_permutation(num_heads: int, num_kv_heads: int) -> list[int]:
+    """Llama query head feeding each V1 (head, component) slot: perm[2h + c] for differential head h, c in {0, 1}.
+
+    The pairing must respect Llama's GQA, otherwise a query would be paired with a key it was never trained with.
+    Llama: query head j uses kv head j // n (n = H / H_kv). V1 (H' = H/2 heads, H'_kv = H_kv/2 groups, so
+    H' / H'_kv = n as well): head h uses group g = h // n, whose k1 / k2 / v halves are Llama kv heads 2g / 2g+1
+    (kv pairing (2g, 2g+1), blocks kept in place). For q_{c+1} of head h to meet the key its Llama query head used,
+    that Llama query head must have kv head 2g + c, i.e. lie in [(2g+c) n, (2g+c+1) n). Taking the r-th one,
+    r = h % n (each of the n heads of group g takes a different r, so every Llama head is used exactly once):
+
+        perm[2h + c] = (2 (h // n) + c) n + h % n
+
+    For MHA (n = 1) this is the identity: q1 of head h = Llama head 2h, q2 = head 2h+1 (DESIGN.md's pairing), and
+    q_proj / k_proj / v_proj / o_proj are reused exactly as stored. The naive pairing (2h, 2h+1) is NOT right under
+    GQA: with n = 2, Llama heads 2h and 2h+1 both use kv head h, yet V1 needs two kv heads per differential head,
+    and head h = 1 (group 0, kv heads 0 and 1) would take Llama heads 2 and 3, trained against kv head 1 only.
+    o_proj's input blocks follow the same permutation, so O_h's half c (computed over v = Llama kv head 2g + c)
+    goes through the output columns of the Llama head that read that kv head.
+    """
+    n = num_heads // num_kv_heads
+    return [(2 * (h // n) + c) * n + h % n for h in range(num_heads // 2) for c in range(2)]
+
+
+def diffllama_query_permutation(num_heads: int) -> list[int]:
+    """DiffLlama query head feeding each V1 slot: differential head h pairs DiffLlama heads (h, h + H/2).
+
+    DiffLlama (H heads of size d, H_kv kv heads, n = H / H_kv) runs standard attention over H query heads, then
+    subtracts head h + H/2 from head h (torch.chunk over heads). Head h < H/2 uses kv head h // n, head h + H/2 uses
+    (h + H/2) // n = h // n + H_kv/2 (H/2 is a multiple of n since H_kv is even). Its value for head h is
+    cat(v[c(h)], v[c(h) + H_kv/2]) with c(h) = (h // n) mod (H_kv/2) = h // n for both maps (`chunk` + `repeat`
+    over kv heads). So with H' = H/2 heads and g = h // n (our V1 group, H'/H'_kv = n):
+      q1 = DL q head h, q2 = DL q head h + H/2; k1 = DL k head g, k2 = DL k head g + H_kv/2;
+      v = cat(DL v head g, DL v head g + H_kv/2); o_proj unchanged (DL's output block h is already [half 0, half 1]);
+      DL's RMSNorm has no weight (subln := 1); its λ_init schedule equals ours with lambda_init=None.
+    """
+    half = num_heads // 2
+    return [h + c * half for h in range(half) for c in range(2)]
+
+
+def diffllama_kv_permutation(num_kv_heads: int) -> list[int]:
+    half = num_kv_heads // 2
+    return [g + c * half for g in range(half) for c in range(2)]
+
+
+class TensorMap:
+    """Maps one source tensor to the output tensors it becomes (the converter streams through this)."""
+
+    def __init__(self, geometry: Geometry):
+        self.geometry = geometry
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        match = _ATTN.match(name)
+        if match is None:
+            yield name, tensor
+            return
+        layer, proj, kind = int(match.group(1)), match.group(2), match.group(3)
+        yield from self.attention(name, layer, proj, kind, tensor)
+
+    def attention(self, name, layer, proj, kind, tensor) -> Iterator[tuple[str, torch.Tensor]]:  # pragma: no cover
+        raise NotImplementedError
+
+
+class LlamaToV2(TensorMap):
+    """Function-preserving: query head i -> (2i, 2i+1) with q_{2i+1} := q_{2i}; W_λ := 0 (λ = 0.5); o_proj x 2.
+
+    O_i = a_{2i} - 0.5 a_{2i+1} = 0.5 llama_head_i, and 2 o_proj (0.5 concat_i llama_head_i) = Llama's attention
+    output (o_proj's bias is added once, so it is not doubled). Block 2i attends with kv head 2i // (2n) = i // n,
+    the one Llama head i used.
+    """
+
+    def attention(self, name, layer, proj, kind, tensor):
+        g = self.geometry
+        if proj == "q_proj":
+            rest = tensor.shape[1:]
+            doubled = tensor.reshape(g.num_heads, g.head_dim, *rest).repeat_interleave(2, dim=0)
+            yield name, doubled.reshape(2 * g.num_heads * g.head_dim, *rest).contiguous()
+            if kind == "weight":
+                # Zero is safe here: dL/dW_λ[h] = -0.25 (dL/dO_h · a_{2h+1}) x is non-zero.
+                yield f"model.layers.{layer}.self_attn.diff_lambda.proj.weight", torch.zeros(
+                    g.num_heads, g.hidden_size, dtype=tensor.dtype
+                )
+        elif proj == "o_proj" and kind == "weight":
+            yield name, tensor * 2  # exact in every float format (power of two)
+        else:
+            yield name, tensor
+
+
+class LlamaToV1(TensorMap):
+    """Paper layout, reusing every Llama weight (not function-preserving); new λ vectors ~ N(0, lambda_std), subln 1."""
+
+    def __init__(self, geometry: Geometry, lambda_std: float = 0.1, seed: int = 0):
+        super().__init__(geometry)
+        self.lambda_std = float(lambda_std)
+        self.seed = int(seed)
+        self.perm = llama_to_v1_query_permutation(geometry.num_heads, geometry.num_kv_heads)
+
+    def new_parameters(self, layer: int, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        d = self.geometry.head_dim
+        # Seeded per layer, so the result does not depend on the order in which shards are streamed.
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + layer)
+        prefix = f"model.layers.{layer}.self_attn."
+        for lam in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            values = torch.randn(d, generator=generator, dtype=torch.float32) * self.lambda_std
+            yield prefix + f"diff_lambda.{lam}", values  # fp32 whatever the model dtype (they feed an exp)
+        yield prefix + "subln.weight", torch.ones(2 * d, dtype=dtype)
+
+    def attention(self, name, layer, proj, kind, tensor):
+        d = self.geometry.head_dim
+        if proj == "q_proj":
+            yield name, permute_row_blocks(tensor, self.perm, d)
+            if kind == "weight":
+                yield from self.new_parameters(layer, tensor.dtype)
+        elif proj == "o_proj" and kind == "weight":
+            yield name, permute_column_blocks(tensor, self.perm, d)
+        else:  # k_proj, v_proj: kv heads (2g, 2g+1) are group g's k1/k2 and v halves, already in place
+            yield name, tensor
+
+
+class DiffLlamaToV1(TensorMap):
+    """Exact import of transformers' DiffLlama into V1 (see `diffllama_query_permutation`)."""
+
+    def __init__(self, geometry: Geometry):
+        super().__init__(geometry)
+        self.q_perm = diffllama_query_permutation(geometry.num_heads)
+        self.kv_perm = diffllama_kv_permutation(geometry.num_kv_heads)
+
+    def __call__(self, name, tensor):
+        match = _DIFFLLAMA_LAMBDA.match(name)
+        if match is not None:
+            yield f"model.layers.{match.group(1)}.self_attn.diff_lambda.{match.group(2)}", tensor.to(torch.float32)
+            return
+        yield from super().__call__(name, tensor)
+
+    def attention(self, name, layer, proj, kind, tensor):
+        d = self.geometry.head_dim
+        if proj == "q_proj":
+            yield name, permute_row_blocks(tensor, self.q_perm, d)
+            if kind == "weight":  # DiffLlama's RMSNorm over 2d has no weight
+                yield f"model.layers.{layer}.self_attn.subln.weight", torch.ones(2 * d, dtype=tensor.dtype)
+        elif proj in ("k_proj", "v_proj"):
+            yield name, permute_row_blocks(tensor, self.kv_perm, d)
+        else:
+            yield name, tensor
+
+
+def make_tensor_map(source_kind: str, diff_version: int, geometry: Geometry, *, lambda_std: float = 0.1, seed: int = 0) -> TensorMap:
+    H, H_kv = geometry.num_heads, geometry.num_kv_heads
+    if source_kind == "diffllama":
+        if diff_version != 1:
+            raise ConversionError(
+                f"DiffLlama checkpoints import into diff_version=1 only (got diff_version={diff_version}): pass diff_version=1."
+            )
+        if H_kv % 2 or H % 2:
+            raise ConversionError(
+                f"this DiffLlama checkpoint has num_attention_heads={H}, num_key_value_heads={H_kv}; DiffLlama needs both "
+                "even, so the checkpoint is inconsistent: check its config.json."
+            )
+        return DiffLlamaToV1(geometry)
+    if diff_version == 2:
+        return LlamaToV2(geometry)
+    if diff_version == 1:
+        if H % 2 or H_kv % 2 or (H // 2) % (H_kv // 2):
+            raise ConversionError(
+                f"diff_version=1 pairs Llama heads into differential heads and needs an even num_attention_heads and "
+                f"num_key_value_heads (got {H} and {H_kv}): use diff_version=2 (function-preserving, any head count)."
+            )
+        return LlamaToV1(geometry, lambda_std=lambda_std, seed=seed)
+    raise ConversionError(f"diff_version={diff_version!r} is not supported: use 2 (function-preserving, default) or 1 (paper layout).")
+
+
+__all__ = [
+    "Geometry",
+    "IGNORED_SOURCE_TENSORS",
+    "DiffLlamaToV1",
+    "LlamaToV1",
+    "LlamaToV2",
+    "TensorMap",
+    "diffllama_kv_permutation",
+    "diffllama_query_permutation",
+    "llama_to_v1_query_permutation",
+    "make_tensor_map",
+    "permute_column_blocks",
+    "permute_row_blocks",
+]

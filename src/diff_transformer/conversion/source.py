@@ -1,0 +1,265 @@
+"""Finding, reading and validating a source checkpoint (local directory or Hub id), without loading its weights.
+
+Only `config.json`, `model.safetensors.index.json` and the safetensors headers are read here; tensors are read one
+at a time later by the converter. Pickle weights (`*.bin`, `*.pth`) are never opened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConversionError
+
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+_PICKLE_SUFFIXES = (".bin", ".pth", ".pt", ".ckpt", ".pkl")
+_FLOAT_DTYPES = {"F32", "F16", "BF16"}
+
+# What a Hub download fetches: weights as safetensors only, configs, tokenizer, chat template, card and licence.
+HUB_ALLOW_PATTERNS = [
+    "*.safetensors",
+    "*.json",
+    "*.jinja",
+    "tokenizer*",
+    "*.model",
+    "*.tiktoken",
+    "*.txt",
+    "*.md",
+    "LICENSE*",
+    "NOTICE*",
+]
+HUB_IGNORE_PATTERNS = ["original/*", "*/original/*"]
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shard: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype code: "F32", "BF16", ...
+
+
+@dataclass
+class SourceCheckpoint:
+    """A validated-on-read view of a checkpoint directory: config and tensor headers, no tensor data."""
+
+    path: Path
+    repo_id: str | None
+    config: dict
+    shards: list[Path]
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+
+    @property
+    def model_type(self) -> str | None:
+        return self.config.get("model_type")
+
+    def tensors_in(self, shard: Path) -> list[str]:
+        return [name for name, info in self.tensors.items() if info.shard == shard]
+
+
+def resolve_source(src: str | os.PathLike, *, revision: str | None = None, token: str | bool | None = None) -> tuple[Path, str | None]:
+    """A local directory as is, or a Hub model id downloaded (or found in the HF cache) with `snapshot_download`.
+
+    Returns the local directory and the Hub id (None for a local directory). Honours `HF_HOME`, `HF_HUB_CACHE` and
+    `HF_HUB_OFFLINE` through huggingface_hub.
+    """
+    text = os.fspath(src)
+    path = Path(text).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ConversionError(
+                f"SRC {path} is a file, not a checkpoint directory: pass the directory that holds config.json and the "
+                "*.safetensors shards, or a Hub model id."
+            )
+        return path.resolve(), None
+    looks_local = isinstance(src, Path) or text.startswith((".", "/", "~")) or "\\" in text
+    if looks_local or not _REPO_ID.match(text):
+        raise ConversionError(
+            f"SRC {text!r} is neither an existing directory nor a valid Hub model id: check the path, or pass an id like "
+            "'org/model'."
+        )
+    return _snapshot_download(text, revision=revision, token=token), text
+
+
+def _snapshot_download(repo_id: str, *, revision: str | None, token: str | bool | None) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+    except ImportError as exc:  # pragma: no cover - huggingface_hub is a dependency
+        raise ConversionError(f"cannot download {repo_id!r}: huggingface_hub is not importable ({exc}); pip install huggingface_hub.") from exc
+    try:
+        local = snapshot_download(
+            repo_id,
+            revision=revision,
+            token=token,
+            allow_patterns=HUB_ALLOW_PATTERNS,
+            ignore_patterns=HUB_IGNORE_PATTERNS,
+        )
+    except GatedRepoError as exc:
+        raise ConversionError(
+            f"Hub model {repo_id!r} is gated: accept its licence on huggingface.co and log in (`hf auth login` or HF_TOKEN)."
+        ) from exc
+    except RepositoryNotFoundError as exc:
+        raise ConversionError(
+            f"{repo_id!r} is not a local directory and no Hub model of that id was found (or it is private): check the "
+            "path or id, or log in with `hf auth login` / HF_TOKEN."
+        ) from exc
+    except RevisionNotFoundError as exc:
+        raise ConversionError(f"revision {revision!r} of Hub model {repo_id!r} does not exist: pass an existing branch, tag or commit.") from exc
+    except LocalEntryNotFoundError as exc:
+        raise ConversionError(
+            f"Hub model {repo_id!r} is not in the local HF cache and cannot be downloaded (offline or HF_HUB_OFFLINE=1): "
+            "download it once while online, or pass a local directory."
+        ) from exc
+    except Exception as exc:  # network errors, HTTP errors, disk errors
+        raise ConversionError(f"downloading Hub model {repo_id!r} failed: {_one_line(exc)}; retry, or pass a local directory.") from exc
+    return Path(local)
+
+
+def load_config(path: Path) -> dict:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ConversionError(
+            f"no config.json in {path}: SRC must be a transformers checkpoint directory (config.json + *.safetensors); "
+            "save the model with `save_pretrained` or download the full repository."
+        )
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConversionError(f"{config_file} is not valid JSON ({_one_line(exc)}): restore or re-download it.") from exc
+    if not isinstance(config, dict):
+        raise ConversionError(f"{config_file} does not hold a JSON object: restore or re-download it.")
+    return config
+
+
+def find_shards(path: Path) -> list[Path]:
+    """The safetensors files holding the weights, in a stable order. Refuses pickle-only checkpoints."""
+    index_file = path / SAFETENSORS_INDEX
+    if index_file.is_file():
+        weight_map = read_index(index_file)
+        shards: list[Path] = []
+        for name in sorted(set(weight_map.values())):
+            shard = path / name
+            if not shard.is_file():
+                raise ConversionError(
+                    f"shard {name} listed in {SAFETENSORS_INDEX} is missing from {path}: re-download the checkpoint "
+                    "(all shards are needed)."
+                )
+            shards.append(shard)
+        return shards
+    if (path / SAFETENSORS_SINGLE).is_file():
+        return [path / SAFETENSORS_SINGLE]
+    candidates = sorted(p for p in path.glob("model*.safetensors") if p.is_file())
+    if candidates:
+        return candidates
+    pickles = sorted(p.name for p in path.iterdir() if p.is_file() and p.name.endswith(_PICKLE_SUFFIXES))
+    if pickles:
+        raise ConversionError(
+            f"{path} holds only pickle weights ({', '.join(pickles[:3])}{', ...' if len(pickles) > 3 else ''}); refusing to "
+            "unpickle them: convert to safetensors in a trusted environment (`save_pretrained(..., safe_serialization=True)`) "
+            "or use a revision that ships *.safetensors."
+        )
+    raise ConversionError(
+        f"no model weights (*.safetensors) in {path}: download the full checkpoint, or point SRC at the directory that "
+        "holds the shards."
+    )
+
+
+def read_index(index_file: Path) -> dict[str, str]:
+    try:
+        index = json.loads(index_file.read_text(encoding="utf-8"))
+        weight_map = index["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map is not a mapping of tensor names to file names")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ConversionError(f"{index_file} is corrupt ({_one_line(exc)}): restore or re-download it.") from exc
+    for name in weight_map.values():
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise ConversionError(f"{index_file} refers to {name!r}, which is not a file in the checkpoint directory: restore or re-download it.")
+    return weight_map
+
+
+def read_headers(path: Path, shards: list[Path]) -> dict[str, TensorInfo]:
+    """Every tensor's shard, shape and dtype, from the safetensors headers (validates that each file is complete)."""
+    from safetensors import safe_open
+
+    tensors: dict[str, TensorInfo] = {}
+    for shard in shards:
+        try:
+            with safe_open(shard, framework="pt") as handle:
+                for name in handle.keys():
+                    view = handle.get_slice(name)
+                    info = TensorInfo(shard=shard, shape=tuple(int(s) for s in view.get_shape()), dtype=str(view.get_dtype()))
+                    if name in tensors:
+                        raise ConversionError(
+                            f"tensor {name} appears in both {tensors[name].shard.name} and {shard.name}: the checkpoint mixes "
+                            "two saves; re-download it."
+                        )
+                    tensors[name] = info
+        except ConversionError:
+            raise
+        except Exception as exc:  # SafetensorError, OSError
+            raise ConversionError(
+                f"shard {shard.name} in {path} is corrupt or truncated ({_one_line(exc)}): re-download it."
+            ) from exc
+    index_file = path / SAFETENSORS_INDEX
+    if index_file.is_file():
+        for name, file_name in read_index(index_file).items():
+            info = tensors.get(name)
+            if info is None or info.shard.name != file_name:
+                raise ConversionError(
+                    f"{SAFETENSORS_INDEX} places tensor {name} in {file_name}, but that shard does not hold it: the index "
+                    "and the shards disagree; re-download the checkpoint."
+                )
+    return tensors
+
+
+def open_source(src: str | os.PathLike, *, revision: str | None = None, token: str | bool | None = None) -> SourceCheckpoint:
+    """Resolve SRC and read its config (not its shards: see `read_weights_headers`)."""
+    path, repo_id = resolve_source(src, revision=revision, token=token)
+    return SourceCheckpoint(path=path, repo_id=repo_id, config=load_config(path), shards=[])
+
+
+def read_weights_headers(source: SourceCheckpoint) -> None:
+    source.shards = find_shards(source.path)
+    source.tensors = read_headers(source.path, source.shards)
+
+
+def check_float_dtypes(source: SourceCheckpoint) -> None:
+    for name, info in source.tensors.items():
+        if info.dtype not in _FLOAT_DTYPES:
+            raise ConversionError(
+                f"tensor {name} has dtype {info.dtype}: only float32/float16/bfloat16 checkpoints convert; dequantize the "
+                "model first."
+            )
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+__all__ = [
+    "HUB_ALLOW_PATTERNS",
+    "HUB_IGNORE_PATTERNS",
+    "SourceCheckpoint",
+    "TensorInfo",
+    "check_float_dtypes",
+    "find_shards",
+    "load_config",
+    "open_source",
+    "read_headers",
+    "read_weights_headers",
+    "resolve_source",
+]

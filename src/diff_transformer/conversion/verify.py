@@ -1,0 +1,100 @@
+"""Numerical check of a conversion: source and converted model on the same random sequences."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .convert import parse_dtype
+from .errors import ConversionError
+from .source import load_config, resolve_source
+
+
+def verify_conversion(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    num_sequences: int = 3,
+    seq_len: int = 32,
+    max_new_tokens: int = 8,
+    seed: int = 0,
+    dtype: str | torch.dtype = torch.float32,
+    atol: float = 1e-4,
+    revision: str | None = None,
+    token: str | bool | None = None,
+) -> dict:
+    """Load SRC (Llama or DiffLlama) and OUT (Diff), run `num_sequences` random sequences of `seq_len` tokens
+    through both (in `dtype`, float32 by default, on CPU) and greedily continue the first half of each sequence by
+    `max_new_tokens` tokens.
+
+    Loads both models whole: meant for checkpoints that fit in memory twice.
+
+    Returns a dict with `max_abs_logit_diff` (max |Δlogit| over all positions), `greedy_match` (token-identical
+    continuations), `expected_exact` (True for Llama -> V2 and DiffLlama -> V1, where the logits must agree; False
+    for Llama -> V1, which is not function-preserving), `passed` (expected_exact and both checks hold, else None
+    when not expected exact), plus the settings used.
+    """
+    from transformers import DiffLlamaForCausalLM, LlamaForCausalLM
+
+    from ..modeling_diff import DiffForCausalLM
+
+    if num_sequences < 1 or seq_len < 2 or max_new_tokens < 0:
+        raise ConversionError("verify_conversion needs num_sequences >= 1, seq_len >= 2 and max_new_tokens >= 0.")
+    torch_dtype = parse_dtype(dtype) or torch.float32
+    src_path, _ = resolve_source(src, revision=revision, token=token)
+    out_path = Path(out).expanduser()
+    if not out_path.is_dir():
+        raise ConversionError(f"OUT {out_path} is not a directory: convert first, then verify.")
+    source_type = load_config(src_path).get("model_type")
+    out_config = load_config(out_path)
+    if out_config.get("model_type") != "diff":
+        raise ConversionError(f"OUT {out_path} is not a Diff checkpoint (model_type {out_config.get('model_type')!r}).")
+    source_class = {"llama": LlamaForCausalLM, "diffllama": DiffLlamaForCausalLM}.get(source_type)
+    if source_class is None:
+        raise ConversionError(f"SRC {src_path} has model_type {source_type!r}: only 'llama' and 'diffllama' sources can be verified.")
+    diff_version = int(out_config.get("diff_version", 1))
+    expected_exact = source_type == "diffllama" or diff_version == 2
+
+    try:
+        reference = source_class.from_pretrained(src_path, dtype=torch_dtype).eval()
+        converted = DiffForCausalLM.from_pretrained(out_path, dtype=torch_dtype).eval()
+    except Exception as exc:
+        raise ConversionError(f"loading the checkpoints failed ({' '.join(str(exc).split())[:300]}).") from exc
+
+    vocab = min(reference.config.vocab_size, converted.config.vocab_size)
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab, (num_sequences, seq_len), generator=generator)
+    with torch.no_grad():
+        ref_logits = reference(input_ids).logits.float()
+        new_logits = converted(input_ids).logits.float()
+    max_diff = (ref_logits - new_logits).abs().max().item()
+
+    greedy_match = True
+    prompt = input_ids[:, : max(1, seq_len // 2)]
+    if max_new_tokens:
+        for row in prompt:
+            row = row.unsqueeze(0)
+            kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, pad_token_id=0)
+            with torch.no_grad():
+                ref_tokens = reference.generate(row, attention_mask=torch.ones_like(row), **kwargs)
+                new_tokens = converted.generate(row, attention_mask=torch.ones_like(row), **kwargs)
+            greedy_match = greedy_match and torch.equal(ref_tokens, new_tokens)
+    passed = (max_diff <= atol and greedy_match) if expected_exact else None
+    return {
+        "max_abs_logit_diff": max_diff,
+        "greedy_match": bool(greedy_match),
+        "expected_exact": expected_exact,
+        "passed": passed,
+        "atol": atol,
+        "source_model_type": source_type,
+        "diff_version": diff_version,
+        "num_sequences": num_sequences,
+        "seq_len": seq_len,
+        "max_new_tokens": max_new_tokens,
+        "dtype": str(torch_dtype).removeprefix("torch."),
+    }
+
+
+__all__ = ["verify_conversion"]
