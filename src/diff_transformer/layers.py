@@ -13,7 +13,7 @@ from torch import nn
 
 def _broadcast_lambda(lam: float | torch.Tensor, num_heads: int, query_len: int, ref: torch.Tensor) -> torch.Tensor:
     """λ as a tensor broadcastable to attention maps (B, H, Nq, Nk)."""
-    lam = torch.as_tensor(lam, dtype=torch.float32, device=ref.device)
+    lam = torch.as_tensor(lam, dtype=torch.promote_types(ref.dtype, torch.float32), device=ref.device)
     if lam.dim() == 0:
         return lam
     if lam.dim() == 1:
@@ -69,7 +69,8 @@ def differential_attention(
     scale = half**-0.5 if scale is None else scale
     q1, q2 = query.split(half, dim=-1)  # (B, H, Nq, d) each
     k1, k2 = key.split(half, dim=-1)  # (B, H, Nk, d) each
-    logits = torch.stack((q1 @ k1.transpose(-1, -2), q2 @ k2.transpose(-1, -2))).float() * scale  # (2, B, H, Nq, Nk)
+    softmax_dtype = torch.promote_types(query.dtype, torch.float32)  # at least fp32, fp64 stays fp64
+    logits = torch.stack((q1 @ k1.transpose(-1, -2), q2 @ k2.transpose(-1, -2))).to(softmax_dtype) * scale  # (2, B, H, Nq, Nk)
 
     n_q, n_k = query.shape[-2], key.shape[-2]
     if is_causal:
@@ -79,7 +80,7 @@ def differential_attention(
         if attn_mask.dtype == torch.bool:
             logits = logits.masked_fill(~attn_mask, float("-inf"))
         else:
-            logits = logits + attn_mask.float()
+            logits = logits + attn_mask.to(softmax_dtype)
     maps = logits.softmax(dim=-1)
     weights = maps[0] - _broadcast_lambda(lam, query.shape[-3], n_q, query) * maps[1]  # (B, H, Nq, Nk)
     if clamp_negatives:
