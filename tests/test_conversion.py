@@ -368,22 +368,37 @@ def test_hub_id_from_offline_cache(tmp_path, monkeypatch):
     assert not (tmp_path / "diff2").exists()
 
 
-def test_snapshot_download_is_asked_for_safetensors_only(tmp_path, monkeypatch):
+def test_hub_download_fetches_config_first_and_safetensors_only(tmp_path, monkeypatch):
     import huggingface_hub
 
     src = make_llama(tmp_path / "llama")
     calls = []
 
+    def fake_hf_hub_download(repo_id, filename, **kwargs):
+        calls.append(("config", repo_id, filename, kwargs))
+        return str(src / filename)
+
     def fake_snapshot_download(repo_id, **kwargs):
-        calls.append((repo_id, kwargs))
+        calls.append(("snapshot", repo_id, kwargs))
         return str(src)
 
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_hf_hub_download)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     convert_llama_to_diff("org/model", tmp_path / "diff", progress=False, revision="v1")
-    (repo_id, kwargs), = calls
-    assert repo_id == "org/model" and kwargs["revision"] == "v1"
+    (first, second) = calls
+    assert first[:3] == ("config", "org/model", "config.json") and first[3]["revision"] == "v1"
+    assert second[:2] == ("snapshot", "org/model")
+    kwargs = second[2]
+    assert kwargs["revision"] == "v1"
     assert "*.safetensors" in kwargs["allow_patterns"]
     assert not any(p.endswith((".bin", ".pth", ".pt")) or p == "*" for p in kwargs["allow_patterns"])
+
+    # a wrong model is refused from its config.json alone, before any weights are downloaded
+    calls.clear()
+    _edit_config(src, model_type="gpt2")
+    with pytest.raises(ConversionError, match="model_type 'gpt2'"):
+        convert_llama_to_diff("org/model", tmp_path / "diff2", progress=False)
+    assert [c[0] for c in calls] == ["config"]
 
 
 def test_convert_to_diff_dispatches(tmp_path):
@@ -617,6 +632,15 @@ def test_bad_input_is_refused_cleanly(tmp_path, case):
     assert isinstance(info.value, ValueError)
     assert list(parent.iterdir()) == []  # neither OUT nor a temporary directory
     assert tree_digest(src) == digest
+
+
+def test_stale_rotary_buffers_are_skipped(tmp_path):
+    """Old checkpoints carry non-persistent `rotary_emb.inv_freq` buffers: dropped, not an error."""
+    src = make_llama(tmp_path / "llama", side_files=False)
+    _add_tensor(src, "model.layers.0.self_attn.rotary_emb.inv_freq")
+    out = convert_llama_to_diff(src, tmp_path / "diff", progress=False)
+    assert not any("inv_freq" in name for name in out_state(out))
+    assert verify_conversion(src, out, max_new_tokens=2)["passed"]
 
 
 def test_nonexistent_source(tmp_path):

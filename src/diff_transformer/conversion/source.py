@@ -54,6 +54,8 @@ class SourceCheckpoint:
     config: dict
     shards: list[Path]
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    revision: str | None = None
+    token: str | bool | None = field(default=None, repr=False)
 
     @property
     def model_type(self) -> str | None:
@@ -63,11 +65,14 @@ class SourceCheckpoint:
         return [name for name, info in self.tensors.items() if info.shard == shard]
 
 
-def resolve_source(src: str | os.PathLike, *, revision: str | None = None, token: str | bool | None = None) -> tuple[Path, str | None]:
+def resolve_source(
+    src: str | os.PathLike, *, revision: str | None = None, token: str | bool | None = None, config_only: bool = False
+) -> tuple[Path, str | None]:
     """A local directory as is, or a Hub model id downloaded (or found in the HF cache) with `snapshot_download`.
 
     Returns the local directory and the Hub id (None for a local directory). Honours `HF_HOME`, `HF_HUB_CACHE` and
-    `HF_HUB_OFFLINE` through huggingface_hub.
+    `HF_HUB_OFFLINE` through huggingface_hub. With `config_only`, a Hub id only fetches config.json (into the
+    snapshot directory that a later full download completes), so a wrong model is refused before gigabytes arrive.
     """
     text = os.fspath(src)
     path = Path(text).expanduser()
@@ -84,47 +89,61 @@ def resolve_source(src: str | os.PathLike, *, revision: str | None = None, token
             f"SRC {text!r} is neither an existing directory nor a valid Hub model id: check the path, or pass an id like "
             "'org/model'."
         )
-    return _snapshot_download(text, revision=revision, token=token), text
+    if config_only:
+        return _hub_config_dir(text, revision=revision, token=token), text
+    return download_snapshot(text, revision=revision, token=token), text
 
 
-def _snapshot_download(repo_id: str, *, revision: str | None, token: str | bool | None) -> Path:
-    try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import (
-            GatedRepoError,
-            LocalEntryNotFoundError,
-            RepositoryNotFoundError,
-            RevisionNotFoundError,
-        )
-    except ImportError as exc:  # pragma: no cover - huggingface_hub is a dependency
-        raise ConversionError(f"cannot download {repo_id!r}: huggingface_hub is not importable ({exc}); pip install huggingface_hub.") from exc
-    try:
-        local = snapshot_download(
+def download_snapshot(repo_id: str, *, revision: str | None = None, token: str | bool | None = None) -> Path:
+    """`snapshot_download` of the files a conversion needs: safetensors weights (never pickles), JSON configs,
+    tokenizer files, chat templates, the card and licence files."""
+    from huggingface_hub import snapshot_download
+
+    return Path(
+        _hub_call(
+            snapshot_download,
             repo_id,
             revision=revision,
             token=token,
             allow_patterns=HUB_ALLOW_PATTERNS,
             ignore_patterns=HUB_IGNORE_PATTERNS,
         )
-    except GatedRepoError as exc:
+    )
+
+
+def _hub_config_dir(repo_id: str, *, revision: str | None, token: str | bool | None) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    return Path(_hub_call(hf_hub_download, repo_id, filename="config.json", revision=revision, token=token)).parent
+
+
+def _hub_call(function, repo_id: str, *, revision: str | None, **kwargs):
+    from huggingface_hub import errors
+
+    try:
+        return function(repo_id, revision=revision, **kwargs)
+    except errors.GatedRepoError as exc:
         raise ConversionError(
             f"Hub model {repo_id!r} is gated: accept its licence on huggingface.co and log in (`hf auth login` or HF_TOKEN)."
         ) from exc
-    except RepositoryNotFoundError as exc:
+    except errors.RepositoryNotFoundError as exc:
         raise ConversionError(
             f"{repo_id!r} is not a local directory and no Hub model of that id was found (or it is private): check the "
             "path or id, or log in with `hf auth login` / HF_TOKEN."
         ) from exc
-    except RevisionNotFoundError as exc:
+    except errors.RevisionNotFoundError as exc:
         raise ConversionError(f"revision {revision!r} of Hub model {repo_id!r} does not exist: pass an existing branch, tag or commit.") from exc
-    except LocalEntryNotFoundError as exc:
+    except errors.RemoteEntryNotFoundError as exc:
+        raise ConversionError(
+            f"Hub model {repo_id!r} has no config.json: it is not a transformers checkpoint; pick a transformers model repository."
+        ) from exc
+    except errors.LocalEntryNotFoundError as exc:
         raise ConversionError(
             f"Hub model {repo_id!r} is not in the local HF cache and cannot be downloaded (offline or HF_HUB_OFFLINE=1): "
             "download it once while online, or pass a local directory."
         ) from exc
     except Exception as exc:  # network errors, HTTP errors, disk errors
         raise ConversionError(f"downloading Hub model {repo_id!r} failed: {_one_line(exc)}; retry, or pass a local directory.") from exc
-    return Path(local)
 
 
 def load_config(path: Path) -> dict:
@@ -226,12 +245,17 @@ def read_headers(path: Path, shards: list[Path]) -> dict[str, TensorInfo]:
 
 
 def open_source(src: str | os.PathLike, *, revision: str | None = None, token: str | bool | None = None) -> SourceCheckpoint:
-    """Resolve SRC and read its config (not its shards: see `read_weights_headers`)."""
-    path, repo_id = resolve_source(src, revision=revision, token=token)
-    return SourceCheckpoint(path=path, repo_id=repo_id, config=load_config(path), shards=[])
+    """Resolve SRC and read its config (for a Hub id, only config.json is fetched: see `read_weights_headers`)."""
+    path, repo_id = resolve_source(src, revision=revision, token=token, config_only=True)
+    source = SourceCheckpoint(path=path, repo_id=repo_id, config=load_config(path), shards=[])
+    source.revision, source.token = revision, token
+    return source
 
 
 def read_weights_headers(source: SourceCheckpoint) -> None:
+    """Download the rest of a Hub snapshot if needed, then read every shard's header."""
+    if source.repo_id is not None:
+        source.path = download_snapshot(source.repo_id, revision=source.revision, token=source.token)
     source.shards = find_shards(source.path)
     source.tensors = read_headers(source.path, source.shards)
 
@@ -256,6 +280,7 @@ __all__ = [
     "SourceCheckpoint",
     "TensorInfo",
     "check_float_dtypes",
+    "download_snapshot",
     "find_shards",
     "load_config",
     "open_source",
