@@ -310,3 +310,29 @@ def test_default_head_dim_and_parameter_budget():
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     # DESIGN: V1 = Llama with 2H heads of size d and 2H_kv KV heads, plus 4d + 2d per layer
     assert count(v1) == count(llama) + 6 * 64
+
+
+def test_flash_style_backend_gets_equal_head_dims(diff_version, monkeypatch):
+    """Flash kernels need V as wide as Q/K; V1 then attends once per V half. Checked on CPU with a stand-in backend
+    that enforces the kernel's constraint and computes with sdpa (no flash kernel runs on CPU)."""
+    from diff_transformer.modeling_diff import DiffAttention
+
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    calls = []
+
+    def flash_like(module, query, key, value, attention_mask, **kwargs):
+        assert query.shape[-1] == key.shape[-1] == value.shape[-1], "flash kernels need equal head dims"
+        calls.append(value.shape)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("equal_head_dims_cpu", flash_like)
+    monkeypatch.setattr(DiffAttention, "_needs_equal_head_dims", lambda self: self.config._attn_implementation == "equal_head_dims_cpu")
+    eager = tiny_model(diff_version)
+    flash = tiny_model(diff_version, attn_implementation="sdpa")
+    flash.set_attn_implementation("equal_head_dims_cpu")
+    ids = torch.randint(3, 97, (2, 12))
+    with torch.no_grad():
+        assert (flash(ids).logits - eager(ids).logits).abs().max() <= 1e-4
+    assert len(calls) == 2 * (2 if diff_version == 1 else 1)  # per layer: two half-V calls for V1, one for V2

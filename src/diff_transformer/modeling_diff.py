@@ -145,11 +145,16 @@ class DiffAttention(nn.Module):
             return eager_attention_forward
         return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
 
+    def _needs_equal_head_dims(self) -> bool:
+        """Flash kernels (FA2/FA3, paged or not) need V as wide as Q/K; V1's V is twice as wide."""
+        return "flash" in self.config._attn_implementation
+
     def _forward_v2(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs):
         B, N, _ = hidden_states.shape
-        H, d = self.num_heads, self.head_dim
+        d = self.head_dim
 
-        query = self.q_proj(hidden_states).view(B, N, 2 * H, d).transpose(1, 2)  # (B, 2H, N, d)
+        query = self.q_proj(hidden_states).view(B, N, -1, d).transpose(1, 2)  # (B, 2H, N, d); H is local under TP
+        H = query.shape[1] // 2
         key = self.k_proj(hidden_states).view(B, N, -1, d).transpose(1, 2)  # (B, H_kv, N, d)
         value = self.v_proj(hidden_states).view(B, N, -1, d).transpose(1, 2)  # (B, H_kv, N, d)
 
@@ -181,14 +186,19 @@ class DiffAttention(nn.Module):
 
     def _forward_v1(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs):
         B, N, _ = hidden_states.shape
-        H, H_kv, d = self.num_heads, self.num_key_value_heads, self.head_dim
+        d = self.head_dim
 
         # Component-major head order [all q1 | all q2] and [all k1 | all k2]: the standard GQA mapping
         # j -> j // (H / H_kv) then pairs q_c of head h with k_c of its own group g(h), for c in {1, 2}.
-        query = self.q_proj(hidden_states).view(B, N, H, 2, d).permute(0, 3, 2, 1, 4).reshape(B, 2 * H, N, d)
-        key = self.k_proj(hidden_states).view(B, N, H_kv, 2, d).permute(0, 3, 2, 1, 4).reshape(B, 2 * H_kv, N, d)
+        # Head counts come from the tensors, so a tensor-parallel shard works on its local heads.
+        query = self.q_proj(hidden_states).view(B, N, -1, 2, d)  # (B, N, H, 2, d)
+        H = query.shape[2]
+        query = query.permute(0, 3, 2, 1, 4).reshape(B, 2 * H, N, d)  # (B, 2H, N, d)
+        key = self.k_proj(hidden_states).view(B, N, -1, 2, d)  # (B, N, H_kv, 2, d)
+        H_kv = key.shape[2]
+        key = key.permute(0, 3, 2, 1, 4).reshape(B, 2 * H_kv, N, d)  # (B, 2H_kv, N, d)
         # V's two d-wide halves are cached as 2 H_kv heads of size d, so every cache (dynamic, static, paged)
-        # sees what a Llama with 2 H_kv KV heads of size d would store.
+        # holds what a Llama with 2 H_kv KV heads of size d would hold.
         value = self.v_proj(hidden_states).view(B, N, H_kv, 2, d).permute(0, 3, 2, 1, 4).reshape(B, 2 * H_kv, N, d)
 
         cos, sin = position_embeddings
@@ -200,21 +210,26 @@ class DiffAttention(nn.Module):
         elif past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
 
+        interface = self._attention_interface(paged_cache_handled=paged_cache is not None)
         batch, _, L, _ = value.shape
-        value = value.reshape(batch, 2, H_kv, L, d).permute(0, 2, 3, 1, 4)  # (B, H_kv, L, 2, d) = v_g
-        # (B, 2H_kv, L, 2d): both maps of a head read the same 2d-wide v_g, built in one copy
-        value = value.unsqueeze(1).expand(batch, 2, H_kv, L, 2, d).reshape(batch, 2 * H_kv, L, 2 * d)
-
-        attn_output, attn_weights = self._attention_interface(paged_cache_handled=paged_cache is not None)(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=0.0,
-            scaling=self.scaling,
-            **kwargs,
-        )  # (B, N, 2H, 2d)
+        halves = value.reshape(batch, 2, H_kv, L, d)  # (B, 2, H_kv, L, d): [first | second] d-wide half of v_g
+        if self._needs_equal_head_dims():
+            # Attend once per V half (the only case that computes QKᵀ twice).
+            attn_output = torch.cat(
+                [
+                    interface(self, query, key, halves[:, c].repeat(1, 2, 1, 1), attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)[0]
+                    for c in (0, 1)
+                ],
+                dim=-1,
+            )  # (B, N, 2H, 2d)
+            attn_weights = None
+        else:
+            # (B, 2H_kv, L, 2d): both maps of a head read the same 2d-wide v_g, built in one copy
+            value = halves.permute(0, 2, 3, 1, 4).unsqueeze(1).expand(batch, 2, H_kv, L, 2, d)
+            value = value.reshape(batch, 2 * H_kv, L, 2 * d)
+            attn_output, attn_weights = interface(
+                self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+            )  # (B, N, 2H, 2d)
 
         lam = self.diff_lambda()  # () fp32
         out = attn_output[:, :, :H] - lam.to(attn_output.dtype) * attn_output[:, :, H:]  # (B, N, H, 2d)
