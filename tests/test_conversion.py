@@ -177,6 +177,23 @@ def test_v2_is_function_preserving(tmp_path, overrides):
     load_converted(out)  # no missing / unexpected / mismatched tensors
 
 
+def test_v2_legacy_config_fields(tmp_path):
+    """Older config.json files spell RoPE as rope_theta + rope_scaling and the dtype as torch_dtype, without head_dim."""
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}
+    src = make_llama(tmp_path / "llama", rope_parameters={**rope, "rope_theta": 500000.0})
+    config = json.loads((src / "config.json").read_text())
+    for key in ("rope_parameters", "dtype", "head_dim"):
+        config.pop(key)
+    config.update(rope_theta=500000.0, rope_scaling=rope, torch_dtype="float32")
+    (src / "config.json").write_text(json.dumps(config))
+    out = convert_llama_to_diff(src, tmp_path / "diff", progress=False)
+    written = json.loads((out / "config.json").read_text())
+    assert written["rope_parameters"]["rope_type"] == "llama3" and written["rope_parameters"]["rope_theta"] == 500000.0
+    assert written["head_dim"] == 8 and written["dtype"] == "float32"
+    assert verify_conversion(src, out, max_new_tokens=4)["passed"]
+
+
 def test_v2_longer_sequences_and_batch_generation(tmp_path):
     src = make_llama(tmp_path / "llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
     out = convert_llama_to_diff(src, tmp_path / "diff", progress=False)

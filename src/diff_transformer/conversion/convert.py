@@ -320,7 +320,9 @@ def _check_output_against_model(config, writer: ShardWriter) -> None:
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
+    if out.is_symlink():
+        raise ConversionError(f"OUT {out} is a symbolic link: pass the directory it points to, or another path.")
+    if out.exists() and not out.is_dir():
         raise ConversionError(f"OUT {out} exists and is not a directory: choose a directory path.")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ConversionError(f"OUT {out} is not empty: pass overwrite=True (--overwrite) or choose another directory.")
@@ -408,13 +410,16 @@ def _convert(
     source_config = _source_config(source, source_kind)
     geometry = Geometry.from_config(source_config)
     tensor_map = make_tensor_map(source_kind, diff_version, geometry, lambda_std=lambda_std, seed=seed)
+    config_dtype = source.config.get("dtype") or source.config.get("torch_dtype")
+    config_dtype = _DTYPES.get(str(config_dtype).removeprefix("torch.")) if config_dtype else None
+    # Built once before any weights are downloaded or read, so that an unsupported config is refused early.
+    config = _diff_config(source_config, source_kind, diff_version, geometry, target_dtype or config_dtype or torch.float32, lambda_std, where)
+
     read_weights_headers(source)
     _validate_tensors(source, geometry, source_kind)
-
-    stored = _SAFETENSORS_DTYPES[source.tensors["model.embed_tokens.weight"].dtype]
-    config_dtype = source.config.get("dtype") or source.config.get("torch_dtype")
-    out_dtype = target_dtype or (_DTYPES.get(str(config_dtype).removeprefix("torch."), stored) if config_dtype else stored)
-    config = _diff_config(source_config, source_kind, diff_version, geometry, out_dtype, lambda_std, where)
+    if target_dtype is None and config_dtype is None:  # the config did not say: record what the shards store
+        stored = _SAFETENSORS_DTYPES[source.tensors["model.embed_tokens.weight"].dtype]
+        config = _diff_config(source_config, source_kind, diff_version, geometry, stored, lambda_std, where)
 
     created_parent = _make_parents(out_path.parent)
     tmp = None
