@@ -106,7 +106,9 @@ def make_diffllama(path, *, max_shard_size=None, **overrides) -> Path:
 
 def tree_digest(path: Path) -> dict:
     return {
-        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.rglob("*")) if p.is_file()
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
     }
 
 
@@ -140,7 +142,12 @@ V2_CASES = {
         max_position_embeddings=16, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     ),
     "rope-yarn": dict(
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16}
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "rope_theta": 10000.0,
+            "original_max_position_embeddings": 16,
+        }
     ),
     "rope-llama3": dict(
         rope_parameters={
@@ -171,16 +178,33 @@ def test_v2_is_function_preserving(tmp_path, overrides):
     assert config["model_type"] == "diff" and config["diff_version"] == 2
     assert config["num_attention_heads"] == H and config["num_key_value_heads"] == H_kv
     assert config["head_dim"] == source["head_dim"]
-    for key in ("rope_parameters", "attention_bias", "mlp_bias", "tie_word_embeddings", "rms_norm_eps", "max_position_embeddings",
-                "hidden_act", "bos_token_id", "eos_token_id", "pad_token_id", "vocab_size", "intermediate_size"):
+    for key in (
+        "rope_parameters",
+        "attention_bias",
+        "mlp_bias",
+        "tie_word_embeddings",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "hidden_act",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "vocab_size",
+        "intermediate_size",
+    ):
         assert config[key] == source[key], key
     load_converted(out)  # no missing / unexpected / mismatched tensors
 
 
 def test_v2_legacy_config_fields(tmp_path):
     """Older config.json files spell RoPE as rope_theta + rope_scaling and the dtype as torch_dtype, without head_dim."""
-    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16}
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
     src = make_llama(tmp_path / "llama", rope_parameters={**rope, "rope_theta": 500000.0})
     config = json.loads((src / "config.json").read_text())
     for key in ("rope_parameters", "dtype", "head_dim"):
@@ -203,13 +227,17 @@ def test_v2_longer_sequences_and_batch_generation(tmp_path):
     mask = torch.ones_like(ids)
     mask[1, :7] = 0  # left padding
     with torch.no_grad():
-        assert (llama(ids, attention_mask=mask).logits - diff(ids, attention_mask=mask).logits)[mask.bool()].abs().max() <= 1e-4
+        assert (llama(ids, attention_mask=mask).logits - diff(ids, attention_mask=mask).logits)[
+            mask.bool()
+        ].abs().max() <= 1e-4
         kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
         assert torch.equal(llama.generate(ids, **kwargs), diff.generate(ids, **kwargs))
 
 
 def test_v2_weight_layout(tmp_path):
-    src = make_llama(tmp_path / "llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=3, attention_bias=True)
+    src = make_llama(
+        tmp_path / "llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=3, attention_bias=True
+    )
     out = convert_llama_to_diff(src, tmp_path / "diff", progress=False)
     before, after = out_state(src), out_state(out)
     d = 8
@@ -226,7 +254,12 @@ def test_v2_weight_layout(tmp_path):
         for name in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"):
             assert torch.equal(after[p + name], before[p + name])
         assert torch.equal(after[p + "diff_lambda.proj.weight"], torch.zeros(6, 48))
-    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "model.layers.1.mlp.down_proj.weight"):
+    for name in (
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+        "model.layers.1.mlp.down_proj.weight",
+    ):
         assert torch.equal(after[name], before[name])
 
 
@@ -249,7 +282,9 @@ def test_v2_gradients_reach_new_parameters(tmp_path):
 
 
 def test_bf16_is_kept(tmp_path):
-    src = make_llama(tmp_path / "llama", dtype=torch.bfloat16, num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
+    src = make_llama(
+        tmp_path / "llama", dtype=torch.bfloat16, num_attention_heads=6, num_key_value_heads=2, hidden_size=48
+    )
     out = convert_llama_to_diff(src, tmp_path / "diff", progress=False)
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     with safe_open(out / "model.safetensors", "pt") as handle:
@@ -356,7 +391,9 @@ def test_loads_as_remote_code_without_the_package(tmp_path):
         "print(m(torch.tensor([[3, 4, 5]])).logits.shape)\n"
     )
     env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"torch.Size([1, 3, {VOCAB}])" in result.stdout
 
@@ -438,7 +475,12 @@ def test_v1_layout_mha(tmp_path):
     src = make_llama(tmp_path / "llama", num_attention_heads=4, num_key_value_heads=4, attention_bias=True)
     out = convert_llama_to_diff(src, tmp_path / "diff", diff_version=1, lambda_std=0.05, seed=3, progress=False)
     config = json.loads((out / "config.json").read_text())
-    assert (config["diff_version"], config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (1, 2, 2, 8)
+    assert (
+        config["diff_version"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+    ) == (1, 2, 2, 8)
     assert config["lambda_init"] is None and config["lambda_std"] == 0.05
     before, after = out_state(src), out_state(out)
     d, D = 8, 32
@@ -456,11 +498,17 @@ def test_v1_layout_mha(tmp_path):
         for name in ("q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.weight", "o_proj.bias"):
             assert torch.equal(after[p + name], before[p + name]), name  # MHA: every block already in place
         assert torch.equal(after[p + "subln.weight"], torch.ones(2 * d))
-        lambdas = torch.stack([after[p + f"diff_lambda.{n}"] for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")])
+        lambdas = torch.stack(
+            [after[p + f"diff_lambda.{n}"] for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")]
+        )
         assert lambdas.dtype == torch.float32 and lambdas.shape == (4, d) and 0 < lambdas.std() < 0.15
     # seeded: the same seed gives the same λ vectors, another seed others
-    again = out_state(convert_llama_to_diff(src, tmp_path / "again", diff_version=1, lambda_std=0.05, seed=3, progress=False))
-    other = out_state(convert_llama_to_diff(src, tmp_path / "other", diff_version=1, lambda_std=0.05, seed=4, progress=False))
+    again = out_state(
+        convert_llama_to_diff(src, tmp_path / "again", diff_version=1, lambda_std=0.05, seed=3, progress=False)
+    )
+    other = out_state(
+        convert_llama_to_diff(src, tmp_path / "other", diff_version=1, lambda_std=0.05, seed=4, progress=False)
+    )
     name = "model.layers.1.self_attn.diff_lambda.lambda_q2"
     assert torch.equal(again[name], after[name]) and not torch.equal(other[name], after[name])
     model = load_converted(out)
@@ -471,8 +519,13 @@ def test_v1_layout_mha(tmp_path):
 @pytest.mark.parametrize("heads,kv_heads,hidden", [(4, 4, 32), (8, 4, 64), (8, 2, 64), (6, 2, 48)])
 def test_v1_pairs_queries_with_the_keys_they_were_trained_with(tmp_path, heads, kv_heads, hidden):
     """Under GQA every V1 map A_c of head h must be the attention map of one Llama head (same query AND key)."""
-    src = make_llama(tmp_path / "llama", num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=hidden,
-                     attention_bias=True)
+    src = make_llama(
+        tmp_path / "llama",
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        hidden_size=hidden,
+        attention_bias=True,
+    )
     out = convert_llama_to_diff(src, tmp_path / "diff", diff_version=1, progress=False)
     llama = LlamaForCausalLM.from_pretrained(src, attn_implementation="eager").eval()
     diff = load_converted(out, attn_implementation="eager")
@@ -616,24 +669,64 @@ def _misplace_in_index(src):
 
 
 BAD_INPUTS = {
-    "mistral": (lambda s: _edit_config(s, model_type="mistral"), {}, r"model_type 'mistral'; only 'llama' checkpoints convert"),
+    "mistral": (
+        lambda s: _edit_config(s, model_type="mistral"),
+        {},
+        r"model_type 'mistral'; only 'llama' checkpoints convert",
+    ),
     "already-diff": (lambda s: _edit_config(s, model_type="diff"), {}, r"already a Diff checkpoint"),
     "missing-config": (lambda s: (s / "config.json").unlink(), {}, r"no config\.json in .*save_pretrained"),
     "broken-config": (lambda s: (s / "config.json").write_text("{not json"), {}, r"config\.json is not valid JSON"),
-    "missing-shard": (lambda s: _first_shard(s).unlink(), dict(max_shard_size="20KB"), r"shard model-00001-of-\d+\.safetensors listed in model\.safetensors\.index\.json is missing"),
-    "truncated-shard": (lambda s: _truncate(_first_shard(s)), dict(max_shard_size="20KB"), r"shard model-00001-of-\d+\.safetensors .* is corrupt or truncated"),
-    "corrupt-shard": (lambda s: _corrupt_header(s / "model.safetensors"), {}, r"shard model\.safetensors .* is corrupt or truncated"),
+    "missing-shard": (
+        lambda s: _first_shard(s).unlink(),
+        dict(max_shard_size="20KB"),
+        r"shard model-00001-of-\d+\.safetensors listed in model\.safetensors\.index\.json is missing",
+    ),
+    "truncated-shard": (
+        lambda s: _truncate(_first_shard(s)),
+        dict(max_shard_size="20KB"),
+        r"shard model-00001-of-\d+\.safetensors .* is corrupt or truncated",
+    ),
+    "corrupt-shard": (
+        lambda s: _corrupt_header(s / "model.safetensors"),
+        {},
+        r"shard model\.safetensors .* is corrupt or truncated",
+    ),
     "empty-shard": (lambda s: (s / "model.safetensors").write_bytes(b""), {}, r"corrupt or truncated"),
-    "shape-mismatch": (lambda s: _edit_config(s, intermediate_size=48), {}, r"mlp\.\w+_proj\.weight in model\.safetensors has shape \[\d+, \d+\], but config\.json implies \[\d+, \d+\]"),
-    "layer-count": (lambda s: _edit_config(s, num_hidden_layers=3), {}, r"tensor model\.layers\.2\.\S+ \(and \d+ more\) is missing"),
+    "shape-mismatch": (
+        lambda s: _edit_config(s, intermediate_size=48),
+        {},
+        r"mlp\.\w+_proj\.weight in model\.safetensors has shape \[\d+, \d+\], but config\.json implies \[\d+, \d+\]",
+    ),
+    "layer-count": (
+        lambda s: _edit_config(s, num_hidden_layers=3),
+        {},
+        r"tensor model\.layers\.2\.\S+ \(and \d+ more\) is missing",
+    ),
     "missing-tensor": (lambda s: _drop_tensor(s, "model.norm.weight"), {}, r"tensor model\.norm\.weight is missing"),
     "missing-lm-head": (lambda s: _drop_tensor(s, "lm_head.weight"), {}, r"tensor lm_head\.weight is missing"),
-    "unexpected-tensor": (lambda s: _add_tensor(s, "model.layers.0.self_attn.q_norm.weight"), {}, r"unexpected tensor model\.layers\.0\.self_attn\.q_norm\.weight"),
+    "unexpected-tensor": (
+        lambda s: _add_tensor(s, "model.layers.0.self_attn.q_norm.weight"),
+        {},
+        r"unexpected tensor model\.layers\.0\.self_attn\.q_norm\.weight",
+    ),
     "bin-only": (_bin_only, {}, r"only pickle weights \(pytorch_model\.bin\); refusing to unpickle"),
     "no-weights": (lambda s: [p.unlink() for p in s.glob("*.safetensors")], {}, r"no model weights"),
-    "quantized": (lambda s: _edit_config(s, quantization_config={"quant_method": "bitsandbytes"}), {}, r"quantized checkpoint \(bitsandbytes\)"),
-    "classifier": (lambda s: _edit_config(s, architectures=["LlamaForSequenceClassification"]), {}, r"only LlamaForCausalLM"),
-    "index-disagrees": (_misplace_in_index, dict(max_shard_size="20KB"), r"index\.json places tensor model\.norm\.weight in model-00001-of-\d+\.safetensors, but that shard does not hold it"),
+    "quantized": (
+        lambda s: _edit_config(s, quantization_config={"quant_method": "bitsandbytes"}),
+        {},
+        r"quantized checkpoint \(bitsandbytes\)",
+    ),
+    "classifier": (
+        lambda s: _edit_config(s, architectures=["LlamaForSequenceClassification"]),
+        {},
+        r"only LlamaForCausalLM",
+    ),
+    "index-disagrees": (
+        _misplace_in_index,
+        dict(max_shard_size="20KB"),
+        r"index\.json places tensor model\.norm\.weight in model-00001-of-\d+\.safetensors, but that shard does not hold it",
+    ),
 }
 
 

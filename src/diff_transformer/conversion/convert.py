@@ -165,11 +165,15 @@ def convert_to_diff(
     model_type = source.model_type
     if model_type == "llama":
         version = 2 if diff_version is None else diff_version
-        return convert_llama_to_diff(source.path if source.repo_id is None else src, out, version, dtype, overwrite, progress, **kwargs)
+        return convert_llama_to_diff(
+            source.path if source.repo_id is None else src, out, version, dtype, overwrite, progress, **kwargs
+        )
     if model_type == "diffllama":
         version = 1 if diff_version is None else diff_version
         kwargs = {k: v for k, v in kwargs.items() if k not in ("lambda_std", "seed")}
-        return convert_diffllama_to_diff(source.path if source.repo_id is None else src, out, version, dtype, overwrite, progress, **kwargs)
+        return convert_diffllama_to_diff(
+            source.path if source.repo_id is None else src, out, version, dtype, overwrite, progress, **kwargs
+        )
     raise _model_type_error(source, expected=None)
 
 
@@ -182,7 +186,9 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
             return None
         if key in _DTYPES:
             return _DTYPES[key]
-    raise ConversionError(f"dtype={dtype!r} is not supported: use float32, float16 or bfloat16 (or None to keep the stored dtypes).")
+    raise ConversionError(
+        f"dtype={dtype!r} is not supported: use float32, float16 or bfloat16 (or None to keep the stored dtypes)."
+    )
 
 
 def parse_size(size: int | str | None) -> int | None:
@@ -199,19 +205,25 @@ def parse_size(size: int | str | None) -> int | None:
             value = int(number * base ** "_KMGT".index(prefix or "_")) if prefix else int(number)
             if value > 0:
                 return value
-    raise ConversionError(f"max_shard_size={size!r} is not a size: pass bytes as an int or a string like '5GB' / '500MB'.")
+    raise ConversionError(
+        f"max_shard_size={size!r} is not a size: pass bytes as an int or a string like '5GB' / '500MB'."
+    )
 
 
 def _model_type_error(source: SourceCheckpoint, expected: str | None) -> ConversionError:
     model_type = source.model_type
     where = source.repo_id or str(source.path)
     if model_type == "diff":
-        return ConversionError(f"{where} is already a Diff checkpoint (model_type 'diff'): load it directly, no conversion is needed.")
+        return ConversionError(
+            f"{where} is already a Diff checkpoint (model_type 'diff'): load it directly, no conversion is needed."
+        )
     if expected is not None and model_type in _SOURCE_KINDS:
         return ConversionError(
             f"{where} has model_type {model_type!r}, but this converter expects {expected!r}: use {_SOURCE_KINDS[model_type]}."
         )
-    accepted = "'llama'" if expected == "llama" else "'diffllama'" if expected == "diffllama" else "'llama' or 'diffllama'"
+    accepted = (
+        "'llama'" if expected == "llama" else "'diffllama'" if expected == "diffllama" else "'llama' or 'diffllama'"
+    )
     return ConversionError(
         f"{where} has model_type {model_type!r}; only {accepted} checkpoints convert: pick a LlamaForCausalLM checkpoint "
         "(Llama-architecture models report model_type 'llama' in config.json)."
@@ -223,8 +235,14 @@ def _source_config(source: SourceCheckpoint, source_kind: str):
     if source.model_type != source_kind:
         raise _model_type_error(source, expected=source_kind)
     if source.config.get("quantization_config"):
-        method = source.config["quantization_config"].get("quant_method", "?") if isinstance(source.config["quantization_config"], dict) else "?"
-        raise ConversionError(f"{where} is a quantized checkpoint ({method}): convert the unquantized (float) weights instead.")
+        method = (
+            source.config["quantization_config"].get("quant_method", "?")
+            if isinstance(source.config["quantization_config"], dict)
+            else "?"
+        )
+        raise ConversionError(
+            f"{where} is a quantized checkpoint ({method}): convert the unquantized (float) weights instead."
+        )
     architectures = source.config.get("architectures") or []
     wanted = "LlamaForCausalLM" if source_kind == "llama" else "DiffLlamaForCausalLM"
     if architectures and wanted not in architectures:
@@ -239,11 +257,21 @@ def _source_config(source: SourceCheckpoint, source_kind: str):
     try:
         config = config_class.from_dict(dict(source.config))
     except Exception as exc:
-        raise ConversionError(f"config.json of {where} is not a valid {config_class.__name__} ({_one_line(exc)}): fix or re-download it.") from exc
+        raise ConversionError(
+            f"config.json of {where} is not a valid {config_class.__name__} ({_one_line(exc)}): fix or re-download it."
+        ) from exc
     return config
 
 
-def _diff_config(source_config, source_kind: str, diff_version: int, geometry: Geometry, out_dtype: torch.dtype, lambda_std: float, where: str):
+def _diff_config(
+    source_config,
+    source_kind: str,
+    diff_version: int,
+    geometry: Geometry,
+    out_dtype: torch.dtype,
+    lambda_std: float,
+    where: str,
+):
     from ..configuration_diff import DiffConfig
 
     fields = {name: getattr(source_config, name) for name in _COPIED_FIELDS if hasattr(source_config, name)}
@@ -268,7 +296,9 @@ def _diff_config(source_config, source_kind: str, diff_version: int, geometry: G
         )
     except Exception as exc:
         hint = " or use diff_version=2" if diff_version == 1 and source_kind == "llama" else ""
-        raise ConversionError(f"{where} cannot be expressed as a Diff V{diff_version} config ({_one_line(exc)}): fix config.json{hint}.") from exc
+        raise ConversionError(
+            f"{where} cannot be expressed as a Diff V{diff_version} config ({_one_line(exc)}): fix config.json{hint}."
+        ) from exc
     config.architectures = ["DiffForCausalLM"]
     config.auto_map = dict(AUTO_MAP)
     return config
@@ -296,7 +326,9 @@ def _validate_tensors(source: SourceCheckpoint, geometry: Geometry, source_kind:
     missing = [name for name in expected if name not in source.tensors and name not in optional]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ConversionError(f"tensor {missing[0]}{more} is missing from {where}: the checkpoint is incomplete; re-download it.")
+        raise ConversionError(
+            f"tensor {missing[0]}{more} is missing from {where}: the checkpoint is incomplete; re-download it."
+        )
     check_float_dtypes(source)
 
 
@@ -413,7 +445,15 @@ def _convert(
     config_dtype = source.config.get("dtype") or source.config.get("torch_dtype")
     config_dtype = _DTYPES.get(str(config_dtype).removeprefix("torch.")) if config_dtype else None
     # Built once before any weights are downloaded or read, so that an unsupported config is refused early.
-    config = _diff_config(source_config, source_kind, diff_version, geometry, target_dtype or config_dtype or torch.float32, lambda_std, where)
+    config = _diff_config(
+        source_config,
+        source_kind,
+        diff_version,
+        geometry,
+        target_dtype or config_dtype or torch.float32,
+        lambda_std,
+        where,
+    )
 
     read_weights_headers(source)
     _validate_tensors(source, geometry, source_kind)
@@ -442,12 +482,16 @@ def _convert(
         if created_parent is not None:
             shutil.rmtree(created_parent, ignore_errors=True)
         if isinstance(exc, OSError):
-            raise ConversionError(f"writing {out_path} failed ({_one_line(exc)}): check free disk space and permissions.") from exc
+            raise ConversionError(
+                f"writing {out_path} failed ({_one_line(exc)}): check free disk space and permissions."
+            ) from exc
         raise
     return out_path
 
 
-def _stream(source: SourceCheckpoint, tensor_map, writer: ShardWriter, target_dtype, progress: bool, tqdm, desc: str) -> None:
+def _stream(
+    source: SourceCheckpoint, tensor_map, writer: ShardWriter, target_dtype, progress: bool, tqdm, desc: str
+) -> None:
     from safetensors import safe_open
 
     bar = tqdm(total=len(source.tensors), desc=desc, unit="tensor", disable=not progress)
@@ -457,7 +501,9 @@ def _stream(source: SourceCheckpoint, tensor_map, writer: ShardWriter, target_dt
             try:
                 handle_cm = safe_open(shard, framework="pt")
             except Exception as exc:
-                raise ConversionError(f"shard {shard.name} is corrupt or truncated ({_one_line(exc)}): re-download it.") from exc
+                raise ConversionError(
+                    f"shard {shard.name} is corrupt or truncated ({_one_line(exc)}): re-download it."
+                ) from exc
             with handle_cm as handle:
                 for name in names:
                     bar.update(1)

@@ -66,7 +66,11 @@ class Geometry:
         """(required name -> shape, optional names) of a `LlamaForCausalLM` / `DiffLlamaForCausalLM` checkpoint."""
         D, I, V, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
         H, H_kv = self.num_heads, self.num_kv_heads
-        expected: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
+        expected: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (V, D),
+            "model.norm.weight": (D,),
+            "lm_head.weight": (V, D),
+        }
         optional: set[str] = set()
         if self.tie_word_embeddings:
             optional.add("lm_head.weight")
@@ -189,8 +193,9 @@ class LlamaToV2(TensorMap):
             yield name, doubled.reshape(2 * g.num_heads * g.head_dim, *rest).contiguous()
             if kind == "weight":
                 # Zero is safe here: dL/dW_λ[h] = -0.25 (dL/dO_h · a_{2h+1}) x is non-zero.
-                yield f"model.layers.{layer}.self_attn.diff_lambda.proj.weight", torch.zeros(
-                    g.num_heads, g.hidden_size, dtype=tensor.dtype
+                yield (
+                    f"model.layers.{layer}.self_attn.diff_lambda.proj.weight",
+                    torch.zeros(g.num_heads, g.hidden_size, dtype=tensor.dtype),
                 )
         elif proj == "o_proj" and kind == "weight":
             yield name, tensor * 2  # exact in every float format (power of two)
@@ -256,7 +261,9 @@ class DiffLlamaToV1(TensorMap):
             yield name, tensor
 
 
-def make_tensor_map(source_kind: str, diff_version: int, geometry: Geometry, *, lambda_std: float = 0.1, seed: int = 0) -> TensorMap:
+def make_tensor_map(
+    source_kind: str, diff_version: int, geometry: Geometry, *, lambda_std: float = 0.1, seed: int = 0
+) -> TensorMap:
     H, H_kv = geometry.num_heads, geometry.num_kv_heads
     if source_kind == "diffllama":
         if diff_version != 1:
@@ -278,7 +285,9 @@ def make_tensor_map(source_kind: str, diff_version: int, geometry: Geometry, *, 
                 f"num_key_value_heads (got {H} and {H_kv}): use diff_version=2 (function-preserving, any head count)."
             )
         return LlamaToV1(geometry, lambda_std=lambda_std, seed=seed)
-    raise ConversionError(f"diff_version={diff_version!r} is not supported: use 2 (function-preserving, default) or 1 (paper layout).")
+    raise ConversionError(
+        f"diff_version={diff_version!r} is not supported: use 2 (function-preserving, default) or 1 (paper layout)."
+    )
 
 
 __all__ = [

@@ -132,7 +132,9 @@ def _hub_call(function, repo_id: str, *, revision: str | None, **kwargs):
             "path or id, or log in with `hf auth login` / HF_TOKEN."
         ) from exc
     except errors.RevisionNotFoundError as exc:
-        raise ConversionError(f"revision {revision!r} of Hub model {repo_id!r} does not exist: pass an existing branch, tag or commit.") from exc
+        raise ConversionError(
+            f"revision {revision!r} of Hub model {repo_id!r} does not exist: pass an existing branch, tag or commit."
+        ) from exc
     except errors.RemoteEntryNotFoundError as exc:
         raise ConversionError(
             f"Hub model {repo_id!r} has no config.json: it is not a transformers checkpoint; pick a transformers model repository."
@@ -143,7 +145,9 @@ def _hub_call(function, repo_id: str, *, revision: str | None, **kwargs):
             "download it once while online, or pass a local directory."
         ) from exc
     except Exception as exc:  # network errors, HTTP errors, disk errors
-        raise ConversionError(f"downloading Hub model {repo_id!r} failed: {_one_line(exc)}; retry, or pass a local directory.") from exc
+        raise ConversionError(
+            f"downloading Hub model {repo_id!r} failed: {_one_line(exc)}; retry, or pass a local directory."
+        ) from exc
 
 
 def load_config(path: Path) -> dict:
@@ -156,7 +160,9 @@ def load_config(path: Path) -> dict:
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConversionError(f"{config_file} is not valid JSON ({_one_line(exc)}): restore or re-download it.") from exc
+        raise ConversionError(
+            f"{config_file} is not valid JSON ({_one_line(exc)}): restore or re-download it."
+        ) from exc
     if not isinstance(config, dict):
         raise ConversionError(f"{config_file} does not hold a JSON object: restore or re-download it.")
     return config
@@ -205,7 +211,9 @@ def read_index(index_file: Path) -> dict[str, str]:
         raise ConversionError(f"{index_file} is corrupt ({_one_line(exc)}): restore or re-download it.") from exc
     for name in weight_map.values():
         if Path(name).name != name or name in ("", ".", ".."):
-            raise ConversionError(f"{index_file} refers to {name!r}, which is not a file in the checkpoint directory: restore or re-download it.")
+            raise ConversionError(
+                f"{index_file} refers to {name!r}, which is not a file in the checkpoint directory: restore or re-download it."
+            )
     return weight_map
 
 
@@ -219,7 +227,9 @@ def read_headers(path: Path, shards: list[Path]) -> dict[str, TensorInfo]:
             with safe_open(shard, framework="pt") as handle:
                 for name in handle.keys():
                     view = handle.get_slice(name)
-                    info = TensorInfo(shard=shard, shape=tuple(int(s) for s in view.get_shape()), dtype=str(view.get_dtype()))
+                    info = TensorInfo(
+                        shard=shard, shape=tuple(int(s) for s in view.get_shape()), dtype=str(view.get_dtype())
+                    )
                     if name in tensors:
                         raise ConversionError(
                             f"tensor {name} appears in both {tensors[name].shard.name} and {shard.name}: the checkpoint mixes "
@@ -244,7 +254,9 @@ def read_headers(path: Path, shards: list[Path]) -> dict[str, TensorInfo]:
     return tensors
 
 
-def open_source(src: str | os.PathLike, *, revision: str | None = None, token: str | bool | None = None) -> SourceCheckpoint:
+def open_source(
+    src: str | os.PathLike, *, revision: str | None = None, token: str | bool | None = None
+) -> SourceCheckpoint:
     """Resolve SRC and read its config (for a Hub id, only config.json is fetched: see `read_weights_headers`)."""
     path, repo_id = resolve_source(src, revision=revision, token=token, config_only=True)
     source = SourceCheckpoint(path=path, repo_id=repo_id, config=load_config(path), shards=[])

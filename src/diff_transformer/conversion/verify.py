@@ -53,7 +53,9 @@ def verify_conversion(
         raise ConversionError(f"OUT {out_path} is not a Diff checkpoint (model_type {out_config.get('model_type')!r}).")
     source_class = {"llama": LlamaForCausalLM, "diffllama": DiffLlamaForCausalLM}.get(source_type)
     if source_class is None:
-        raise ConversionError(f"SRC {src_path} has model_type {source_type!r}: only 'llama' and 'diffllama' sources can be verified.")
+        raise ConversionError(
+            f"SRC {src_path} has model_type {source_type!r}: only 'llama' and 'diffllama' sources can be verified."
+        )
     diff_version = int(out_config.get("diff_version", 1))
     expected_exact = source_type == "diffllama" or diff_version == 2
 

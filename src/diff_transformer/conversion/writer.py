@@ -52,7 +52,9 @@ class ShardWriter:
         try:
             save_file(self._pending, str(path), metadata={"format": "pt"})
         except Exception as exc:
-            raise ConversionError(f"writing shard {path.name} in {self.directory} failed ({exc}): check free disk space and permissions.") from exc
+            raise ConversionError(
+                f"writing shard {path.name} in {self.directory} failed ({exc}): check free disk space and permissions."
+            ) from exc
         self._written.append((path, list(self._pending)))
         self._pending = {}
         self._pending_bytes = 0
@@ -63,9 +65,13 @@ class ShardWriter:
         count = len(self._written)
         if count == 0:
             raise ConversionError("internal error: no tensors were written; please report this bug.")
-        names = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        names = (
+            ["model.safetensors"]
+            if count == 1
+            else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        )
         weight_map: dict[str, str] = {}
-        for (path, tensors), name in zip(self._written, names):
+        for (path, tensors), name in zip(self._written, names, strict=True):
             os.replace(path, self.directory / name)
             weight_map.update({tensor: name for tensor in tensors})
         if count > 1:
