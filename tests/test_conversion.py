@@ -446,7 +446,7 @@ def test_hub_download_fetches_config_first_and_safetensors_only(tmp_path, monkey
     assert second[:2] == ("snapshot", "org/model")
     kwargs = second[2]
     assert kwargs["revision"] == "v1"
-    assert "*.safetensors" in kwargs["allow_patterns"]
+    assert "model*.safetensors" in kwargs["allow_patterns"]
     assert not any(p.endswith((".bin", ".pth", ".pt")) or p == "*" for p in kwargs["allow_patterns"])
 
     # a wrong model is refused from its config.json alone, before any weights are downloaded

@@ -62,8 +62,8 @@ def write_model_card(target: Path, source: SourceCheckpoint, config, *, source_k
         )
     else:
         how = (
-            "Converted into the Diff Transformer V1 (paper) layout by pairing Llama heads into differential heads and "
-            "reusing every weight, with fresh λ vectors. This is not function-preserving: continue pretraining before use."
+            "Converted into the Diff Transformer V1 (paper) layout by pairing Llama heads into differential heads (each "
+            "query kept with the key/value head it was trained with) and reusing every weight, with fresh λ vectors. This is not function-preserving: continue pretraining before use."
         )
     body = f"""
 # {out_name}

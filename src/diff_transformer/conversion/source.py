@@ -20,9 +20,10 @@ SAFETENSORS_SINGLE = "model.safetensors"
 _PICKLE_SUFFIXES = (".bin", ".pth", ".pt", ".ckpt", ".pkl")
 _FLOAT_DTYPES = {"F32", "F16", "BF16"}
 
-# What a Hub download fetches: weights as safetensors only, configs, tokenizer, chat template, card and licence.
+# What a Hub download fetches: transformers' safetensors weights only (not pickles, nor e.g. a duplicate
+# consolidated.safetensors), configs, tokenizer, chat template, card and licence.
 HUB_ALLOW_PATTERNS = [
-    "*.safetensors",
+    "model*.safetensors",
     "*.json",
     "*.jinja",
     "tokenizer*",
