@@ -149,6 +149,10 @@ class DiffAttention(nn.Module):
         """Flash kernels (FA2/FA3, paged or not) need V as wide as Q/K; V1's V is twice as wide."""
         return "flash" in self.config._attn_implementation
 
+    def _pad_query_key_to_value_width(self, query: torch.Tensor) -> bool:
+        """V1 prefill/training with SDPA on CPU (see the call site); decoding (one query) stays on the cheap path."""
+        return query.device.type == "cpu" and query.shape[2] > 1 and self.config._attn_implementation in ("sdpa", "paged|sdpa")
+
     def _forward_v2(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs):
         B, N, _ = hidden_states.shape
         d = self.head_dim
@@ -227,6 +231,12 @@ class DiffAttention(nn.Module):
             # (B, 2H_kv, L, 2d): both maps of a head read the same 2d-wide v_g, built in one copy
             value = halves.permute(0, 2, 3, 1, 4).unsqueeze(1).expand(batch, 2, H_kv, L, 2, d)
             value = value.reshape(batch, 2 * H_kv, L, 2 * d)
+            if self._pad_query_key_to_value_width(query):
+                # PyTorch's CPU flash kernel needs equal head dims; otherwise SDPA falls back to the math kernel
+                # and materialises every (N, L) map. Zero-padding q and k to 2d leaves q kᵀ unchanged (the scale is
+                # passed explicitly) and keeps prefill/training on the fused kernel.
+                query = torch.nn.functional.pad(query, (0, d))
+                key = torch.nn.functional.pad(key, (0, d))
             attn_output, attn_weights = interface(
                 self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
             )  # (B, N, 2H, 2d)
