@@ -52,17 +52,17 @@ def _convert(args) -> int:
         out = convert_to_diff(
             args.src, args.out, diff_version=args.diff_version, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet
         )
+        print(f"wrote {out}")
+        if args.diff_version == 1:
+            print("note: diff_version=1 re-pairs the Llama heads and adds fresh λ: not function-preserving; continue pretraining.")
+        if args.verify:
+            report = verify_conversion(args.src, out)
+            print(f"verify: max |Δlogit| = {report['max_abs_logit_diff']:.3g}, greedy continuations match: {report['greedy_match']}")
+            if report["expected_exact"] and not report["passed"]:
+                return 1
     except ConversionError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {out}")
-    if args.diff_version == 1:
-        print("note: diff_version=1 re-pairs the Llama heads and adds fresh λ: not function-preserving, continue pretraining.")
-    if args.verify:
-        report = verify_conversion(args.src, out)
-        print(f"verify: max |Δlogit| = {report['max_abs_logit_diff']:.3g}, greedy continuations match: {report['greedy_match']}")
-        if report["expected_exact"] and not report["passed"]:
-            return 1
     return 0
 
 
