@@ -1,0 +1,320 @@
+"""The offline end-to-end demo: a real (tiny) trained Llama checkpoint -> Diff Transformer V2, verified.
+
+`run_demo()` takes the Llama shipped in `diff_transformer/assets/tiny-llama/` (trained by
+`examples/train_tiny_llama.py` on public-domain Jane Austen novels, with its own byte-level BPE tokenizer), converts
+it with `convert_llama_to_diff(..., diff_version=2)`, checks that the conversion preserved the function (max |Δlogit|,
+greedy continuations, held-out perplexity), reloads the result through `AutoModelForCausalLM` and generates English
+text with both models. It needs no network and prints what it did and the figures; the return value is a process
+exit code (0 when every check holds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+ASSET_MODEL = "tiny-llama"
+ASSET_HELDOUT = "heldout.txt"
+DEFAULT_PROMPT = "Elizabeth could not help smiling at"
+DEFAULT_MAX_NEW_TOKENS = 32
+EVAL_BLOCK_SIZE = 256  # tokens per perplexity window, the leading <s> included (as in training)
+DEMO_EVAL_TOKENS = 16 * (EVAL_BLOCK_SIZE - 1)  # the held-out slice the demo scores: 16 full windows
+LOGIT_ATOL = 1e-4
+PPL_RTOL = 1e-5
+
+
+def heldout_perplexity(
+    model,
+    tokenizer,
+    text: str,
+    *,
+    block_size: int = EVAL_BLOCK_SIZE,
+    max_tokens: int | None = None,
+    batch_size: int = 16,
+    return_logits: bool = False,
+):
+    """Perplexity of `model` on `text`: the text's tokens (`max_tokens` first ones if given) are cut into consecutive
+    windows of `block_size - 1` tokens, each scored after a leading bos token; exp(mean negative log-likelihood) over
+    every token of the text. With `return_logits`, also returns the list of logits tensors (for comparisons)."""
+    ids = tokenizer(text, add_special_tokens=False, verbose=False).input_ids
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    span = block_size - 1
+    windows = [ids[i : i + span] for i in range(0, len(ids), span)]
+    if not windows:
+        raise ValueError("no text to score")
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count, all_logits = 0.0, 0, []
+    try:
+        with torch.no_grad():
+            # Full windows in batches, then the (shorter) last one alone: no padding anywhere.
+            groups = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
+            groups = [[w for w in g if len(w) == span] for g in groups] + [[w] for w in windows if len(w) != span]
+            for group in (g for g in groups if g):
+                batch = torch.tensor([[tokenizer.bos_token_id] + w for w in group], device=device)
+                logits = model(input_ids=batch).logits.float()
+                nll = torch.nn.functional.cross_entropy(
+                    logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
+                )
+                total += nll.double().item()
+                count += batch[:, 1:].numel()
+                if return_logits:
+                    all_logits.append(logits.cpu())
+    finally:
+        model.train(was_training)
+    ppl = math.exp(total / count)
+    return (ppl, all_logits) if return_logits else ppl
+
+
+@contextlib.contextmanager
+def shipped_assets():
+    """Yield (checkpoint directory, held-out text file) of the shipped tiny Llama as real paths."""
+    root = resources.files("diff_transformer").joinpath("assets")
+    if isinstance(root, Path) or os.path.isdir(str(root)):
+        yield Path(str(root)) / ASSET_MODEL, Path(str(root)) / ASSET_HELDOUT
+        return
+    with resources.as_file(root) as path:  # zipped installs (Python >= 3.12 extracts directories)
+        yield Path(path) / ASSET_MODEL, Path(path) / ASSET_HELDOUT
+
+
+def _dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+def _indent(text: str, prefix: str = " " * 20) -> str:
+    return text.replace("\n", "\n" + prefix)
+
+
+def _is_previous_demo_output(path: Path) -> bool:
+    try:
+        return json.loads((path / "config.json").read_text()).get("model_type") == "diff"
+    except (OSError, ValueError):
+        return False
+
+
+def run_demo(
+    output_dir: str | os.PathLike | None = None,
+    prompt: str = DEFAULT_PROMPT,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    *,
+    results: dict | None = None,
+    file=None,
+) -> int:
+    """Convert the shipped tiny Llama to Diff V2 in `output_dir` (default: a temporary directory, removed afterwards),
+    verify it, and generate a continuation of `prompt` with both models. Prints to `file` (default stdout); fills
+    `results` (if given) with the figures. Returns 0 when every check holds, 1 when one fails, 2 when the conversion
+    cannot run (e.g. `output_dir` is a non-empty directory that is not an earlier demo output)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from .conversion import ConversionError, convert_llama_to_diff, verify_conversion
+    from .modeling_diff import DiffForCausalLM
+
+    out_file = file or sys.stdout
+    figures = results if results is not None else {}
+    t0 = time.perf_counter()
+
+    def say(text: str = "") -> None:
+        print(text, file=out_file, flush=True)
+
+    def check(name: str, ok: bool) -> bool:
+        figures.setdefault("checks", {})[name] = bool(ok)
+        return ok
+
+    verbosity, progress_bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    tmp = None
+    try:
+        if output_dir is None:
+            tmp = Path(tempfile.mkdtemp(prefix="diff-demo-"))
+            out = tmp / "tiny-diff-v2"
+        else:
+            out = Path(output_dir).expanduser()
+            if out.exists() and (not out.is_dir() or any(out.iterdir())) and not _is_previous_demo_output(out):
+                say(f"error: {out} exists and is not empty (nor an earlier demo output): choose another directory.")
+                figures.update(ok=False, error="output directory not empty")
+                return 2
+        with shipped_assets() as (src, heldout_path):
+            say(
+                "diff-transformer demo: a trained Llama checkpoint -> Diff Transformer V2 (function-preserving), offline"
+            )
+            say()
+            # 1. The source checkpoint.
+            t = time.perf_counter()
+            tokenizer = AutoTokenizer.from_pretrained(src)
+            source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+            heldout_text = heldout_path.read_text(encoding="utf-8")
+            n_src = sum(p.numel() for p in source.parameters())
+            cfg = source.config
+            figures.update(
+                source_dir=str(src), source_bytes=_dir_size(src), source_parameters=n_src, vocab_size=len(tokenizer)
+            )
+            say(f"[1] source: {src}")
+            say(
+                f"    {type(source).__name__}: {n_src:,} parameters, {cfg.num_hidden_layers} layers, hidden "
+                f"{cfg.hidden_size}, {cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads; "
+                f"{figures['source_bytes'] / 1e6:.2f} MB on disk"
+            )
+            say(
+                f"    tokenizer: byte-level BPE, {len(tokenizer)} entries (bos {tokenizer.bos_token!r}, "
+                f"eos {tokenizer.eos_token!r}, pad {tokenizer.pad_token!r}), chat template: "
+                f"{'yes' if tokenizer.chat_template else 'no'}"
+            )
+            src_ppl, src_logits = heldout_perplexity(
+                source, tokenizer, heldout_text, max_tokens=DEMO_EVAL_TOKENS, return_logits=True
+            )
+            n_eval = min(
+                DEMO_EVAL_TOKENS, len(tokenizer(heldout_text, add_special_tokens=False, verbose=False).input_ids)
+            )
+            figures.update(source_perplexity=src_ppl, eval_tokens=n_eval)
+            say(
+                f"    held-out perplexity (first {n_eval:,} tokens of the last chapters of four Austen novels, "
+                f"unseen in training): {src_ppl:.4f}  (uniform: {len(tokenizer)})"
+            )
+            figures["time_load_source_s"] = time.perf_counter() - t
+            say(f"    ({figures['time_load_source_s']:.1f} s)")
+
+            # 2. Conversion.
+            t = time.perf_counter()
+            try:
+                convert_llama_to_diff(src, out, diff_version=2, progress=False, overwrite=_is_previous_demo_output(out))
+            except ConversionError as exc:
+                say(f"error: {exc}")
+                figures["ok"] = False
+                figures["error"] = str(exc)
+                return 2
+            figures.update(output_dir=str(out), output_bytes=_dir_size(out), time_convert_s=time.perf_counter() - t)
+            say()
+            say(
+                f"[2] converted with convert_llama_to_diff(diff_version=2) -> {out if tmp is None else 'a temporary directory'}"
+                f" ({figures['output_bytes'] / 1e6:.2f} MB, {figures['time_convert_s']:.1f} s)"
+            )
+
+            # 3. verify_conversion: random token sequences, logits and greedy continuations.
+            t = time.perf_counter()
+            report = verify_conversion(src, out)
+            figures.update(
+                verify_max_abs_logit_diff=report["max_abs_logit_diff"],
+                verify_greedy_match=report["greedy_match"],
+                time_verify_s=time.perf_counter() - t,
+            )
+            say()
+            say(
+                f"[3] verify_conversion ({report['num_sequences']} random sequences of {report['seq_len']} tokens, "
+                f"{report['dtype']}): max |Δlogit| = {report['max_abs_logit_diff']:.2e} (tolerance {LOGIT_ATOL:g}), "
+                f"greedy continuations identical: {report['greedy_match']}  ({figures['time_verify_s']:.1f} s)"
+            )
+            check("verify_logits", report["max_abs_logit_diff"] <= LOGIT_ATOL)
+            check("verify_greedy", report["greedy_match"])
+
+            # 4. The converted checkpoint through the Auto classes, on real text.
+            t = time.perf_counter()
+            converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+            out_tokenizer = AutoTokenizer.from_pretrained(out)
+            n_out = sum(p.numel() for p in converted.parameters())
+            ccfg = converted.config
+            figures.update(
+                converted_class=type(converted).__name__, converted_parameters=n_out, diff_version=ccfg.diff_version
+            )
+            say()
+            say(
+                f"[4] AutoModelForCausalLM.from_pretrained(converted) -> {type(converted).__name__} "
+                f"(diff_version={ccfg.diff_version}): {n_out:,} parameters, {ccfg.num_attention_heads} differential "
+                f"heads = {2 * ccfg.num_attention_heads} query heads over {ccfg.num_key_value_heads} KV heads; "
+                f"tokenizer copied: {out_tokenizer.get_vocab() == tokenizer.get_vocab()}"
+            )
+            check("converted_class", isinstance(converted, DiffForCausalLM) and ccfg.diff_version == 2)
+            check(
+                "tokenizer_copied",
+                out_tokenizer.get_vocab() == tokenizer.get_vocab()
+                and out_tokenizer.chat_template == tokenizer.chat_template,
+            )
+            out_ppl, out_logits = heldout_perplexity(
+                converted, out_tokenizer, heldout_text, max_tokens=DEMO_EVAL_TOKENS, return_logits=True
+            )
+            text_diff = max((a - b).abs().max().item() for a, b in zip(src_logits, out_logits))
+            figures.update(converted_perplexity=out_ppl, heldout_max_abs_logit_diff=text_diff)
+            say(
+                f"    held-out perplexity: source {src_ppl:.4f}, converted {out_ppl:.4f} "
+                f"(relative difference {abs(out_ppl - src_ppl) / src_ppl:.1e}); max |Δlogit| on that text {text_diff:.2e}"
+            )
+            check("perplexity_equal", abs(out_ppl - src_ppl) <= PPL_RTOL * src_ppl)
+            check("heldout_logits", text_diff <= LOGIT_ATOL)
+            figures["time_converted_eval_s"] = time.perf_counter() - t
+
+            # 5. Generation with both models.
+            t = time.perf_counter()
+            inputs = tokenizer(prompt, return_tensors="pt")
+            kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, "num_beams": 1}
+            with torch.no_grad():
+                src_tokens = source.generate(**inputs, **kwargs)
+                t_src = time.perf_counter() - t
+                out_tokens = converted.generate(**inputs, **kwargs)
+            t_out = time.perf_counter() - t - t_src
+            new = slice(inputs.input_ids.shape[1], None)
+            src_text = tokenizer.decode(src_tokens[0, new], skip_special_tokens=True)
+            out_text = out_tokenizer.decode(out_tokens[0, new], skip_special_tokens=True)
+            same = torch.equal(src_tokens, out_tokens)
+            figures.update(
+                prompt=prompt,
+                source_generation=src_text,
+                converted_generation=out_text,
+                generated_tokens=int(src_tokens.shape[1] - inputs.input_ids.shape[1]),
+                generations_identical=same,
+                time_generate_source_s=t_src,
+                time_generate_converted_s=t_out,
+            )
+            settings = ", ".join(
+                f"{k}={v}"
+                for k, v in converted.generation_config.to_diff_dict().items()
+                if k in ("repetition_penalty", "no_repeat_ngram_size")
+            )
+            say()
+            say(
+                f"[5] greedy continuation of {prompt!r} ({max_new_tokens} new tokens at most"
+                f"{', ' + settings if settings else ''}, from generation_config.json):"
+            )
+            say(f"    Llama ({t_src:.2f} s): " + _indent(prompt + src_text))
+            say(f"    Diff  ({t_out:.2f} s): " + _indent(prompt + out_text))
+            say(f"    token-identical: {same}")
+            check("generations_identical", same)
+
+        ok = all(figures["checks"].values())
+        figures["ok"] = ok
+        figures["time_total_s"] = time.perf_counter() - t0
+        say()
+        failed = [name for name, passed in figures["checks"].items() if not passed]
+        say(
+            f"{'PASS' if ok else 'FAIL'}: "
+            + (
+                "the converted Diff V2 model computes the same function as the source Llama"
+                if ok
+                else "checks failed: " + ", ".join(failed)
+            )
+            + f"  (total {figures['time_total_s']:.1f} s)"
+        )
+        if tmp is None:
+            say(f"converted checkpoint kept at {out}")
+        return 0 if ok else 1
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if progress_bars:
+            hf_logging.enable_progress_bar()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+__all__ = ["DEFAULT_PROMPT", "DEMO_EVAL_TOKENS", "heldout_perplexity", "run_demo", "shipped_assets"]
