@@ -2,9 +2,9 @@ import subprocess
 import sys
 
 
-def test_demo_end_to_end(tmp_path):
+def test_scratch_demo_end_to_end(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "diff_transformer.cli", "demo", "--output", str(tmp_path)],
+        [sys.executable, "-m", "diff_transformer.cli", "demo", "--scratch", "--output", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -68,3 +68,9 @@ def test_convert_command_v1_odd_heads_is_refused(tmp_path):
     assert message.startswith("error: ") and "diff_version=2" in message
     assert not (tmp_path / "diff").exists()
     assert sorted((p.name, p.read_bytes()) for p in (tmp_path / "llama").iterdir()) == before
+
+
+def test_main_demo_command(tmp_path):
+    result = _cli("demo", "--output", tmp_path / "demo")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert (tmp_path / "demo" / "config.json").exists()

@@ -8,7 +8,17 @@ from pathlib import Path
 
 
 def _demo(args) -> int:
-    """Offline: build a small Diff model, save it, reload it through AutoModelForCausalLM, generate."""
+    """Offline main job: the shipped tiny Llama (real tokenizer, trained on Austen) -> Diff V2, verified, generating."""
+    if args.scratch:
+        return _scratch_demo(args)
+    from diff_transformer.demo import run_demo
+
+    kwargs = {"prompt": args.prompt} if args.prompt else {}
+    return run_demo(args.output, **kwargs)
+
+
+def _scratch_demo(args) -> int:
+    """Build small Diff models of both versions, save them, reload through AutoModelForCausalLM, generate."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -94,8 +104,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="diff-transformer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="offline demo: build, save, reload and generate with small Diff models")
-    demo.add_argument("--output", help="where to save the models (default: a temporary directory)")
+    demo = commands.add_parser("demo", help="offline demo: convert the shipped tiny Llama to Diff V2, verify, generate")
+    demo.add_argument("--output", help="where to write the converted model (default: a temporary directory)")
+    demo.add_argument("--prompt", help="English prompt to continue")
+    demo.add_argument("--scratch", action="store_true", help="instead: build, save, reload random Diff V1/V2 models")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
 
