@@ -1,11 +1,12 @@
 """Train the tiny Llama that `diff-transformer demo` converts (shipped in src/diff_transformer/assets/tiny-llama/).
 
-    python examples/train_tiny_llama.py                       # ~5 minutes on 2 CPU cores; writes the shipped assets
+    python examples/train_tiny_llama.py --overwrite           # rewrites the shipped assets: ~5 min on 2 idle cores
+                                                              # (500 steps of ~0.6 s), longer when they are shared
     python examples/train_tiny_llama.py --output /tmp/tiny --steps 100
 
 Data: data/corpus.txt (training) and data/heldout.txt (held out), four public-domain Jane Austen novels; see
-data/README.md for their provenance. Steps, all seeded (CPU results are reproducible on one machine; other CPUs or
-torch builds may differ in the last digits):
+data/README.md for their provenance. Steps, all seeded (a rerun on the same machine and torch build reproduces
+model.safetensors bit for bit; other CPUs or torch builds may differ in the last digits):
 
 1. a byte-level BPE tokenizer (Hugging Face `tokenizers`, GPT-2-style pre-tokenisation, `--vocab-size` entries
    including the special tokens `<s>` (bos), `</s>` (eos), `<pad>` and the chat roles `<|system|>`, `<|user|>`,
