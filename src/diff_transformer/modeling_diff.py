@@ -192,8 +192,8 @@ class DiffAttention(nn.Module):
         B, N, _ = hidden_states.shape
         d = self.head_dim
 
-        # Component-major head order [all q1 | all q2] and [all k1 | all k2]: the standard GQA mapping
-        # j -> j // (H / H_kv) then pairs q_c of head h with k_c of its own group g(h), for c in {1, 2}.
+        # Component-major head order [all q1 | all q2] and [all k1 | all k2]: each map c is then one contiguous
+        # slice, and the backend's ordinary GQA mapping h -> h // (H / H_kv) pairs q_c of head h with k_c of g(h).
         # Head counts come from the tensors, so a tensor-parallel shard works on its local heads.
         query = self.q_proj(hidden_states).view(B, N, -1, 2, d)  # (B, N, H, 2, d)
         H = query.shape[2]
@@ -216,38 +216,42 @@ class DiffAttention(nn.Module):
 
         interface = self._attention_interface(paged_cache_handled=paged_cache is not None)
         batch, _, L, _ = value.shape
+        queries = query.view(B, 2, H, N, d)  # (B, 2, H, N, d): [q1 | q2] of every head
+        keys = key.reshape(batch, 2, H_kv, L, d)  # (B, 2, H_kv, L, d): [k1 | k2] of every group
         halves = value.reshape(batch, 2, H_kv, L, d)  # (B, 2, H_kv, L, d): [first | second] d-wide half of v_g
-        if self._needs_equal_head_dims():
-            # Attend once per V half (the only case that computes QKᵀ twice).
-            attn_output = torch.cat(
-                [
-                    interface(self, query, key, halves[:, c].repeat(1, 2, 1, 1), attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)[0]
-                    for c in (0, 1)
-                ],
-                dim=-1,
-            )  # (B, N, 2H, 2d)
-            attn_weights = None
-        else:
-            # (B, 2H_kv, L, 2d): both maps of a head read the same 2d-wide v_g, built in one copy
-            value = halves.permute(0, 2, 3, 1, 4).unsqueeze(1).expand(batch, 2, H_kv, L, 2, d)
-            value = value.reshape(batch, 2 * H_kv, L, 2 * d)
-            if self._pad_query_key_to_value_width(query):
-                # PyTorch's CPU flash kernel needs equal head dims; otherwise SDPA falls back to the math kernel
-                # and materialises every (N, L) map. Zero-padding q and k to 2d leaves q kᵀ unchanged (the scale is
-                # passed explicitly) and keeps prefill/training on the fused kernel.
-                query = torch.nn.functional.pad(query, (0, d))
-                key = torch.nn.functional.pad(key, (0, d))
-            attn_output, attn_weights = interface(
-                self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
-            )  # (B, N, 2H, 2d)
+        # One call per map c (q_c against k_c only, so QKᵀ is computed once). V is 2d wide, except where the kernel
+        # wants V as wide as Q/K: flash kernels always, and SDPA when decoding, where one call per V half runs the
+        # fused kernel on views of the cache instead of copying it into a 2d-wide V every step.
+        split_value = self._needs_equal_head_dims() or (N == 1 and self.config._attn_implementation != "eager")
+        wide_value = None if split_value else torch.cat((halves[:, 0], halves[:, 1]), dim=-1)  # (B, H_kv, L, 2d)
+        pad = not split_value and self._pad_query_key_to_value_width(query)
+        outputs, maps = [], []
+        for c in (0, 1):
+            q_c, k_c = queries[:, c], keys[:, c]  # (B, H, N, d), (B, H_kv, L, d)
+            if split_value:
+                output_c = torch.cat(
+                    [interface(self, q_c, k_c, halves[:, c_v], attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)[0] for c_v in (0, 1)],
+                    dim=-1,
+                )  # (B, N, H, 2d)
+                map_c = None
+            else:
+                if pad:
+                    # PyTorch's CPU flash kernel needs equal head dims; otherwise SDPA falls back to the math kernel
+                    # and materialises every (N, L) map. Zero-padding q and k to 2d leaves q kᵀ unchanged (the scale
+                    # is passed explicitly) and keeps prefill/training on the fused kernel.
+                    q_c, k_c = torch.nn.functional.pad(q_c, (0, d)), torch.nn.functional.pad(k_c, (0, d))
+                output_c, map_c = interface(
+                    self, q_c, k_c, wide_value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+                )  # (B, N, H, 2d), (B, H, N, L) or None
+            outputs.append(output_c)
+            maps.append(map_c)
 
         lam = self.diff_lambda()  # () fp32
-        out = attn_output[:, :, :H] - lam.to(attn_output.dtype) * attn_output[:, :, H:]  # (B, N, H, 2d)
+        out = outputs[0] - lam.to(outputs[0].dtype) * outputs[1]  # (B, N, H, 2d)
         out = self.subln(out) * (1.0 - self.lambda_init)
         out = self.o_proj(out.reshape(B, N, H * 2 * d))
 
-        if attn_weights is not None:  # differential maps A1 - λ A2, (B, H, N, L)
-            attn_weights = attn_weights[:, :H] - lam.to(attn_weights.dtype) * attn_weights[:, H:]
+        attn_weights = None if maps[0] is None else maps[0] - lam.to(maps[0].dtype) * maps[1]  # A1 - λ A2, (B, H, N, L)
         return out, attn_weights
 
 
