@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConversionError
+from .errors import ConversionError, one_line
 from .layout import IGNORED_SOURCE_TENSORS, Geometry, make_tensor_map
 from .source import SourceCheckpoint, check_float_dtypes, open_source, read_weights_headers
 from .writer import ShardWriter
@@ -258,7 +258,7 @@ def _source_config(source: SourceCheckpoint, source_kind: str):
         config = config_class.from_dict(dict(source.config))
     except Exception as exc:
         raise ConversionError(
-            f"config.json of {where} is not a valid {config_class.__name__} ({_one_line(exc)}): fix or re-download it."
+            f"config.json of {where} is not a valid {config_class.__name__} ({one_line(exc)}): fix or re-download it."
         ) from exc
     return config
 
@@ -297,7 +297,7 @@ def _diff_config(
     except Exception as exc:
         hint = " or use diff_version=2" if diff_version == 1 and source_kind == "llama" else ""
         raise ConversionError(
-            f"{where} cannot be expressed as a Diff V{diff_version} config ({_one_line(exc)}): fix config.json{hint}."
+            f"{where} cannot be expressed as a Diff V{diff_version} config ({one_line(exc)}): fix config.json{hint}."
         ) from exc
     config.architectures = ["DiffForCausalLM"]
     config.auto_map = dict(AUTO_MAP)
@@ -483,7 +483,7 @@ def _convert(
             shutil.rmtree(created_parent, ignore_errors=True)
         if isinstance(exc, OSError):
             raise ConversionError(
-                f"writing {out_path} failed ({_one_line(exc)}): check free disk space and permissions."
+                f"writing {out_path} failed ({one_line(exc)}): check free disk space and permissions."
             ) from exc
         raise
     return out_path
@@ -502,7 +502,7 @@ def _stream(
                 handle_cm = safe_open(shard, framework="pt")
             except Exception as exc:
                 raise ConversionError(
-                    f"shard {shard.name} is corrupt or truncated ({_one_line(exc)}): re-download it."
+                    f"shard {shard.name} is corrupt or truncated ({one_line(exc)}): re-download it."
                 ) from exc
             with handle_cm as handle:
                 for name in names:
@@ -513,7 +513,7 @@ def _stream(
                         tensor = handle.get_tensor(name)
                     except Exception as exc:
                         raise ConversionError(
-                            f"reading tensor {name} from shard {shard.name} failed ({_one_line(exc)}): the shard is corrupt; re-download it."
+                            f"reading tensor {name} from shard {shard.name} failed ({one_line(exc)}): the shard is corrupt; re-download it."
                         ) from exc
                     for out_name, out_tensor in tensor_map(name, tensor):
                         if target_dtype is not None and not _FP32_PARAMETERS.search(out_name):
@@ -524,11 +524,6 @@ def _stream(
                 writer.close_shard()  # mirror the input sharding
     finally:
         bar.close()
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 __all__ = [

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ConversionError
+from .errors import ConversionError, one_line
 
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -147,7 +147,7 @@ def _hub_call(function, repo_id: str, *, revision: str | None, **kwargs):
         ) from exc
     except Exception as exc:  # network errors, HTTP errors, disk errors
         raise ConversionError(
-            f"downloading Hub model {repo_id!r} failed: {_one_line(exc)}; retry, or pass a local directory."
+            f"downloading Hub model {repo_id!r} failed: {one_line(exc)}; retry, or pass a local directory."
         ) from exc
 
 
@@ -162,7 +162,7 @@ def load_config(path: Path) -> dict:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConversionError(
-            f"{config_file} is not valid JSON ({_one_line(exc)}): restore or re-download it."
+            f"{config_file} is not valid JSON ({one_line(exc)}): restore or re-download it."
         ) from exc
     if not isinstance(config, dict):
         raise ConversionError(f"{config_file} does not hold a JSON object: restore or re-download it.")
@@ -209,7 +209,7 @@ def read_index(index_file: Path) -> dict[str, str]:
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise TypeError("weight_map is not a mapping of tensor names to file names")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise ConversionError(f"{index_file} is corrupt ({_one_line(exc)}): restore or re-download it.") from exc
+        raise ConversionError(f"{index_file} is corrupt ({one_line(exc)}): restore or re-download it.") from exc
     for name in weight_map.values():
         if Path(name).name != name or name in ("", ".", ".."):
             raise ConversionError(
@@ -241,7 +241,7 @@ def read_headers(path: Path, shards: list[Path]) -> dict[str, TensorInfo]:
             raise
         except Exception as exc:  # SafetensorError, OSError
             raise ConversionError(
-                f"shard {shard.name} in {path} is corrupt or truncated ({_one_line(exc)}): re-download it."
+                f"shard {shard.name} in {path} is corrupt or truncated ({one_line(exc)}): re-download it."
             ) from exc
     index_file = path / SAFETENSORS_INDEX
     if index_file.is_file():
@@ -280,11 +280,6 @@ def check_float_dtypes(source: SourceCheckpoint) -> None:
                 f"tensor {name} has dtype {info.dtype}: only float32/float16/bfloat16 checkpoints convert; dequantize the "
                 "model first."
             )
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 __all__ = [
