@@ -156,6 +156,8 @@ def child(task: str, src: str, out: str) -> None:
 
 def run_child(task: str, src: Path, out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
+    # flush the previous run's dirty pages, so that its writeback does not throttle this run's writes
+    os.sync()
     proc = subprocess.run([sys.executable, __file__, "--child", task, str(src), str(out)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
@@ -184,7 +186,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model, smoke test")
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--shard-mb", type=int, default=None, help="source shard size (default 1000, quick: 1)")
     ap.add_argument("--child", nargs=3, metavar=("TASK", "SRC", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--generate", nargs=3, metavar=("CFG", "DIR", "SHARD_BYTES"), help=argparse.SUPPRESS)
@@ -244,7 +246,7 @@ def main() -> None:
             f"Source: random bf16 LlamaForCausalLM, {info['params'] / 1e9:.3f}B params, {gb(info['bytes'])}, "
             f"{info['shards']} shards, largest {gb(largest)}; geometry {json.dumps(cfg)}.",
             f"Machine: {os.cpu_count()} CPUs; medians of {args.repeats} interleaved runs, each in a fresh "
-            f"subprocess; source shards in page cache.",
+            f"subprocess after os.sync(); source shards in page cache.",
             "Peak RSS = VmHWM of the child (reset at exec); ru_maxrss agrees once the parent stays small (it is "
             "inherited across fork+exec on Linux, so the checkpoint is generated in its own subprocess).",
             "",
