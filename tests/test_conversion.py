@@ -820,3 +820,31 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ConversionError, match="max_shard_size='lots'"):
         convert_llama_to_diff(src, tmp_path / "x", max_shard_size="lots", progress=False)
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("expected_tensors", [1, 64], ids=["header-rewritten", "header-reserved"])
+def test_streaming_writer_writes_valid_safetensors(tmp_path, expected_tensors):
+    """Each tensor goes to disk as it arrives; the header fits its reservation or the shard is rewritten once."""
+    from safetensors import safe_open
+
+    from diff_transformer.conversion.writer import ShardWriter
+
+    torch.manual_seed(0)
+    tensors = {
+        "a.weight": torch.randn(7, 5).to(torch.bfloat16),
+        "b.bias": torch.randn(3),
+        "c.empty": torch.zeros(0, 4, dtype=torch.float16),
+        "d.scalar": torch.tensor(2.5, dtype=torch.float64),
+        "e.long_name_" + "x" * 300: torch.randn(2, 2).t(),  # non-contiguous input
+    }
+    writer = ShardWriter(tmp_path, max_shard_bytes=None, expected_tensors=expected_tensors)
+    for name, tensor in tensors.items():
+        writer.add(name, tensor)
+    assert writer.finish() == ["model.safetensors"]
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as handle:
+        assert set(handle.keys()) == set(tensors)
+        for name, tensor in tensors.items():
+            loaded = handle.get_tensor(name)
+            assert loaded.dtype == tensor.dtype and torch.equal(loaded, tensor), name
+        assert handle.metadata() == {"format": "pt"}
+    assert not list(tmp_path.glob("*.part")) and not list(tmp_path.glob("*.rewrite"))

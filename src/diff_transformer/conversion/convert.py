@@ -465,7 +465,7 @@ def _convert(
     tmp = None
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.tmp-", dir=out_path.parent))
-        writer = ShardWriter(tmp, max_shard_bytes)
+        writer = ShardWriter(tmp, max_shard_bytes, expected_tensors=2 * len(source.tensors))
         _stream(source, tensor_map, writer, target_dtype, progress, tqdm, f"{source_kind} -> diff v{diff_version}")
         writer.finish()
         _check_output_against_model(config, writer)

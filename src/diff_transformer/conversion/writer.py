@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -14,15 +15,36 @@ from .errors import ConversionError
 INDEX_NAME = "model.safetensors.index.json"
 
 
-class ShardWriter:
-    """Accumulates tensors for one output shard at a time and writes it when told (or when it would exceed
-    `max_shard_bytes`). Shards get their final `model-XXXXX-of-YYYYY.safetensors` names in `finish()`."""
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_HEADER_BYTES_PER_TENSOR = 192  # a header entry is ~120 bytes for the longest Llama tensor names
 
-    def __init__(self, directory: Path, max_shard_bytes: int | None = None):
+
+class ShardWriter:
+    """Streams tensors into safetensors shards as they arrive: each tensor's bytes go to disk at once, so memory holds
+    one tensor, not one shard. The JSON header, whose offsets are known only at the end, goes into space reserved at
+    the start of the file and padded with spaces (the safetensors format allows trailing header whitespace); if the
+    reservation is too small the shard is rewritten once with a larger header. A shard is closed when told (or when it
+    would exceed `max_shard_bytes`). Shards get their final `model-XXXXX-of-YYYYY.safetensors` names in `finish()`."""
+
+    def __init__(self, directory: Path, max_shard_bytes: int | None = None, expected_tensors: int = 1024):
         self.directory = Path(directory)
         self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
+        self.header_reserve = 8 * (((expected_tensors + 8) * _HEADER_BYTES_PER_TENSOR) // 8)
+        self._file = None
+        self._path: Path | None = None
+        self._entries: dict[str, dict] = {}
+        self._pending_bytes = 0  # bytes written to the open shard
         self._written: list[tuple[Path, list[str]]] = []
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, torch.dtype] = {}
@@ -32,32 +54,66 @@ class ShardWriter:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self.shapes:
             raise ConversionError(f"internal error: output tensor {name} produced twice; please report this bug.")
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise ConversionError(f"tensor {name} has dtype {tensor.dtype}, which safetensors cannot store.")
         size = tensor.numel() * tensor.element_size()
-        if self.max_shard_bytes is not None and self._pending and self._pending_bytes + size > self.max_shard_bytes:
+        if self.max_shard_bytes is not None and self._entries and self._pending_bytes + size > self.max_shard_bytes:
             self.close_shard()
-        self._pending[name] = tensor.detach().contiguous()
+        if self._file is None:
+            self._open_shard()
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()  # raw bytes, no copy
+        try:
+            self._file.write(data)
+        except OSError as exc:
+            raise ConversionError(
+                f"writing shard {self._path.name} in {self.directory} failed ({exc}): check free disk space and permissions."
+            ) from exc
+        self._entries[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [self._pending_bytes, self._pending_bytes + size],
+        }
         self._pending_bytes += size
         self.shapes[name] = tuple(tensor.shape)
         self.dtypes[name] = tensor.dtype
         self.total_bytes += size
         self.total_parameters += tensor.numel()
 
-    def close_shard(self) -> None:
-        """Write what is pending as one shard (no-op when nothing is)."""
-        if not self._pending:
-            return
-        from safetensors.torch import save_file
+    def _open_shard(self) -> None:
+        self._path = self.directory / f".shard-{len(self._written):05d}.safetensors.part"
+        self._file = open(self._path, "wb")  # noqa: SIM115 - closed in close_shard
+        self._file.write(b" " * (8 + self.header_reserve))
 
-        path = self.directory / f".shard-{len(self._written):05d}.safetensors.part"
+    def close_shard(self) -> None:
+        """Finish the open shard: write its header (no-op when nothing is open)."""
+        if self._file is None:
+            return
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self._entries}, separators=(",", ":")).encode()
         try:
-            save_file(self._pending, str(path), metadata={"format": "pt"})
-        except Exception as exc:
+            if len(header) <= self.header_reserve:
+                self._file.seek(0)
+                self._file.write(len(header + b" " * (self.header_reserve - len(header))).to_bytes(8, "little"))
+                self._file.write(header)
+                self._file.close()
+            else:
+                self._file.close()
+                self._rewrite_with_header(header)
+        except OSError as exc:
             raise ConversionError(
-                f"writing shard {path.name} in {self.directory} failed ({exc}): check free disk space and permissions."
+                f"writing shard {self._path.name} in {self.directory} failed ({exc}): check free disk space and permissions."
             ) from exc
-        self._written.append((path, list(self._pending)))
-        self._pending = {}
-        self._pending_bytes = 0
+        self._written.append((self._path, list(self._entries)))
+        self._file, self._entries, self._pending_bytes = None, {}, 0
+
+    def _rewrite_with_header(self, header: bytes) -> None:
+        header += b" " * (-len(header) % 8)  # keep the data 8-byte aligned
+        rewritten = self._path.with_suffix(".rewrite")
+        with open(self._path, "rb") as old, open(rewritten, "wb") as new:
+            new.write(len(header).to_bytes(8, "little"))
+            new.write(header)
+            old.seek(8 + self.header_reserve)
+            shutil.copyfileobj(old, new, 16 << 20)
+        os.replace(rewritten, self._path)
 
     def finish(self) -> list[str]:
         """Name the shards, write the index when sharded; returns the shard file names."""
