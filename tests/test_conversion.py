@@ -848,3 +848,19 @@ def test_streaming_writer_writes_valid_safetensors(tmp_path, expected_tensors):
             assert loaded.dtype == tensor.dtype and torch.equal(loaded, tensor), name
         assert handle.metadata() == {"format": "pt"}
     assert not list(tmp_path.glob("*.part")) and not list(tmp_path.glob("*.rewrite"))
+
+
+def test_streaming_writer_stores_expanded_views_without_copying(tmp_path):
+    from safetensors.torch import load_file
+
+    from diff_transformer.conversion.layout import stored_as
+    from diff_transformer.conversion.writer import ShardWriter
+
+    q = torch.randn(3 * 4, 5)  # 3 heads of 4 rows
+    doubled = stored_as(q.reshape(3, 1, 4, 5).expand(3, 2, 4, 5), (24, 5))
+    writer = ShardWriter(tmp_path)
+    writer.add("q", doubled)
+    writer.finish()
+    assert writer.shapes["q"] == (24, 5)
+    expected = q.reshape(3, 4, 5).repeat_interleave(2, dim=0).reshape(24, 5)  # head i's rows twice
+    assert torch.equal(load_file(tmp_path / "model.safetensors")["q"], expected)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConversionError, one_line
-from .layout import IGNORED_SOURCE_TENSORS, Geometry, make_tensor_map
+from .layout import IGNORED_SOURCE_TENSORS, Geometry, make_tensor_map, stored_as
 from .source import SourceCheckpoint, check_float_dtypes, open_source, read_weights_headers
 from .writer import ShardWriter
 
@@ -517,7 +517,10 @@ def _stream(
                         ) from exc
                     for out_name, out_tensor in tensor_map(name, tensor):
                         if target_dtype is not None and not _FP32_PARAMETERS.search(out_name):
-                            out_tensor = out_tensor.to(target_dtype)
+                            cast = out_tensor.to(target_dtype)
+                            if hasattr(out_tensor, "stored_shape"):
+                                cast = stored_as(cast, out_tensor.stored_shape)
+                            out_tensor = cast
                         writer.add(out_name, out_tensor)
                     del tensor
             if writer.max_shard_bytes is None:

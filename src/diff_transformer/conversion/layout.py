@@ -159,6 +159,13 @@ def diffllama_kv_permutation(num_kv_heads: int) -> list[int]:
     return [g + c * half for g in range(half) for c in range(2)]
 
 
+def stored_as(view: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Mark a view whose row-major bytes are a tensor of `shape` (one that reshaping would have to copy): the
+    ShardWriter stores it under `shape` and streams its bytes without materialising it."""
+    view.stored_shape = tuple(shape)
+    return view
+
+
 class TensorMap:
     """Maps one source tensor to the output tensors it becomes (the converter streams through this)."""
 
@@ -189,8 +196,10 @@ class LlamaToV2(TensorMap):
         g = self.geometry
         if proj == "q_proj":
             rest = tensor.shape[1:]
-            doubled = tensor.reshape(g.num_heads, g.head_dim, *rest).repeat_interleave(2, dim=0)
-            yield name, doubled.reshape(2 * g.num_heads * g.head_dim, *rest).contiguous()
+            heads = tensor.reshape(g.num_heads, 1, g.head_dim, *rest)  # (H, 1, d, ...)
+            # (H, 2, d, ...) view, rows of head i twice: the writer streams it without materialising the copy
+            doubled = heads.expand(g.num_heads, 2, g.head_dim, *rest)
+            yield name, stored_as(doubled, (2 * g.num_heads * g.head_dim, *rest))
             if kind == "weight":
                 # Zero is safe here: dL/dW_λ[h] = -0.25 (dL/dO_h · a_{2h+1}) x is non-zero.
                 yield (

@@ -56,28 +56,39 @@ class ShardWriter:
             raise ConversionError(f"internal error: output tensor {name} produced twice; please report this bug.")
         if tensor.dtype not in _SAFETENSORS_DTYPES:
             raise ConversionError(f"tensor {name} has dtype {tensor.dtype}, which safetensors cannot store.")
+        shape = tuple(getattr(tensor, "stored_shape", tensor.shape))  # see layout.stored_as
         size = tensor.numel() * tensor.element_size()
         if self.max_shard_bytes is not None and self._entries and self._pending_bytes + size > self.max_shard_bytes:
             self.close_shard()
         if self._file is None:
             self._open_shard()
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()  # raw bytes, no copy
         try:
-            self._file.write(data)
+            self._write(tensor.detach())
         except OSError as exc:
             raise ConversionError(
                 f"writing shard {self._path.name} in {self.directory} failed ({exc}): check free disk space and permissions."
             ) from exc
         self._entries[name] = {
             "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
+            "shape": list(shape),
             "data_offsets": [self._pending_bytes, self._pending_bytes + size],
         }
         self._pending_bytes += size
-        self.shapes[name] = tuple(tensor.shape)
+        self.shapes[name] = shape
         self.dtypes[name] = tensor.dtype
         self.total_bytes += size
         self.total_parameters += tensor.numel()
+
+    def _write(self, tensor: torch.Tensor) -> None:
+        """Write a tensor's bytes in row-major order without copying where its leading slices are contiguous: an
+        expanded view (e.g. V2's duplicated query heads) goes out as views of the source, with no new allocation."""
+        if tensor.is_contiguous():
+            self._file.write(tensor.reshape(-1).view(torch.uint8).numpy())
+        elif tensor.dim() > 1 and tensor.shape[0] <= 4096:
+            for row in tensor:
+                self._write(row)
+        else:
+            self._file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
 
     def _open_shard(self) -> None:
         self._path = self.directory / f".shard-{len(self._written):05d}.safetensors.part"
