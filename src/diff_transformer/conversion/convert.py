@@ -18,17 +18,13 @@ from pathlib import Path
 
 import torch
 
+from ..configuration_diff import AUTO_MAP
 from .errors import ConversionError, one_line
 from .layout import IGNORED_SOURCE_TENSORS, Geometry, make_tensor_map, stored_as
 from .source import SourceCheckpoint, check_float_dtypes, open_source, read_weights_headers
 from .writer import ShardWriter
 
 
-AUTO_MAP = {
-    "AutoConfig": "configuration_diff.DiffConfig",
-    "AutoModel": "modeling_diff.DiffModel",
-    "AutoModelForCausalLM": "modeling_diff.DiffForCausalLM",
-}
 CUSTOM_CODE_FILES = ("configuration_diff.py", "modeling_diff.py")
 
 # Llama / DiffLlama config fields that DiffConfig shares with the same meaning (the head geometry is set separately).
