@@ -65,9 +65,7 @@ class ShardWriter:
         try:
             self._write(tensor.detach())
         except OSError as exc:
-            raise ConversionError(
-                f"writing shard {self._path.name} in {self.directory} failed ({exc}): check free disk space and permissions."
-            ) from exc
+            raise self._write_error(exc) from exc
         self._entries[name] = {
             "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
             "shape": list(shape),
@@ -90,6 +88,11 @@ class ShardWriter:
         else:
             self._file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
 
+    def _write_error(self, exc: OSError) -> ConversionError:
+        return ConversionError(
+            f"writing shard {self._path.name} in {self.directory} failed ({exc}): check free disk space and permissions."
+        )
+
     def _open_shard(self) -> None:
         self._path = self.directory / f".shard-{len(self._written):05d}.safetensors.part"
         self._file = open(self._path, "wb")  # noqa: SIM115 - closed in close_shard
@@ -103,16 +106,14 @@ class ShardWriter:
         try:
             if len(header) <= self.header_reserve:
                 self._file.seek(0)
-                self._file.write(len(header + b" " * (self.header_reserve - len(header))).to_bytes(8, "little"))
+                self._file.write(self.header_reserve.to_bytes(8, "little"))  # the rest of the reservation is spaces
                 self._file.write(header)
                 self._file.close()
             else:
                 self._file.close()
                 self._rewrite_with_header(header)
         except OSError as exc:
-            raise ConversionError(
-                f"writing shard {self._path.name} in {self.directory} failed ({exc}): check free disk space and permissions."
-            ) from exc
+            raise self._write_error(exc) from exc
         self._written.append((self._path, list(self._entries)))
         self._file, self._entries, self._pending_bytes = None, {}, 0
 
