@@ -60,9 +60,9 @@ class ShardWriter:
         size = tensor.numel() * tensor.element_size()
         if self.max_shard_bytes is not None and self._entries and self._pending_bytes + size > self.max_shard_bytes:
             self.close_shard()
-        if self._file is None:
-            self._open_shard()
         try:
+            if self._file is None:
+                self._open_shard()
             self._write(tensor.detach())
         except OSError as exc:
             raise self._write_error(exc) from exc
