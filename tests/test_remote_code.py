@@ -1,29 +1,19 @@
 """A saved Diff model loads with trust_remote_code=True in an interpreter where diff_transformer cannot be imported."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from _subprocess import run_json
 from conftest import tiny_model
 
 
-# Runs in a fresh interpreter: any attempt to import diff_transformer fails, exactly as on a machine without it.
+# Runs in a fresh interpreter where any attempt to import diff_transformer fails (see _subprocess.py).
 LOADER = textwrap.dedent(
     """
-    import importlib.abc, json, sys
-
-    class BlockDiffTransformer(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "diff_transformer" or name.startswith("diff_transformer."):
-                raise ImportError("diff_transformer is not installed here")
-            return None
-
-    sys.meta_path.insert(0, BlockDiffTransformer())
+    import json, sys
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -53,17 +43,7 @@ LOADER = textwrap.dedent(
 
 
 def run_isolated(source, ids, env_extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
-    env.update(env_extra)
-    result = subprocess.run(
-        [sys.executable, "-c", LOADER, str(source), json.dumps(ids)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_json(LOADER, source, json.dumps(ids), env=env_extra)
 
 
 def check(report, model, ids):
