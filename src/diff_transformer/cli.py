@@ -100,6 +100,17 @@ def _generate(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    from diff_transformer.training.data import TrainingError
+    from diff_transformer.training.train import run
+
+    try:
+        return run(args)
+    except TrainingError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="diff-transformer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -127,6 +138,11 @@ def main(argv=None) -> int:
     generate.add_argument("--max-new-tokens", type=int, default=32)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     generate.set_defaults(func=_generate)
+
+    from diff_transformer.training.args import add_train_arguments
+
+    train = commands.add_parser("train", help="continued pretraining (transformers' Trainer) on local .txt/.jsonl files")
+    add_train_arguments(train).set_defaults(func=_train)
 
     args = parser.parse_args(argv)
     return args.func(args)

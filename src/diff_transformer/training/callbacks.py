@@ -1,0 +1,96 @@
+"""Trainer callbacks: λ per layer in the logs, and the perplexity of an evaluation."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+
+_LAMBDA_MODULE = re.compile(r"layers\.(\d+)\.self_attn\.diff_lambda(?:\.modules_to_save\.(\w+))?$")
+
+
+def lambda_modules(model) -> dict[int, torch.nn.Module]:
+    """Layer index -> the `diff_lambda` module that runs in the forward pass.
+
+    Under PEFT with `modules_to_save=["diff_lambda"]` the trained copy (`...diff_lambda.modules_to_save.<adapter>`)
+    runs instead of the original, so it wins. Matched by class name, so remote-code copies of the model work too.
+    """
+    found: dict[int, tuple[bool, torch.nn.Module]] = {}
+    for name, module in model.named_modules():
+        match = _LAMBDA_MODULE.search(name)
+        if match and type(module).__name__ in ("DiffLambdaV1", "DiffLambdaV2"):
+            layer, is_copy = int(match.group(1)), match.group(2) is not None
+            if layer not in found or is_copy:
+                found[layer] = (is_copy, module)
+    return {layer: found[layer][1] for layer in sorted(found)}
+
+
+class LambdaLoggingCallback(TrainerCallback):
+    """Adds λ per layer to every training log (so TensorBoard, the progress bar and `log_history` all see it).
+
+    * V1: `lambda/layer_NN` = the layer's scalar exp(λq1·λk1) - exp(λq2·λk2) + λ_init at the logging step.
+    * V2: `lambda/layer_NN` and `lambda_std/layer_NN` = mean and std of sigmoid(W_λ x) over every token and head of
+      the training batches since the previous log (all processes), recorded by a forward hook on `diff_lambda`.
+      Under gradient checkpointing the recomputed forward records the same values again, which leaves mean and
+      (population) std unchanged.
+
+    It must run before the reporting callbacks: `train.build_trainer` puts it first in the callback list.
+    """
+
+    def __init__(self, model):
+        self.modules = lambda_modules(model)
+        self.version = 1 if any(type(m).__name__ == "DiffLambdaV1" for m in self.modules.values()) else 2
+        self.stats: dict[int, torch.Tensor] = {}  # layer -> float64 [count, sum, sum of squares]
+        self.handles = []
+        if self.version == 2:
+            for layer, module in self.modules.items():
+                self.handles.append(module.register_forward_hook(self._hook(layer)))
+
+    def _hook(self, layer: int):
+        def record(module, inputs, output):
+            if not module.training:  # evaluation batches are not training statistics
+                return
+            lam = output.detach().double()
+            update = torch.stack([lam.new_tensor(lam.numel()), lam.sum(), lam.square().sum()])
+            self.stats[layer] = update if layer not in self.stats else self.stats[layer] + update
+
+        return record
+
+    @torch.no_grad()
+    def values(self, device=None) -> dict[str, float]:
+        """The λ figures since the last call (V2 statistics are reset)."""
+        if self.version == 1:
+            return {f"lambda/layer_{layer:02d}": float(module()) for layer, module in self.modules.items()}
+        if not self.modules:
+            return {}
+        layers = list(self.modules)
+        zero = torch.zeros(3, dtype=torch.float64, device=device)
+        stats = torch.stack([self.stats.get(layer, zero).to(zero.device) for layer in layers])  # (L, 3)
+        self.stats = {}
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(stats)  # every process logs at the same steps, so this collective is matched
+        out = {}
+        for layer, (count, total, squares) in zip(layers, stats.tolist()):
+            if count:
+                mean = total / count
+                out[f"lambda/layer_{layer:02d}"] = mean
+                out[f"lambda_std/layer_{layer:02d}"] = math.sqrt(max(squares / count - mean * mean, 0.0))
+        return out
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or "loss" not in logs or not self.modules:  # training logs only (not eval / summary)
+            return
+        values = self.values(device=args.device)
+        logs.update(values)
+        # Trainer appended a copy of `logs` to log_history just before calling on_log.
+        if state.log_history and state.log_history[-1].get("step") == state.global_step and "loss" in state.log_history[-1]:
+            state.log_history[-1].update(values)
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []

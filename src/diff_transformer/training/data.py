@@ -1,0 +1,133 @@
+"""Local text for causal-LM training: read, tokenise, pack into fixed-size blocks, hold out a split.
+
+* A `.jsonl` file holds one document per line (a JSON object; its `text_field` is the text); any other file is one
+  document, read as UTF-8.
+* Every document is tokenised without special tokens and followed by the eos token; the documents of all files are
+  concatenated into one stream, in the order given.
+* The stream is cut into consecutive blocks of `block_size` tokens. With a bos token, each block is bos followed by
+  `block_size - 1` stream tokens (every window then looks like the start of a sequence, as in the shipped tiny
+  Llama's training); the tail shorter than a block is dropped. Labels are the inputs (the model shifts them).
+* The held-out split takes evenly spaced whole blocks (no randomness), so train and eval never share a token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+
+class TrainingError(ValueError):
+    """A problem with the input of `diff-transformer train`; a one-line message that names it and the fix."""
+
+
+def read_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
+    path = Path(path)
+    if not path.is_file():
+        raise TrainingError(f"data file {path} does not exist (or is not a file)")
+    if path.suffix.lower() != ".jsonl":
+        yield path.read_text(encoding="utf-8")
+        return
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise TrainingError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                raise TrainingError(f"{path}:{number}: no string field {text_field!r} (choose the field with --text-field)")
+            yield record[text_field]
+
+
+def tokenize_files(tokenizer, paths: Sequence[str | Path], text_field: str = "text") -> list[int]:
+    """The token stream of all documents of `paths`: tokens of each document followed by eos."""
+    stream: list[int] = []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    for path in paths:
+        for text in read_documents(path, text_field):
+            if text:
+                stream.extend(tokenizer(text, add_special_tokens=False, verbose=False).input_ids)
+                stream.extend(eos)
+    return stream
+
+
+def pack(stream: Sequence[int], block_size: int, bos_token_id: int | None = None) -> torch.Tensor:
+    """(n_blocks, block_size) LongTensor: consecutive slices of `stream`, each after `bos_token_id` if given."""
+    span = block_size - (bos_token_id is not None)
+    if span < 1:
+        raise TrainingError(f"block size {block_size} is too small")
+    n = len(stream) // span
+    blocks = torch.tensor(stream[: n * span], dtype=torch.long).view(n, span)
+    if bos_token_id is not None:
+        blocks = torch.cat([torch.full((n, 1), bos_token_id, dtype=torch.long), blocks], dim=1)
+    return blocks
+
+
+def held_out_indices(n_blocks: int, fraction: float) -> torch.Tensor:
+    """round(fraction * n) block indices spread evenly over [0, n) (at least one when fraction > 0)."""
+    if fraction <= 0:
+        return torch.empty(0, dtype=torch.long)
+    n_eval = max(1, round(fraction * n_blocks))
+    return ((torch.arange(n_eval, dtype=torch.float64) + 0.5) * n_blocks / n_eval).long()
+
+
+class BlockDataset(torch.utils.data.Dataset):
+    """Packed blocks as the dicts Trainer's default collator stacks."""
+
+    def __init__(self, blocks: torch.Tensor):
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
+
+
+def build_datasets(
+    tokenizer,
+    data: Sequence[str | Path],
+    block_size: int,
+    *,
+    eval_data: Sequence[str | Path] | None = None,
+    eval_fraction: float = 0.05,
+    text_field: str = "text",
+    bos: bool = True,
+) -> tuple[BlockDataset, BlockDataset | None]:
+    """(train, eval) datasets; eval is `eval_data` packed alike, else a `eval_fraction` split of `data` (or None)."""
+    for path in list(data) + list(eval_data or []):  # fail on a missing file before spending time tokenising
+        if not Path(path).is_file():
+            raise TrainingError(f"data file {path} does not exist (or is not a file)")
+    if not 0 <= eval_fraction < 1:
+        raise TrainingError(f"--eval-fraction {eval_fraction} must be in [0, 1)")
+    bos_id = tokenizer.bos_token_id if bos else None
+
+    def blocks_of(paths, role):
+        stream = tokenize_files(tokenizer, paths, text_field)
+        blocks = pack(stream, block_size, bos_id)
+        if len(blocks) == 0:
+            names = ", ".join(str(p) for p in paths)
+            raise TrainingError(
+                f"{role} data ({names}) has {len(stream)} tokens, fewer than one block of {block_size}: "
+                "add text or lower --block-size"
+            )
+        return blocks
+
+    blocks = blocks_of(data, "training")
+    if eval_data:
+        return BlockDataset(blocks), BlockDataset(blocks_of(eval_data, "eval"))
+    held = held_out_indices(len(blocks), eval_fraction)
+    if len(held) == 0:
+        return BlockDataset(blocks), None
+    keep = torch.ones(len(blocks), dtype=torch.bool)
+    keep[held] = False
+    if not keep.any():
+        raise TrainingError(
+            f"only {len(blocks)} block(s) of {block_size} tokens: nothing left to train on after holding out "
+            f"{len(held)}; add text, lower --block-size or --eval-fraction, or pass --eval-data"
+        )
+    return BlockDataset(blocks[keep]), BlockDataset(blocks[held])

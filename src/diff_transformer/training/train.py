@@ -1,0 +1,291 @@
+"""`diff-transformer train`: continued pretraining of a Diff checkpoint with transformers' Trainer.
+
+    diff-transformer train MODEL --data corpus.txt --output run/ --max-steps 1000 --eval-steps 100
+    torchrun --nproc_per_node 2 -m diff_transformer.cli train MODEL --data corpus.txt --output run/   # DDP
+
+Everything that Trainer already does (the loop, lr schedule and warm-up, gradient accumulation, mixed precision,
+activation checkpointing, checkpoints with optimizer/scheduler/RNG state and exact resume, progress bars, TensorBoard,
+DDP) is Trainer's; this module only turns the command line into `TrainingArguments`, packs the text
+(`data.py`) and adds three things: the perplexity of every evaluation, λ per layer in the logs (`callbacks.py`) and
+`--diff-only-steps` (`freeze.py`). Summaries are printed by the main process only; Trainer writes its own files there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+import diff_transformer  # noqa: F401  (registers model_type "diff" with the Auto classes)
+
+from .args import parse_train_args
+from .callbacks import LambdaLoggingCallback
+from .data import TrainingError, build_datasets
+from .freeze import DiffOnlyCallback
+
+
+DEFAULT_BLOCK_SIZE = 1024
+
+
+class CausalLMTrainer(Trainer):
+    """Trainer whose evaluations also report perplexity = exp(mean token NLL) as `<prefix>_perplexity`.
+
+    The eval loss is already the mean NLL over every predicted token: all blocks have the same length and no padding,
+    and Trainer weights each batch's mean loss by its number of blocks."""
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        loss = output.metrics.get(f"{metric_key_prefix}_loss")
+        if loss is not None:
+            output.metrics[f"{metric_key_prefix}_perplexity"] = math.exp(min(loss, 700.0))
+        return output
+
+
+def _checkpoints(output: Path) -> list[Path]:
+    return sorted(output.glob(f"{PREFIX_CHECKPOINT_DIR}-*")) if output.is_dir() else []
+
+
+def resolve_resume(args) -> str | None:
+    output = Path(args.output)
+    if args.resume is None:
+        if _checkpoints(output) and not args.overwrite:
+            raise TrainingError(
+                f"{output} already holds checkpoints: pass --resume to continue from the last one, or --overwrite to start over"
+            )
+        return None
+    if args.resume == "auto":
+        last = get_last_checkpoint(str(output)) if output.is_dir() else None
+        if last is None:
+            raise TrainingError(f"--resume: no {PREFIX_CHECKPOINT_DIR}-N directory in {output}; run without --resume first")
+        return last
+    if not (Path(args.resume) / "trainer_state.json").is_file():
+        raise TrainingError(f"--resume {args.resume}: not a Trainer checkpoint (no trainer_state.json)")
+    return args.resume
+
+
+def load_config(args):
+    try:
+        config = AutoConfig.from_pretrained(args.model)
+    except (OSError, ValueError) as error:
+        raise TrainingError(f"cannot load a model config from {args.model!r}: {str(error).splitlines()[0]}") from None
+    if config.model_type != "diff" and not args.any_model:
+        raise TrainingError(
+            f"{args.model} is a {config.model_type!r} checkpoint, not a Diff model: convert it first "
+            f"(diff-transformer convert {args.model} OUT), or pass --any-model to train it as it is (e.g. as a baseline)"
+        )
+    return config
+
+
+def check_args(args, config) -> int:
+    """Validate the options that do not need the data; returns the block size."""
+    context = getattr(config, "max_position_embeddings", None)
+    block_size = args.block_size or min(DEFAULT_BLOCK_SIZE, context or DEFAULT_BLOCK_SIZE)
+    if block_size < 2:
+        raise TrainingError(f"--block-size {block_size} must be at least 2")
+    if context is not None and block_size > context:
+        raise TrainingError(f"--block-size {block_size} exceeds the model's context ({context} positions): lower it")
+    if args.warmup_steps is not None and args.warmup_ratio is not None:
+        raise TrainingError("give --warmup-steps or --warmup-ratio, not both")
+    if args.warmup_ratio is not None and not 0 <= args.warmup_ratio < 1:
+        raise TrainingError(f"--warmup-ratio {args.warmup_ratio} must be in [0, 1)")
+    for flag in ("batch_size", "grad_accum", "logging_steps", "save_steps"):
+        if getattr(args, flag) < 1:
+            raise TrainingError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise TrainingError("--max-steps must be at least 1")
+    if args.diff_only_steps < 0:
+        raise TrainingError("--diff-only-steps must be >= 0")
+    if args.diff_only_steps and config.model_type != "diff":
+        raise TrainingError("--diff-only-steps needs a Diff model")
+    if args.diff_only_steps and args.lora:
+        raise TrainingError("--diff-only-steps and --lora do not combine (LoRA already trains only adapters and λ)")
+    if args.load_in_4bit:
+        if not args.lora:
+            raise TrainingError("--load-in-4bit needs --lora (4-bit weights cannot be trained directly)")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise TrainingError("--load-in-4bit needs bitsandbytes: pip install bitsandbytes")
+        if not torch.cuda.is_available():
+            raise TrainingError("--load-in-4bit needs a CUDA GPU")
+    return block_size
+
+
+def use_bf16(choice: str) -> bool:
+    if choice == "auto":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return choice == "on"
+
+
+def load_model(args, training_args):
+    kwargs = {"dtype": getattr(torch, args.dtype)}
+    if args.attn_implementation:
+        kwargs["attn_implementation"] = args.attn_implementation
+    if args.load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        compute = torch.bfloat16 if training_args.bf16 else torch.float32
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute, bnb_4bit_use_double_quant=True
+        )
+        kwargs["device_map"] = {"": training_args.device}
+    model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)
+    if args.lora:
+        model = add_lora(model, args)
+    return model
+
+
+def add_lora(model, args):
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if args.load_in_4bit:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
+    # λ is tiny (V1: 4 vectors, V2: one H x D matrix per layer) and is what differential attention learns, so by
+    # default it is trained in full and saved with the adapter.
+    train_lambda = not args.lora_freeze_lambda and any(n.endswith("diff_lambda") for n, _ in model.named_modules())
+    config = LoraConfig(
+        task_type="CAUSAL_LM",
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=args.lora_target_modules,
+        modules_to_save=["diff_lambda"] if train_lambda else None,
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as error:
+        if args.lora_target_modules is None and "target_modules" in str(error):
+            raise TrainingError(
+                f"PEFT has no default LoRA target modules for model_type {model.config.model_type!r}: "
+                "pass --lora-target-modules (e.g. q_proj k_proj v_proj o_proj)"
+            ) from None
+        raise TrainingError(f"LoRA: {str(error).splitlines()[0]}") from None
+
+
+def training_arguments(args, has_eval: bool, resuming: bool) -> TrainingArguments:
+    bf16 = use_bf16(args.bf16)
+    warmup = args.warmup_ratio if args.warmup_ratio is not None else (args.warmup_steps or 0)
+    report_to = "none" if args.report_to in (["none"], []) else args.report_to
+    return TrainingArguments(
+        output_dir=args.output,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.eval_batch_size or args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.lr,
+        lr_scheduler_type=args.lr_scheduler,
+        warmup_steps=warmup,  # Trainer reads a float in [0, 1) as a ratio of all steps
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm,
+        max_steps=args.max_steps or -1,
+        num_train_epochs=args.epochs,
+        bf16=bf16,
+        use_cpu=bf16 and not torch.cuda.is_available(),  # CPU bf16 autocast must be asked for explicitly
+        activation_checkpointing=args.gradient_checkpointing or None,
+        logging_steps=args.logging_steps,
+        logging_first_step=True,
+        eval_strategy="steps" if has_eval and args.eval_steps else "no",
+        eval_steps=args.eval_steps,
+        eval_on_start=has_eval and args.eval_on_start and not resuming,
+        save_strategy="steps",
+        save_steps=args.save_steps,
+        save_total_limit=args.save_total_limit,
+        seed=args.seed,
+        report_to=report_to,
+        disable_tqdm=args.quiet,
+        # Frozen parameters get no gradient during --diff-only-steps; DDP must not wait for them.
+        ddp_find_unused_parameters=True if args.diff_only_steps else None,
+        remove_unused_columns=False,
+        dataloader_pin_memory=torch.cuda.is_available(),
+    )
+
+
+def build_trainer(args) -> CausalLMTrainer:
+    """Everything `run` needs, without training: the Trainer (model, data, callbacks) for `args`."""
+    config = load_config(args)
+    block_size = check_args(args, config)
+    resume = resolve_resume(args)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError, TypeError) as error:
+        raise TrainingError(f"{args.model} has no usable tokenizer ({str(error).splitlines()[0]})") from None
+    set_seed(args.seed)  # before the model: LoRA's initialisation draws random numbers
+    train_data, eval_data = build_datasets(
+        tokenizer,
+        args.data,
+        block_size,
+        eval_data=args.eval_data,
+        eval_fraction=args.eval_fraction,
+        text_field=args.text_field,
+        bos=not args.no_bos,
+    )
+    training_args = training_arguments(args, eval_data is not None, resume is not None)
+    if args.overwrite and resume is None:
+        with training_args.main_process_first(desc="removing old checkpoints"):
+            if training_args.process_index == 0:
+                for old in _checkpoints(Path(args.output)):
+                    shutil.rmtree(old)
+    model = load_model(args, training_args)
+
+    callbacks = [DiffOnlyCallback(model, args.diff_only_steps)] if args.diff_only_steps else []
+    trainer = CausalLMTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_data,
+        eval_dataset=eval_data,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+    # First in line, so the λ values it adds to a log reach TensorBoard and the progress bar in the same call.
+    trainer.callback_handler.callbacks.insert(0, LambdaLoggingCallback(model))
+    trainer.resume_checkpoint = resume
+    trainer.block_size = block_size
+    return trainer
+
+
+def run(args) -> int:
+    trainer = build_trainer(args)
+    main = trainer.is_world_process_zero()
+    model, train_data, eval_data = trainer.model, trainer.train_dataset, trainer.eval_dataset
+    if main:
+        n_params = sum(p.numel() for p in model.parameters())
+        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        world = trainer.args.world_size
+        print(
+            f"model: {type(model).__name__} from {args.model}, {n_params:,} parameters ({n_train:,} trainable)\n"
+            f"data: {len(train_data):,} training blocks of {trainer.block_size} tokens"
+            + (f", {len(eval_data):,} held out" if eval_data is not None else ", no evaluation")
+            + f"; {args.batch_size} x {args.grad_accum} accumulation x {world} process(es) = "
+            f"{args.batch_size * args.grad_accum * world} blocks per step"
+            + (f"\nresuming from {trainer.resume_checkpoint}" if trainer.resume_checkpoint else ""),
+            flush=True,
+        )
+    result = trainer.train(resume_from_checkpoint=trainer.resume_checkpoint)
+    trainer.save_model(args.output)  # model (or LoRA adapter) + tokenizer, main process only
+    trainer.save_metrics("train", result.metrics)
+    metrics = trainer.evaluate() if eval_data is not None else {}
+    if metrics:
+        trainer.save_metrics("eval", metrics)
+    trainer.save_state()
+    if main:
+        line = f"done: {result.global_step} steps, mean training loss of this run {result.training_loss:.4f}"
+        if metrics:
+            line += f"; held-out loss {metrics['eval_loss']:.4f}, perplexity {metrics['eval_perplexity']:.3f}"
+        print(line + f"\nsaved to {args.output}", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_train_args(argv)
+    try:
+        return run(args)
+    except TrainingError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,348 @@
+"""`diff-transformer train` (diff_transformer.training): packing, Trainer runs on tiny Diff models, λ logging,
+--diff-only-steps, exact resume, LoRA, CLI errors. Runs train in-process (cli.main / build_trainer) on a 2-layer
+model with the shipped tokenizer; a few steps each."""
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+from conftest import tiny_config
+from diff_transformer import DiffForCausalLM, cli
+from diff_transformer.training.args import parse_train_args
+from diff_transformer.training.data import build_datasets, held_out_indices, pack, tokenize_files
+from diff_transformer.training.freeze import differential_parameters
+from diff_transformer.training.train import build_trainer
+
+
+ASSETS = Path(__file__).resolve().parent.parent / "src" / "diff_transformer" / "assets"
+TOKENIZER = ASSETS / "tiny-llama"
+HELDOUT = (ASSETS / "heldout.txt").read_text(encoding="utf-8")
+BLOCK = 32
+QUIET = ["--quiet", "--report-to", "none", "--block-size", str(BLOCK)]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """Tiny random Diff V1 and V2 checkpoints with the shipped tokenizer, and two text files."""
+    root = tmp_path_factory.mktemp("train")
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    for version in (1, 2):
+        torch.manual_seed(0)
+        config = tiny_config(
+            version,
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        model = DiffForCausalLM._from_config(config, attn_implementation="eager")
+        model.save_pretrained(root / f"v{version}")
+        tokenizer.save_pretrained(root / f"v{version}")
+    (root / "text.txt").write_text(HELDOUT[:2500], encoding="utf-8")  # ~25 blocks of 32 tokens
+    (root / "repeat.txt").write_text(HELDOUT[:300] * 8, encoding="utf-8")
+    return root
+
+
+def train(workdir, version, output, *extra):
+    argv = ["train", str(workdir / f"v{version}"), "--data", str(workdir / "text.txt"), "--output", str(output), *QUIET, *extra]
+    assert cli.main(argv) == 0
+
+
+def trainer_for(workdir, version, output, *extra):
+    argv = [str(workdir / f"v{version}"), "--data", str(workdir / "text.txt"), "--output", str(output), *QUIET, *extra]
+    return build_trainer(parse_train_args(argv))
+
+
+def history(output):
+    return json.loads((Path(output) / "trainer_state.json").read_text())["log_history"]
+
+
+def train_logs(output):
+    return {entry["step"]: entry for entry in history(output) if "loss" in entry}
+
+
+# --- data -------------------------------------------------------------------------------------------------------
+
+
+def test_packing_gives_the_exact_token_stream(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)  # bos <s> = 0, eos </s> = 1
+    (tmp_path / "a.txt").write_text("Emma was handsome.", encoding="utf-8")
+    (tmp_path / "b.jsonl").write_text('{"text": "It is"}\n\n{"text": "a truth.\\n", "id": 7}\n', encoding="utf-8")
+    stream = tokenize_files(tokenizer, [tmp_path / "a.txt", tmp_path / "b.jsonl"])
+    # E m m a Ġwas Ġhandsome . </s> | It Ġis </s> | a Ġtruth . Ċ </s>
+    assert stream == [42, 82, 82, 70, 311, 1580, 19, 1, 1165, 372, 1, 70, 2029, 19, 204, 1]
+    assert pack(stream, 6, bos_token_id=0).tolist() == [
+        [0, 42, 82, 82, 70, 311],
+        [0, 1580, 19, 1, 1165, 372],
+        [0, 1, 70, 2029, 19, 204],
+    ]  # the last eos does not fill a block: dropped
+    assert pack(stream, 6).tolist() == [[42, 82, 82, 70, 311, 1580], [19, 1, 1165, 372, 1, 70]]
+
+
+def test_held_out_split_is_even_and_disjoint(tmp_path):
+    assert held_out_indices(10, 0.2).tolist() == [2, 7]
+    assert held_out_indices(10, 0.01).tolist() == [5] and held_out_indices(10, 0).tolist() == []
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    (tmp_path / "t.txt").write_text(HELDOUT[:3000], encoding="utf-8")
+    blocks = pack(tokenize_files(tokenizer, [tmp_path / "t.txt"]), 16, 0)
+    train, held = build_datasets(tokenizer, [tmp_path / "t.txt"], 16, eval_fraction=0.2)
+    index = held_out_indices(len(blocks), 0.2)
+    assert torch.equal(held.blocks, blocks[index])
+    rest = torch.ones(len(blocks), dtype=torch.bool)
+    rest[index] = False
+    assert torch.equal(train.blocks, blocks[rest])
+    assert train[0]["input_ids"] is train[0]["labels"] or torch.equal(train[0]["input_ids"], train[0]["labels"])
+
+
+# --- one full run: loss, perplexity, saved model, TensorBoard, exact resume ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def v2_run(workdir):
+    """12 steps on repeated text, checkpoints at 6 and 12, eval at 0, 6 and 12, TensorBoard on."""
+    output = workdir / "run-v2"
+    argv = ["train", str(workdir / "v2"), "--data", str(workdir / "repeat.txt"), "--output", str(output), "--quiet"]
+    argv += ["--block-size", str(BLOCK), "--batch-size", "4", "--eval-batch-size", "3", "--eval-fraction", "0.25"]
+    argv += ["--max-steps", "12", "--lr", "1e-2", "--warmup-steps", "2", "--weight-decay", "0.1", "--logging-steps", "1"]
+    argv += ["--save-steps", "6", "--eval-steps", "6", "--eval-on-start", "--report-to", "tensorboard"]
+    assert cli.main(argv) == 0
+    return argv, output
+
+
+def test_loss_decreases_on_repeated_text(v2_run):
+    logs = train_logs(v2_run[1])
+    assert sorted(logs) == list(range(1, 13))
+    assert logs[12]["loss"] < logs[1]["loss"] - 1.0, (logs[1]["loss"], logs[12]["loss"])
+    evals = [entry for entry in history(v2_run[1]) if "eval_loss" in entry]
+    assert [entry["step"] for entry in evals][:3] == [0, 6, 12] and evals[2]["eval_loss"] < evals[0]["eval_loss"]
+
+
+def test_eval_perplexity_is_mean_token_nll_of_the_saved_model(workdir, v2_run):
+    output = v2_run[1]
+    metrics = json.loads((output / "eval_results.json").read_text())
+    assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]), rel=1e-12)
+    model = AutoModelForCausalLM.from_pretrained(output).eval()  # the saved final model and tokenizer reload
+    assert type(model).__name__ == "DiffForCausalLM"
+    tokenizer = AutoTokenizer.from_pretrained(output)
+    _, held = build_datasets(tokenizer, [workdir / "repeat.txt"], BLOCK, eval_fraction=0.25)
+    assert len(held) % 3 != 0  # eval batches of 3 with a shorter last one: weighting is exercised
+    with torch.no_grad():
+        logits = model(held.blocks).logits
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), held.blocks[:, 1:].reshape(-1))
+    assert metrics["eval_loss"] == pytest.approx(nll.item(), rel=1e-5)
+
+
+def test_tensorboard_events_hold_lambda_scalars(v2_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs = list((v2_run[1] / "runs").iterdir())
+    assert len(runs) == 1
+    events = EventAccumulator(str(runs[0]))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "eval/perplexity", "train/lambda/layer_00", "train/lambda_std/layer_01"} <= tags
+    logged = {e.step: e.value for e in events.Scalars("train/lambda/layer_01")}
+    logs = train_logs(v2_run[1])
+    assert sorted(logged) == list(range(1, 13))
+    assert all(logged[s] == pytest.approx(logs[s]["lambda/layer_01"], rel=1e-6) for s in logged)
+    assert logs[1]["lambda_std/layer_01"] > 0  # sigmoid of a random projection: per-token values differ
+
+
+def test_resume_reproduces_the_uninterrupted_run(workdir, v2_run):
+    argv, full = v2_run
+    resumed = workdir / "run-v2-resumed"
+    resumed.mkdir()
+    shutil.copytree(full / "checkpoint-6", resumed / "checkpoint-6")  # as if the run had stopped after step 6
+    argv = [resumed if a == str(full) else a for a in argv]
+    assert cli.main([str(a) for a in argv] + ["--resume"]) == 0
+    expected, got = train_logs(full), train_logs(resumed)
+    assert sorted(got) == list(range(1, 13))  # steps 1-6 come from the checkpoint's trainer_state.json
+    for step in range(7, 13):
+        for key, value in expected[step].items():
+            if key.startswith(("loss", "grad_norm", "learning_rate", "lambda")):
+                assert got[step][key] == value, (step, key)
+    a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst == 0.0, worst  # bit for bit on CPU: same data order, RNG, optimizer and scheduler state
+
+
+# --- λ logging ----------------------------------------------------------------------------------------------------
+
+
+def test_lambda_v1_logs_equal_the_scalar_from_the_weights(workdir, tmp_path):
+    train(workdir, 1, tmp_path, "--max-steps", "4", "--lr", "1e-2", "--logging-steps", "1", "--save-steps", "2", "--eval-fraction", "0")
+    logs = train_logs(tmp_path)
+    for step, weights in ((2, load_file(tmp_path / "checkpoint-2" / "model.safetensors")), (4, load_file(tmp_path / "model.safetensors"))):
+        for layer in (0, 1):
+            p = f"model.layers.{layer}.self_attn.diff_lambda."
+            dot = lambda a, b: torch.sum(weights[p + a].double() * weights[p + b].double())  # noqa: E731
+            lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer)
+            expected = math.exp(dot("lambda_q1", "lambda_k1")) - math.exp(dot("lambda_q2", "lambda_k2")) + lambda_init
+            assert logs[step][f"lambda/layer_{layer:02d}"] == pytest.approx(expected, abs=1e-6)
+    assert logs[4]["lambda/layer_00"] != logs[2]["lambda/layer_00"]
+
+
+def test_lambda_v2_logs_equal_a_manual_forward(workdir, tmp_path):
+    # One step whose single batch holds every training block: the statistics are those of all blocks under the
+    # initial weights (the forward runs before the update).
+    trainer = trainer_for(workdir, 2, tmp_path, "--max-steps", "1", "--batch-size", "64", "--eval-fraction", "0", "--logging-steps", "1")
+    blocks = trainer.train_dataset.blocks
+    model = AutoModelForCausalLM.from_pretrained(workdir / "v2", attn_implementation="eager").eval()
+    with torch.no_grad():
+        hidden = model(blocks, output_hidden_states=True).hidden_states  # hidden[i] = input of layer i
+    expected = {}
+    for i, layer in enumerate(model.model.layers):
+        lam = torch.sigmoid(layer.self_attn.diff_lambda.proj(layer.input_layernorm(hidden[i]))).double()
+        expected[i] = (lam.mean().item(), lam.std(unbiased=False).item())
+    trainer.train()
+    log = trainer.state.log_history[0]
+    for i, (mean, std) in expected.items():
+        assert log[f"lambda/layer_{i:02d}"] == pytest.approx(mean, abs=1e-6)
+        assert log[f"lambda_std/layer_{i:02d}"] == pytest.approx(std, abs=1e-6)
+    assert expected[0][1] > 1e-3  # random projections: a non-trivial spread to compare
+
+
+# --- gradient accumulation ----------------------------------------------------------------------------------------
+
+
+class RecordGrads(TrainerCallback):
+    def __init__(self):
+        self.grads = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_grad_accumulation_matches_a_larger_batch(workdir, tmp_path):
+    (tmp_path / "two.txt").write_text(HELDOUT[:300], encoding="utf-8")  # 2 blocks: the step sees both either way
+    results = []
+    for batch, accum in ((2, 1), (1, 2)):
+        argv = [str(workdir / "v2"), "--data", str(tmp_path / "two.txt"), "--output", str(tmp_path / f"b{batch}"), *QUIET]
+        argv += ["--batch-size", str(batch), "--grad-accum", str(accum), "--max-steps", "1", "--eval-fraction", "0"]
+        argv += ["--max-grad-norm", "0", "--logging-steps", "1", "--seed", "3"]
+        trainer = build_trainer(parse_train_args(argv))
+        assert len(trainer.train_dataset) == 2
+        record = RecordGrads()
+        trainer.add_callback(record)
+        trainer.train()
+        results.append((trainer.state.log_history[0]["loss"], record.grads))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_a == pytest.approx(loss_b, rel=1e-6)
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) > 10
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+# --- --diff-only-steps --------------------------------------------------------------------------------------------
+
+
+class Snapshots(TrainerCallback):
+    def __init__(self, model):
+        self.model = model
+        self.at = {0: self.take()}
+
+    def take(self):
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.at[state.global_step] = self.take()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_diff_only_steps_freezes_exactly_the_old_parameters(workdir, tmp_path, version):
+    trainer = trainer_for(
+        workdir, version, tmp_path, "--diff-only-steps", "2", "--max-steps", "4", "--lr", "1e-2", "--weight-decay", "0.1",
+        "--eval-fraction", "0", "--batch-size", "2",
+    )  # fmt: skip
+    model = trainer.model
+    new = differential_parameters(model)
+    d, H = model.config.head_dim, model.config.num_attention_heads
+    if version == 1:
+        assert sorted(new) == sorted(
+            f"model.layers.{i}.self_attn.{n}" for i in (0, 1) for n in ("diff_lambda.lambda_q1", "diff_lambda.lambda_k1", "diff_lambda.lambda_q2", "diff_lambda.lambda_k2", "subln.weight")
+        )  # fmt: skip
+    else:
+        assert sorted(new) == sorted(f"model.layers.{i}.self_attn.{n}" for i in (0, 1) for n in ("diff_lambda.proj.weight", "q_proj.weight"))
+        odd = torch.tensor([(r // d) % 2 == 1 for r in range(2 * H * d)])
+        assert all(torch.equal(new[f"model.layers.{i}.self_attn.q_proj.weight"], odd) for i in (0, 1))
+    snaps = Snapshots(model)
+    trainer.add_callback(snaps)
+    trainer.train()
+    at = snaps.at
+    assert all(p.requires_grad for p in model.parameters())  # unfrozen again
+    for name in at[0]:
+        mask = new.get(name, "frozen")
+        for step in (1, 2):
+            if mask == "frozen":
+                assert torch.equal(at[step][name], at[0][name]), (name, step)
+            elif mask is None:
+                assert not torch.equal(at[step][name], at[step - 1][name]), (name, step)
+            else:  # V2 q_proj: the source's query heads (even blocks) stay, the copies (odd blocks) move
+                assert torch.equal(at[step][name][~mask], at[0][name][~mask]), (name, step)
+                assert not torch.equal(at[step][name][mask], at[step - 1][name][mask]), (name, step)
+        assert not torch.equal(at[4][name], at[3][name]), name  # every parameter trains after step 2
+
+
+# --- LoRA ---------------------------------------------------------------------------------------------------------
+
+
+def test_lora_trains_adapters_and_lambda_and_saves_the_adapter(workdir, tmp_path):
+    from peft import PeftModel
+
+    train(
+        workdir, 2, tmp_path, "--lora", "--lora-target-modules", "q_proj", "v_proj", "--lora-r", "4", "--max-steps", "3",
+        "--lr", "1e-2", "--eval-fraction", "0",
+    )  # fmt: skip
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["r"] == 4 and sorted(config["target_modules"]) == ["q_proj", "v_proj"] and config["modules_to_save"] == ["diff_lambda"]
+    adapter = load_file(tmp_path / "adapter_model.safetensors")
+    assert any("lora_A" in k for k in adapter) and any("diff_lambda" in k for k in adapter)
+    assert not any("mlp" in k or "embed" in k for k in adapter)
+    base = AutoModelForCausalLM.from_pretrained(workdir / "v2")
+    lam = next(v for k, v in adapter.items() if "layers.0.self_attn.diff_lambda" in k)
+    assert not torch.equal(lam, base.model.layers[0].self_attn.diff_lambda.proj.weight)  # λ trained
+    tuned = PeftModel.from_pretrained(base, tmp_path).eval()
+    ids = torch.tensor([[0, 42, 82, 82, 70]])
+    with torch.no_grad():
+        assert not torch.allclose(tuned(ids).logits, AutoModelForCausalLM.from_pretrained(workdir / "v2")(ids).logits)
+
+
+# --- errors -------------------------------------------------------------------------------------------------------
+
+
+def test_cli_errors_name_the_problem(workdir, tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)).save_pretrained(tmp_path / "llama")
+    (tmp_path / "empty.txt").write_text("", encoding="utf-8")
+    (tmp_path / "bad.jsonl").write_text('{"content": "x"}\n', encoding="utf-8")
+    (tmp_path / "has-ckpt" / "checkpoint-5").mkdir(parents=True)
+    model, text = str(workdir / "v2"), str(workdir / "text.txt")
+    cases = [
+        ([str(tmp_path / "llama"), "--data", text], "convert it first"),
+        ([model, "--data", str(tmp_path / "missing.txt")], "does not exist"),
+        ([model, "--data", str(tmp_path / "empty.txt")], "fewer than one block"),
+        ([model, "--data", str(tmp_path / "bad.jsonl")], "no string field 'text'"),
+        ([model, "--data", text, "--block-size", "65"], "exceeds the model's context (64"),
+        ([model, "--data", text, "--load-in-4bit"], "needs --lora"),
+        ([model, "--data", text, "--lora", "--diff-only-steps", "2"], "do not combine"),
+        ([model, "--data", text, "--resume"], "no checkpoint-N directory"),
+    ]
+    for argv, message in cases:
+        assert cli.main(["train", *argv, "--output", str(tmp_path / "out"), "--quiet"]) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    assert cli.main(["train", model, "--data", text, "--output", str(tmp_path / "has-ckpt")]) == 2
+    assert "pass --resume" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing written on failure
