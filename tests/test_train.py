@@ -302,10 +302,11 @@ def test_lora_trains_adapters_and_lambda_and_saves_the_adapter(workdir, tmp_path
     from peft import PeftModel
 
     train(
-        workdir, 2, tmp_path, "--lora", "--lora-target-modules", "q_proj", "v_proj", "--lora-r", "4", "--max-steps", "3",
+        workdir, 2, tmp_path, "--lora", "--lora-r", "4", "--max-steps", "3",
         "--lr", "1e-2", "--eval-fraction", "0",
     )  # fmt: skip
     config = json.loads((tmp_path / "adapter_config.json").read_text())
+    # No --lora-target-modules: PEFT's default for model_type "diff" (registered by `import diff_transformer`: Llama's).
     assert config["r"] == 4 and sorted(config["target_modules"]) == ["q_proj", "v_proj"] and config["modules_to_save"] == ["diff_lambda"]
     adapter = load_file(tmp_path / "adapter_model.safetensors")
     assert any("lora_A" in k for k in adapter) and any("diff_lambda" in k for k in adapter)
@@ -313,6 +314,9 @@ def test_lora_trains_adapters_and_lambda_and_saves_the_adapter(workdir, tmp_path
     base = AutoModelForCausalLM.from_pretrained(workdir / "v2")
     lam = next(v for k, v in adapter.items() if "layers.0.self_attn.diff_lambda" in k)
     assert not torch.equal(lam, base.model.layers[0].self_attn.diff_lambda.proj.weight)  # λ trained
+    frozen = trainer_for(workdir, 2, tmp_path / "frozen", "--lora", "--lora-freeze-lambda").model  # the flag that turns λ off
+    assert frozen.peft_config["default"].modules_to_save is None
+    assert not any(p.requires_grad for n, p in frozen.named_parameters() if "diff_lambda" in n)
     tuned = PeftModel.from_pretrained(base, tmp_path).eval()
     ids = torch.tensor([[0, 42, 82, 82, 70]])
     with torch.no_grad():

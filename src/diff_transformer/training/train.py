@@ -183,7 +183,9 @@ def training_arguments(args, has_eval: bool, resuming: bool) -> TrainingArgument
         max_steps=args.max_steps or -1,
         num_train_epochs=args.epochs,
         bf16=bf16,
-        use_cpu=bf16 and not torch.cuda.is_available(),  # CPU bf16 autocast must be asked for explicitly
+        # Without an accelerator Trainer must be told it runs on CPU, or it neither allows bf16 autocast nor sets up
+        # DDP under torchrun (it would train one independent copy per process).
+        use_cpu=not torch.accelerator.is_available(),
         activation_checkpointing=args.gradient_checkpointing or None,
         logging_steps=args.logging_steps,
         logging_first_step=True,
