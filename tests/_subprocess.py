@@ -35,6 +35,7 @@ def run_json(script, *args, env, block_diff_transformer=True, timeout=300):
         capture_output=True,
         text=True,
         env=child_env,
+        stdin=subprocess.DEVNULL,  # never wait on transformers' interactive trust_remote_code prompt
         timeout=timeout,
     )
     assert result.returncode == 0, result.stderr[-3000:]
