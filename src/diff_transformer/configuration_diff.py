@@ -35,6 +35,11 @@ class DiffConfig(PreTrainedConfig):
             V1 only. `None` uses the paper's depth schedule `0.8 - 0.6 exp(-0.3 layer_idx)`; a float fixes it.
         lambda_std (`float`, defaults to 0.1):
             Standard deviation of the initial V1 re-parameterisation vectors `lambda_{q,k}{1,2}`.
+        conversion (`dict`, *optional*):
+            Provenance of a checkpoint converted from another architecture, written by the converter: `source`,
+            `base_model` (Hub id, when known), `source_model_type`, `function_preserving`, `converter` and
+            `card_data` (licence/language of the source's card). The model card is built from it, so a converted
+            model re-saved or pushed later still names its base model. `None` for models built as Diff models.
     """
 
     model_type = "diff"
@@ -78,6 +83,7 @@ class DiffConfig(PreTrainedConfig):
     diff_version: int = 1
     lambda_init: float | None = None
     lambda_std: float = 0.1
+    conversion: dict | None = None
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:

@@ -19,8 +19,10 @@ from pathlib import Path
 import torch
 
 from ..configuration_diff import AUTO_MAP
+from ..modeling_diff import diff_model_card
 from .errors import ConversionError, one_line
 from .layout import IGNORED_SOURCE_TENSORS, Geometry, make_tensor_map, stored_as
+from .provenance import conversion_provenance
 from .source import SourceCheckpoint, check_float_dtypes, open_source, read_weights_headers
 from .writer import ShardWriter
 
@@ -465,12 +467,11 @@ def _convert(
         _stream(source, tensor_map, writer, target_dtype, progress, tqdm, f"{source_kind} -> diff v{diff_version}")
         writer.finish()
         _check_output_against_model(config, writer)
+        config.conversion = conversion_provenance(source, source_kind, diff_version)
         config.to_json_file(str(tmp / "config.json"))
         _copy_custom_code(tmp)
         _copy_side_files(source, tmp)
-        from .card import write_model_card
-
-        write_model_card(tmp, source, config, source_kind=source_kind, out_name=out_path.name)
+        diff_model_card(config, out_path.name).save(tmp / "README.md")  # the card save_pretrained writes too
         _install(tmp, out_path)
     except BaseException as exc:
         if tmp is not None:
