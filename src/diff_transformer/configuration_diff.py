@@ -16,6 +16,17 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_diff.DiffForCausalLM",
 }
 
+# Tensor-parallel rules for λ (not serialised: transformers drops `base_model_tp_plan` from config.json).
+# V2: W_λ has one row per differential head, so it is split with its heads. V1: λ's four vectors and `subln` are
+# replicated, but on each rank they only act on that rank's heads, so their gradients are summed over the ranks.
+_TP_PLAN_BY_VERSION = {
+    1: {
+        "layers.*.self_attn.diff_lambda": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.subln": "replicated_with_grad_allreduce",
+    },
+    2: {"layers.*.self_attn.diff_lambda.proj": "colwise"},
+}
+
 
 @strict
 class DiffConfig(PreTrainedConfig):
@@ -44,12 +55,13 @@ class DiffConfig(PreTrainedConfig):
 
     model_type = "diff"
     keys_to_ignore_at_inference = ["past_key_values"]
+    # Llama's plan. q/k/v weights are head-major (rows of head h, then h+1), so a contiguous colwise split gives each
+    # rank whole differential heads with their own q1/q2, k1/k2 and v pieces. __post_init__ adds each version's λ.
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
         "layers.*.self_attn.v_proj": "colwise",
         "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.self_attn.diff_lambda.proj": "colwise",  # V2: one λ per local head
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
@@ -93,6 +105,7 @@ class DiffConfig(PreTrainedConfig):
             self.head_dim = self.hidden_size // (2 * self.num_attention_heads)
         self._check_values()
         super().__post_init__(**kwargs)
+        self.base_model_tp_plan = {**type(self).base_model_tp_plan, **_TP_PLAN_BY_VERSION[self.diff_version]}
         # Saved models carry their code (configuration_diff.py + modeling_diff.py): point every Auto class at it, so a
         # checkpoint loads with trust_remote_code=True where diff_transformer is not installed.
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}

@@ -313,6 +313,20 @@ class DiffPreTrainedModel(PreTrainedModel):
         "attentions": DiffAttention,
     }
 
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        # Checked before sharding: an uneven colwise split would cut a differential head (or V1's k1/k2 pair) in half
+        # and fail later with an opaque reshape error.
+        tp_size = getattr(distributed_config, "tp_size", None) or 1
+        heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+        if tp_size > 1 and (heads % tp_size or kv_heads % tp_size):
+            raise ValueError(
+                f"Tensor parallelism over {tp_size} ranks needs num_attention_heads={heads} and num_key_value_heads="
+                f"{kv_heads} to be divisible by {tp_size}: each rank computes whole differential heads and their "
+                f"key/value groups. Use a tensor-parallel size that divides both."
+            )
+        return super().maybe_distribute_model(model, distributed_config, mesh_manager)
+
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)  # Linear, Embedding, RMSNorm (incl. subln -> 1), rotary buffers

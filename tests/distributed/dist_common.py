@@ -1,0 +1,65 @@
+"""Shared by the torchrun scripts: the tiny model, the fixed data, and what each rank writes down."""
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from diff_transformer import DiffConfig, DiffForCausalLM
+
+
+SEQ_LEN = 16
+
+
+def tiny_config(diff_version: int, **overrides) -> DiffConfig:
+    # 4 differential heads over 2 key/value groups: GQA, and both head counts split over 2 ranks.
+    values = dict(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        diff_version=diff_version,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    values.update(overrides)
+    return DiffConfig(**values)
+
+
+def tiny_model(diff_version: int, seed: int = 0, **overrides) -> DiffForCausalLM:
+    torch.manual_seed(seed)
+    model = DiffForCausalLM(tiny_config(diff_version, **overrides))
+    with torch.no_grad():  # sharper attention maps and λ than the 0.02-std init: mixed-up heads show in the logits
+        for name, param in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "diff_lambda.proj.weight")):
+                param.mul_(8.0)
+    return model
+
+
+def token_batches(num_sequences: int, seed: int = 1) -> torch.Tensor:
+    """Fixed-length random token sequences (no padding: every sequence carries the same number of loss tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 97, (num_sequences, SEQ_LEN), generator=generator)
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def write_rank_record(out_dir: str, record: dict, tensors: dict[str, torch.Tensor] | None = None) -> None:
+    """rank{r}.json (+ rank{r}.safetensors): every rank reports what it saw, so the test can compare the ranks."""
+    rank, world_size = rank_and_world()
+    record = {"rank": rank, "world_size": world_size, "env_world_size": int(os.environ.get("WORLD_SIZE", 1)), **record}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    if tensors is not None:
+        tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in tensors.items()}
+        save_file(tensors, os.path.join(out_dir, f"rank{rank}.safetensors"))
