@@ -178,6 +178,13 @@ def isolated(hub, pushed, revisions, converted, bare, adapters, ids, tmp_path_fa
     return run_json(ISOLATED, json.dumps(jobs), TEXT, json.dumps(CHAT), env=env)
 
 
+def remote(isolated, name):
+    """What the fresh interpreter got for job NAME, which must have loaded."""
+    report = isolated[name]
+    assert "error" not in report, report["error"]
+    return report
+
+
 # ---- push ----
 
 
@@ -214,14 +221,13 @@ def test_pull_with_package_uses_native_classes_and_exact_logits(hub, pushed, tok
 def test_pull_without_package_runs_the_pushed_code_exactly(isolated, pushed, adapters, tokenizer, ids, diff_version):
     assert isolated["imported_diff_transformer"] is False
     model, _ = pushed[diff_version]
-    report = isolated[f"v{diff_version}"]
-    assert "error" not in report, report
+    report = remote(isolated, f"v{diff_version}")
     assert report["class"] == "DiffForCausalLM" and report["module"].startswith("transformers_modules.")
     assert torch.equal(torch.tensor(report["logits"]), logits(model, ids))
-    report = isolated[f"adapter v{diff_version}"]  # AutoPeftModelForCausalLM: base model as remote code + adapter
+    report = remote(isolated, f"adapter v{diff_version}")  # AutoPeftModelForCausalLM: remote-code base + adapter
     assert report["module"].startswith("transformers_modules.")
     assert torch.equal(torch.tensor(report["logits"]), logits(adapters[diff_version][0], ids))
-    assert isolated[f"tokenizer v{diff_version}"] == {
+    assert remote(isolated, f"tokenizer v{diff_version}") == {
         "ids": ids[0],
         "chat": tokenizer.apply_chat_template(CHAT, tokenize=False),
     }
@@ -229,14 +235,14 @@ def test_pull_without_package_runs_the_pushed_code_exactly(isolated, pushed, ada
 
 def test_revision_pins_commits_and_branches(hub, revisions, isolated, ids):
     repo, models = revisions["repo"], revisions["models"]
-    assert len({revision: logits(model, ids).sum().item() for revision, model in models.items()}) == 3
+    assert len({logits(model, ids).sum().item() for model in models.values()}) == 3  # three different models
     for revision, model in models.items():
         kwargs = {} if revision == "main" else {"revision": revision}
         pulled = AutoModelForCausalLM.from_pretrained(repo, attn_implementation="eager", **kwargs)
         assert torch.equal(logits(pulled, ids), logits(model, ids)), revision
-    # Without the package, the pinned revision also pins the code (transformers' code_revision defaults to it).
-    assert torch.equal(torch.tensor(isolated["pinned"]["logits"]), logits(models[revisions["first"]], ids))
-    assert torch.equal(torch.tensor(isolated["dev"]["logits"]), logits(models["dev"], ids))
+    # Without the package (remote code; transformers fetches the code at the same revision).
+    assert torch.equal(torch.tensor(remote(isolated, "pinned")["logits"]), logits(models[revisions["first"]], ids))
+    assert torch.equal(torch.tensor(remote(isolated, "dev")["logits"]), logits(models["dev"], ids))
     with pytest.raises(OSError, match="not-a-branch is not a valid git identifier"):
         AutoModelForCausalLM.from_pretrained(repo, revision="not-a-branch")
     with pytest.raises(OSError, match="no-such-repo is not a local folder and is not a valid model identifier"):
@@ -253,7 +259,7 @@ def test_converted_checkpoint_round_trip_through_upload_folder(hub, converted, i
     expected = logits(local, ids)
     pulled = AutoModelForCausalLM.from_pretrained(converted["repo"], attn_implementation="eager")
     assert torch.equal(logits(pulled, ids), expected)
-    assert torch.equal(torch.tensor(isolated["converted"]["logits"]), expected)
+    assert torch.equal(torch.tensor(remote(isolated, "converted")["logits"]), expected)
     # Independent reference: V2 conversion preserves the source Llama's function.
     llama = LlamaForCausalLM.from_pretrained(TINY_LLAMA, attn_implementation="eager")
     assert torch.allclose(expected, logits(llama, ids), atol=1e-4)
@@ -292,6 +298,7 @@ def test_no_code_files_without_package_fails_with_a_clear_message(isolated, bare
     # auto_map points at configuration_diff.py, which the repo lacks: transformers names the missing file.
     message = isolated["no code"]["error"]
     assert "does not appear to have a file named configuration_diff.py" in message, message
+    # Without trust_remote_code the refusal comes first; it asks for trust_remote_code=True, which then fails as above.
     assert "trust_remote_code=True" in isolated["no code untrusted"]["error"]
     # With the package installed the same repo loads natively: the code files are only needed without it.
     pulled = AutoModelForCausalLM.from_pretrained(bare["repo"], attn_implementation="eager")
