@@ -178,6 +178,19 @@ def test_resume_reproduces_the_uninterrupted_run(workdir, v2_run):
     assert worst == 0.0, worst  # bit for bit on CPU: same data order, RNG, optimizer and scheduler state
 
 
+def test_resume_inside_the_diff_only_phase_is_exact(workdir, tmp_path):
+    common = ("--diff-only-steps", "3", "--max-steps", "4", "--save-steps", "2", "--lr", "1e-2", "--weight-decay", "0.1")
+    common += ("--logging-steps", "1", "--eval-fraction", "0", "--batch-size", "2")
+    train(workdir, 2, tmp_path / "full", *common)
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(tmp_path / "full" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    train(workdir, 2, tmp_path / "resumed", *common, "--resume")  # freezes again, unfreezes after step 3
+    for step in (3, 4):
+        assert train_logs(tmp_path / "resumed")[step]["loss"] == train_logs(tmp_path / "full")[step]["loss"]
+    a, b = load_file(tmp_path / "full" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 # --- λ logging ----------------------------------------------------------------------------------------------------
 
 
@@ -245,6 +258,23 @@ def test_grad_accumulation_matches_a_larger_batch(workdir, tmp_path):
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_gradient_checkpointing_changes_nothing_but_memory(workdir, tmp_path):
+    results = []
+    for extra in ((), ("--gradient-checkpointing",)):
+        trainer = trainer_for(workdir, 2, tmp_path / str(len(extra)), "--max-steps", "1", "--eval-fraction", "0", "--logging-steps", "1", *extra)
+        assert trainer.args.activation_checkpointing == bool(extra)
+        record = RecordGrads()
+        trainer.add_callback(record)
+        trainer.train()
+        assert trainer.model.is_activation_checkpointing == bool(extra)
+        results.append((trainer.state.log_history[0], record.grads))
+    (log_a, grads_a), (log_b, grads_b) = results
+    for key in ("loss", "lambda/layer_00", "lambda_std/layer_00", "lambda/layer_01", "lambda_std/layer_01"):
+        assert log_b[key] == pytest.approx(log_a[key], rel=1e-6), key  # the recomputed forward does not skew λ stats
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 # --- --diff-only-steps --------------------------------------------------------------------------------------------
 
 
@@ -305,6 +335,7 @@ def test_lora_trains_adapters_and_lambda_and_saves_the_adapter(workdir, tmp_path
         workdir, 2, tmp_path, "--lora", "--lora-r", "4", "--max-steps", "3",
         "--lr", "1e-2", "--eval-fraction", "0",
     )  # fmt: skip
+    assert {"lambda/layer_00", "lambda_std/layer_01"} <= set(train_logs(tmp_path)[1])  # hooks sit on the running copy
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     # No --lora-target-modules: PEFT's default for model_type "diff" (registered by `import diff_transformer`: Llama's).
     assert config["r"] == 4 and sorted(config["target_modules"]) == ["q_proj", "v_proj"] and config["modules_to_save"] == ["diff_lambda"]
