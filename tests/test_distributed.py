@@ -3,7 +3,8 @@ CPU) and compared with an unsharded model in this process:
 
 * DDP: transformers' Trainer (accelerate wraps the model in DistributedDataParallel);
 * FSDP2: transformers' `DistributedConfig(fsdp_size=2)`, i.e. torch's `fully_shard` on every decoder layer + root;
-* tensor parallelism: transformers' `DistributedConfig(tp_plan="auto")` with our `base_model_tp_plan`.
+* tensor parallelism: transformers' `DistributedConfig(tp_plan="auto")` with our `base_model_tp_plan`;
+* `diff-transformer train` (Trainer, so DDP) under torchrun.
 
 Every rank records its world size: a launcher that silently starts one process (e.g. `accelerate launch --cpu
 --num_processes 2`) fails these tests instead of passing them.
@@ -22,9 +23,10 @@ from safetensors.torch import load_file
 
 SCRIPTS = Path(__file__).parent / "distributed"
 sys.path.insert(0, str(SCRIPTS))
-from dist_common import token_batches, tiny_model  # noqa: E402
+from dist_common import save_train_checkpoint, token_batches, tiny_model  # noqa: E402
+from suite import TRAIN_ARGS  # noqa: E402
 
-from diff_transformer import DiffForCausalLM  # noqa: E402
+from diff_transformer import DiffForCausalLM, cli  # noqa: E402
 
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
@@ -86,6 +88,7 @@ def runs(tmp_path_factory):
     tiny_model(1, seed=1).save_pretrained(root / "models" / "v1")
     tiny_model(2, seed=2).save_pretrained(root / "models" / "v2")
     tiny_model(1, num_key_value_heads=1).save_pretrained(root / "models" / "kv1")  # one KV group: cannot split in 2
+    save_train_checkpoint(root / "models" / "train", root / "models" / "train.txt")
     launch("suite.py", root / "out", root / "models", timeout=240)
     return root
 
@@ -154,3 +157,24 @@ def test_tensor_parallel_matches_unsharded_model(runs):
                 torch.testing.assert_close(
                     sharded[f"{tag}.grad.{name}"], param.grad, atol=1e-5, rtol=0, msg=lambda m: f"{tag} {name}: {m}"
                 )
+
+
+def test_train_command_under_torchrun_matches_single_process(runs, tmp_path):
+    records, _ = read_ranks(runs / "out" / "train_ranks")
+    assert [record["status"] for record in records] == [0, 0]
+    models = runs / "models"
+    single = ["train", str(models / "train"), "--data", str(models / "train.txt"), "--output", str(tmp_path)]
+    assert cli.main([*single, "--batch-size", "4", *TRAIN_ARGS]) == 0  # one process, twice the per-device batch
+
+    ddp_log = json.loads((runs / "out" / "train" / "trainer_state.json").read_text())["log_history"]
+    single_log = json.loads((tmp_path / "trainer_state.json").read_text())["log_history"]
+    ddp_losses = [entry["loss"] for entry in ddp_log if "loss" in entry]
+    single_losses = [entry["loss"] for entry in single_log if "loss" in entry]
+    assert len(ddp_losses) == 3
+    # Trainer's seeded sampler deals the same shuffled blocks to the two ranks as to the single process: the same
+    # global batches, so the same losses step after step (averaged over the ranks, not summed) ...
+    assert ddp_losses == pytest.approx(single_losses, abs=1e-5)
+    assert ddp_log[-1]["epoch"] == pytest.approx(single_log[-1]["epoch"])  # ... and 4 blocks per step, not 2
+    assert_close_states(
+        load_file(runs / "out" / "train" / "model.safetensors"), load_file(tmp_path / "model.safetensors"), atol=2e-5
+    )

@@ -41,6 +41,21 @@ def tiny_model(diff_version: int, seed: int = 0, **overrides) -> DiffForCausalLM
     return model
 
 
+def save_train_checkpoint(path, text_path, diff_version: int = 2) -> None:
+    """A tiny Diff model with the shipped tokenizer, and some held-out text: input for `diff-transformer train`."""
+    from importlib.resources import files
+
+    from transformers import AutoTokenizer
+
+    assets = files("diff_transformer") / "assets"
+    tokenizer = AutoTokenizer.from_pretrained(str(assets / "tiny-llama"))
+    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    tiny_model(diff_version, vocab_size=len(tokenizer), **special).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    with open(text_path, "w", encoding="utf-8") as f:
+        f.write((assets / "heldout.txt").read_text(encoding="utf-8")[:3000])  # ~26 blocks of 32 tokens
+
+
 def token_batches(num_sequences: int, seed: int = 1) -> torch.Tensor:
     """Fixed-length random token sequences (no padding: every sequence carries the same number of loss tokens)."""
     generator = torch.Generator().manual_seed(seed)

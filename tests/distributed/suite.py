@@ -1,10 +1,11 @@
-"""The three engines one after the other in a single torchrun launch, so that the tests pay the start-up of two
+"""Every engine one after the other in a single torchrun launch, so that the tests pay the start-up of two
 interpreters (torch + transformers + accelerate) once:
 
     torchrun --nproc_per_node 2 --standalone tests/distributed/suite.py OUT MODELS
 
-MODELS holds the checkpoints fsdp/ (a V1 model) and v1/, v2/, kv1/ (for tensor parallelism); each engine writes its
-per-rank records under OUT/<engine>/, exactly as the script run alone would.
+MODELS holds the checkpoints fsdp/ (a V1 model), v1/, v2/, kv1/ (for tensor parallelism) and train/ + train.txt (for
+`diff-transformer train`); each engine writes its per-rank records under OUT/<engine>/, exactly as the script run
+alone would, and `diff-transformer train` writes its usual output to OUT/train/.
 """
 
 import sys
@@ -12,7 +13,15 @@ import sys
 import ddp_train
 import fsdp_train
 import torch
+import torch.distributed as dist
 import tp_run
+from dist_common import write_rank_record
+
+from diff_transformer import cli
+
+
+TRAIN_ARGS = ["--quiet", "--report-to", "none", "--block-size", "32", "--eval-fraction", "0", "--max-steps", "3",
+              "--logging-steps", "1", "--lr", "1e-3", "--save-steps", "1000"]
 
 
 def main():
@@ -20,6 +29,10 @@ def main():
     ddp_train.main([f"{out}/ddp", "--per-device-batch", "2", "--steps", "3"])
     fsdp_train.main([f"{models}/fsdp", f"{out}/fsdp", "--steps", "3", "--global-batch", "4"])
     tp_run.main([f"{out}/tp", *(f"{tag}={models}/{tag}" for tag in ("v1", "v2", "kv1"))])
+    # The package's own training command, exactly as `torchrun ... -m diff_transformer.cli train ...` runs it.
+    status = cli.main(["train", f"{models}/train", "--data", f"{models}/train.txt", "--output", f"{out}/train",
+                       "--batch-size", "2", *TRAIN_ARGS])
+    write_rank_record(f"{out}/train_ranks", {"status": status, "backend": dist.get_backend()}, {})
 
 
 if __name__ == "__main__":
