@@ -24,21 +24,18 @@ from safetensors.torch import load_file
 SCRIPTS = Path(__file__).parent / "distributed"
 sys.path.insert(0, str(SCRIPTS))
 from dist_common import save_train_checkpoint, token_batches, tiny_model  # noqa: E402
-from suite import TRAIN_ARGS  # noqa: E402
+from dist_suite import TRAIN_ARGS  # noqa: E402
 
 from diff_transformer import DiffForCausalLM, cli  # noqa: E402
 
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
-
-
 def launch(script, *args, nproc=2, timeout=120):
-    """Run a script of tests/distributed under torchrun with NPROC processes (or alone when NPROC is None)."""
+    """Run a script of tests/distributed under torchrun with NPROC processes (a free port via --standalone)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env = {k: v for k, v in env.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    prefix = [sys.executable] if nproc is None else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     result = subprocess.run(
-        [*prefix, str(SCRIPTS / script), *map(str, args)],
+        [*torchrun, str(SCRIPTS / script), *map(str, args)],
         capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=timeout,
     )
     assert result.returncode == 0, f"{script} failed:\n{result.stdout[-2000:]}\n{result.stderr[-6000:]}"
@@ -66,7 +63,7 @@ def assert_close_states(actual, expected, atol):
 
 def reference_losses_and_state(model, batches, clip=None):
     """Plain single-process SGD on the global batches: the reference both engines must reproduce. (SGD, not Adam:
-    Adam turns float noise in near-zero gradients into lr-sized updates, which no tolerance would separate from bugs.)"""
+    Adam turns float noise in near-zero gradients into lr-sized updates, which no tolerance tells from bugs.)"""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
     for batch in batches:
@@ -82,14 +79,14 @@ def reference_losses_and_state(model, batches, clip=None):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One 2-process launch of tests/distributed/suite.py: DDP, then FSDP2, then tensor parallelism."""
+    """One 2-process launch of tests/distributed/dist_suite.py: DDP, FSDP2, tensor parallelism, diff-transformer train."""
     root = tmp_path_factory.mktemp("distributed")
     tiny_model(1).save_pretrained(root / "models" / "fsdp")  # V1: fp32 λ vectors and per-head subln get sharded too
     tiny_model(1, seed=1).save_pretrained(root / "models" / "v1")
     tiny_model(2, seed=2).save_pretrained(root / "models" / "v2")
     tiny_model(1, num_key_value_heads=1).save_pretrained(root / "models" / "kv1")  # one KV group: cannot split in 2
     save_train_checkpoint(root / "models" / "train", root / "models" / "train.txt")
-    launch("suite.py", root / "out", root / "models", timeout=240)
+    launch("dist_suite.py", root / "out", root / "models", timeout=240)
     return root
 
 

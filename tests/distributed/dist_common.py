@@ -49,7 +49,7 @@ def save_train_checkpoint(path, text_path, diff_version: int = 2) -> None:
 
     assets = files("diff_transformer") / "assets"
     tokenizer = AutoTokenizer.from_pretrained(str(assets / "tiny-llama"))
-    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    special = {name: getattr(tokenizer, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
     tiny_model(diff_version, vocab_size=len(tokenizer), **special).save_pretrained(path)
     tokenizer.save_pretrained(path)
     with open(text_path, "w", encoding="utf-8") as f:

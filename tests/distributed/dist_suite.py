@@ -1,7 +1,7 @@
 """Every engine one after the other in a single torchrun launch, so that the tests pay the start-up of two
 interpreters (torch + transformers + accelerate) once:
 
-    torchrun --nproc_per_node 2 --standalone tests/distributed/suite.py OUT MODELS
+    torchrun --nproc_per_node 2 --standalone tests/distributed/dist_suite.py OUT MODELS
 
 MODELS holds the checkpoints fsdp/ (a V1 model), v1/, v2/, kv1/ (for tensor parallelism) and train/ + train.txt (for
 `diff-transformer train`); each engine writes its per-rank records under OUT/<engine>/, exactly as the script run
