@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from .configuration_diff import DiffConfig
 from .layers import DifferentialAttention, differential_attention
 from .modeling_diff import DiffAttention, DiffDecoderLayer, DiffForCausalLM, DiffModel, DiffPreTrainedModel
+from .peft_support import register_if_peft_imported, register_peft_defaults
 
 
 __version__ = "0.1.0"
@@ -22,6 +23,10 @@ AutoModelForCausalLM.register(DiffConfig, DiffForCausalLM, exist_ok=True)
 DiffConfig.register_for_auto_class("AutoConfig")
 DiffModel.register_for_auto_class("AutoModel")
 DiffForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+# PEFT picks default target modules by model_type: give "diff" Llama's. peft is not imported here (slow); Diff
+# models constructed after it is imported register too (see peft_support).
+register_if_peft_imported()
 
 __all__ = [
     "DiffConfig",

@@ -16,6 +16,7 @@ custom code.
 """
 
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -87,7 +88,8 @@ class DiffLambdaV2(nn.Module):
         self.proj = nn.Linear(hidden_size, num_heads, bias=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.proj(hidden_states))  # (B, N, H)
+        # The gate stays unquantized and, under fp16, in fp32 (`_keep_in_fp32_modules`): cast the input to its dtype.
+        return torch.sigmoid(self.proj(hidden_states.to(self.proj.weight.dtype)))  # (B, N, H)
 
 
 _PAGED_TO_PLAIN = {"paged|eager": "eager", "paged|sdpa": "sdpa", "paged|flex_attention": "flex_attention"}
@@ -294,6 +296,20 @@ class DiffDecoderLayer(GradientCheckpointingLayer):
         return residual + hidden_states
 
 
+def register_peft_defaults() -> None:
+    """Give `model_type="diff"` every PEFT default that "llama" has (LoRA and its relatives: q_proj/v_proj; IA3,
+    LN tuning, ...), so `LoraConfig(task_type="CAUSAL_LM")` needs no `target_modules`: Diff's module names are Llama's.
+
+    PEFT has no registration API: its tuners look `model_type` up in these module-level dicts when `target_modules`
+    is None, so adding a key is all it takes. Needs peft installed.
+    """
+    from peft.utils import constants
+
+    for name, mapping in vars(constants).items():
+        if name.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(mapping, dict) and "llama" in mapping:
+            mapping.setdefault("diff", mapping["llama"])
+
+
 class DiffPreTrainedModel(PreTrainedModel):
     config: DiffConfig
     config_class = DiffConfig
@@ -308,10 +324,20 @@ class DiffPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     # V1's λ vectors feed an exp(): they stay fp32 whatever dtype the rest of the model loads in.
     _keep_in_fp32_modules_strict = ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"]
+    # V2's λ gate is tiny (D x H) and decides how much of each head pair cancels: quantizers (bitsandbytes, ...) skip
+    # it, which also keeps it trainable under QLoRA with `modules_to_save=["diff_lambda"]`.
+    _keep_in_fp32_modules = ["diff_lambda.proj"]
     _can_record_outputs = {
         "hidden_states": DiffDecoderLayer,
         "attentions": DiffAttention,
     }
+
+    def __init__(self, config: DiffConfig, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        # Runs wherever this file does (package or Hub custom code), but never imports peft: it is optional and slow to
+        # import (it pulls in bitsandbytes when installed). Anyone about to call get_peft_model has imported it.
+        if "peft" in sys.modules:
+            register_peft_defaults()
 
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
