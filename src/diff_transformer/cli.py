@@ -111,6 +111,12 @@ def _train(args) -> int:
         return 2
 
 
+def _serve(args) -> int:
+    from diff_transformer.serving import main as serve
+
+    return serve(args.serve_args)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="diff-transformer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -144,7 +150,14 @@ def main(argv=None) -> int:
     train = commands.add_parser("train", help="continued pretraining (transformers' Trainer) on local .txt/.jsonl files")
     add_train_arguments(train).set_defaults(func=_train)
 
-    args = parser.parse_args(argv)
+    # Every option after `serve` goes to transformers' server: `diff-transformer serve --help` lists them.
+    serve = commands.add_parser("serve", add_help=False, help="OpenAI-compatible server (transformers serve) for Diff models")
+    serve.set_defaults(func=_serve)
+
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.serve_args = rest
     return args.func(args)
 
 
