@@ -48,7 +48,8 @@ def test_disk_offload_keeps_layers_whole_and_logits_exact(tmp_path, diff_version
     }
     assert loaders and all(isinstance(loader, OffloadedWeightsLoader) for loader in loaders.values())
     for loader in loaders.values():
-        assert loader.index and all(entry["safetensors_file"].endswith(".safetensors") for entry in loader.index.values())
+        assert loader.index
+        assert all(entry["safetensors_file"].endswith(".safetensors") for entry in loader.index.values())
     assert all(path.suffix == ".safetensors" for path in (tmp_path / "offload").rglob("*") if path.is_file())
 
     ids = torch.tensor([[5, 17, 42, 8, 9, 30, 11, 64], [3, 4, 5, 6, 7, 8, 9, 10]])

@@ -38,8 +38,8 @@ def llama_twin(config):
 
 def adapted_modules(peft_model):
     """Names (relative to the base model) of the modules PEFT wrapped with an adapter layer."""
-    prefix = "base_model.model."
-    return {name.removeprefix(prefix) for name, module in peft_model.named_modules() if isinstance(module, BaseTunerLayer)}
+    modules = peft_model.named_modules()
+    return {name.removeprefix("base_model.model.") for name, module in modules if isinstance(module, BaseTunerLayer)}
 
 
 def train_step(model, ids, lr=1e-2):
@@ -54,7 +54,8 @@ def train_step(model, ids, lr=1e-2):
 
 def lambda_state(model):
     """λ parameters by name (the trained copies under modules_to_save when there are any)."""
-    return {name: p.detach().clone() for name, p in model.named_parameters() if "diff_lambda" in name and p.requires_grad}
+    params = model.named_parameters()
+    return {name: p.detach().clone() for name, p in params if "diff_lambda" in name and p.requires_grad}
 
 
 @pytest.mark.parametrize(
@@ -113,7 +114,9 @@ def test_lambda_trains_is_saved_and_reloads(tmp_path, diff_version):
 
 
 def test_merge_and_unload_matches_adapter(diff_version):
-    peft_model = get_peft_model(tiny_model(diff_version), LoraConfig(task_type="CAUSAL_LM", target_modules="all-linear", modules_to_save=["diff_lambda"]))
+    config = LoraConfig(task_type="CAUSAL_LM", target_modules="all-linear", modules_to_save=["diff_lambda"])
+    peft_model = get_peft_model(tiny_model(diff_version), config)
+    lora_modules = adapted_modules(peft_model)
     ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18]])
     with torch.no_grad():
         untrained = peft_model(ids).logits
@@ -124,13 +127,19 @@ def test_merge_and_unload_matches_adapter(diff_version):
         merged_model = peft_model.merge_and_unload()
         merged = merged_model(ids).logits
     assert not any(isinstance(m, BaseTunerLayer) for m in merged_model.modules())
+    # With λ trained in full, "all-linear" leaves V2's λ gate to modules_to_save: LoRA goes where Llama's goes.
+    all_linear = LoraConfig(task_type="CAUSAL_LM", target_modules="all-linear")
+    llama = get_peft_model(llama_twin(tiny_config(diff_version)), all_linear)
+    assert lora_modules == adapted_modules(llama)
     assert (adapted - untrained).abs().max() > 1e-3  # the step changed the function
     torch.testing.assert_close(merged, adapted, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_gradient_checkpointing_with_lora(diff_version, use_reentrant):
-    config = LoraConfig(task_type="CAUSAL_LM", target_modules="all-linear", modules_to_save=["diff_lambda"], init_lora_weights=False)
+    config = LoraConfig(
+        task_type="CAUSAL_LM", target_modules="all-linear", modules_to_save=["diff_lambda"], init_lora_weights=False
+    )  # random LoRA B, so that every LoRA matrix gets a non-zero gradient
     plain = get_peft_model(tiny_model(diff_version), config)
     checkpointed = copy.deepcopy(plain)
     checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
@@ -150,6 +159,19 @@ def test_gradient_checkpointing_with_lora(diff_version, use_reentrant):
     for name, grad in grads[0].items():
         assert grad is not None and grad.abs().sum() > 0, name
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_lambda_gate_stays_fp32_in_fp16(tmp_path):
+    """`_keep_in_fp32_modules` (which also keeps quantizers off V2's λ gate) upcasts it under fp16; it still runs."""
+    model = tiny_model(2)
+    model.save_pretrained(tmp_path)
+    half = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float16, attn_implementation="eager")
+    attn = half.model.layers[0].self_attn
+    assert attn.q_proj.weight.dtype == torch.float16 and attn.diff_lambda.proj.weight.dtype == torch.float32
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        expected = model(ids).logits
+        torch.testing.assert_close(half(ids).logits.float(), expected, rtol=0, atol=1e-2 * expected.abs().max().item())
 
 
 # ---- converted checkpoints: Hub custom code, QLoRA ----
@@ -180,7 +202,9 @@ REMOTE = textwrap.dedent(
     cases, ids = json.loads(sys.argv[1]), torch.tensor(json.loads(sys.argv[2]))
     report = {}
     for version, (base, adapter) in cases.items():
-        reloaded = AutoPeftModelForCausalLM.from_pretrained(adapter, trust_remote_code=True, attn_implementation="eager")
+        reloaded = AutoPeftModelForCausalLM.from_pretrained(
+            adapter, trust_remote_code=True, attn_implementation="eager"
+        )
         with torch.no_grad():
             logits = reloaded(ids).logits
         fresh = get_peft_model(
@@ -205,12 +229,14 @@ def test_adapter_on_converted_model_reloads_as_remote_code(tmp_path, converted, 
         peft_model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", modules_to_save=["diff_lambda"]))
         peft_model, _ = train_step(peft_model, ids, lr=1e-3)
         peft_model.save_pretrained(tmp_path / f"adapter-v{version}")
-        assert json.loads((tmp_path / f"adapter-v{version}" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+        adapter_config = json.loads((tmp_path / f"adapter-v{version}" / "adapter_config.json").read_text())
+        assert adapter_config["base_model_name_or_path"] == str(base)
         with torch.no_grad():
             expected[version] = peft_model(ids).logits.flatten()
         cases[version] = (str(base), str(tmp_path / f"adapter-v{version}"))
 
-    report = run_json(REMOTE, json.dumps(cases), json.dumps(ids.tolist()), env={"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    report = run_json(REMOTE, json.dumps(cases), json.dumps(ids.tolist()), env=env)
     assert report["imported_diff_transformer"] is False
     layers = AutoModelForCausalLM.from_pretrained(converted[1]).config.num_hidden_layers
     for version in converted:
@@ -230,8 +256,10 @@ def test_qlora_4bit(converted, heldout_ids):
     from peft import prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig
 
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
-    ids = heldout_ids
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    ids = heldout_ids[:, :48]
 
     def load(path, quantized):
         kwargs = {"quantization_config": quantization, "device_map": "cpu"} if quantized else {}
@@ -242,10 +270,12 @@ def test_qlora_4bit(converted, heldout_ids):
     for version, path in converted.items():
         model = load(path, True)
         attn = model.model.layers[0].self_attn
-        assert isinstance(attn.q_proj, bnb.nn.Linear4bit) and isinstance(model.model.layers[-1].mlp.down_proj, bnb.nn.Linear4bit)
+        assert isinstance(attn.q_proj, bnb.nn.Linear4bit) and isinstance(attn.o_proj, bnb.nn.Linear4bit)
+        assert isinstance(model.model.layers[-1].mlp.down_proj, bnb.nn.Linear4bit)
         assert not isinstance(model.lm_head, bnb.nn.Linear4bit)
         if version == 2:  # the λ gate is kept out of quantization (`_keep_in_fp32_modules`), so it stays trainable
-            assert type(attn.diff_lambda.proj) is torch.nn.Linear and attn.diff_lambda.proj.weight.dtype == torch.float32
+            gate = attn.diff_lambda.proj
+            assert type(gate) is torch.nn.Linear and gate.weight.dtype == torch.float32
         with torch.no_grad():
             out = model(ids, labels=ids)
             reference = load(path, False)(ids, labels=ids).loss
