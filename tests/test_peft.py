@@ -81,6 +81,21 @@ def test_targets_are_llamas(diff_version, make_config):
     assert diff == expected
 
 
+def test_defaults_registered_on_construction_and_on_request():
+    from peft.utils import constants
+
+    tables = [t for name, t in vars(constants).items() if name.startswith("TRANSFORMERS_MODELS_TO_") and "llama" in t]
+    assert len(tables) > 20  # LoRA and the methods that copy its table, IA3, LN tuning, ...
+    for table in tables:
+        table.pop("diff", None)
+    tiny_model(2)  # building a Diff model while peft is imported registers (this is all Hub custom code can do)
+    assert all(table["diff"] == table["llama"] for table in tables)
+    for table in tables:
+        table.pop("diff")
+    assert diff_transformer.register_peft_defaults() is True  # for a model built before peft was imported
+    assert all(table["diff"] == table["llama"] for table in tables)
+
+
 def test_lambda_trains_is_saved_and_reloads(tmp_path, diff_version):
     tiny_model(diff_version).save_pretrained(tmp_path / "base")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager")
