@@ -55,6 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--data", type=Path, default=REPO / "data" / "corpus.txt")
     p.add_argument("--heldout", type=Path, default=REPO / "data" / "heldout.txt")
     p.add_argument("--from-json", type=Path, default=None, help="redraw the .png/.md from an earlier .json, no training")
+    p.add_argument("--note", default=None, help="a remark on the machine for the .md (e.g. its load)")
     return p.parse_args(argv)
 
 
@@ -195,8 +196,8 @@ def markdown(results: dict, figures: dict, args) -> str:
             lines.append(f"* {NAMES[name]}: " + ", ".join(cells))
     lines += [
         "",
-        f"Machine: {figures['machine']}. Training times are wall-clock, evaluations and tokenisation included; the published"
-        " run shared its 2 cores with other jobs (load average 4-9).",
+        f"Machine: {figures['machine']}. Training times are wall-clock, evaluations and tokenisation included"
+        + (f"; {figures['note']}." if figures.get("note") else "."),
         "",
         "![](continued_pretraining.png)",
         "",
@@ -209,6 +210,9 @@ def main(argv=None) -> int:
     if args.from_json:
         figures = json.loads(args.from_json.read_text())
         vars(args).update(figures["settings"])
+        if args.note:
+            figures["note"] = args.note
+            args.from_json.write_text(json.dumps(figures, indent=1) + "\n")
         args.docs.mkdir(parents=True, exist_ok=True)
         plot(figures["results"], args.docs / "continued_pretraining.png", args)
         (args.docs / "continued_pretraining.md").write_text(markdown(figures["results"], figures, args))
@@ -234,6 +238,7 @@ def main(argv=None) -> int:
     figures = {
         "settings": {k: v for k, v in vars(args).items() if k in ("steps", "batch_size", "block_size", "lr", "warmup_steps", "eval_every", "seed")},
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
+        "note": args.note,
         "results": results,
     }
     if "llama" in results and "v2" in results:
