@@ -1,7 +1,6 @@
 """Continued pretraining after conversion, on real text: the shipped tiny Llama vs its Diff V2 and V1 conversions.
 
-    python examples/continued_pretraining.py                  # 3 runs of 200 steps: 34 min on 2 CPU cores shared
-                                                              # with other jobs (load 4-9); less on idle cores
+    python examples/continued_pretraining.py                  # 3 runs of 200 steps: ~4.5 min on 2 idle CPU cores
     python examples/continued_pretraining.py --steps 40       # a quick look
 
 1. Convert `src/diff_transformer/assets/tiny-llama` (a 2.1M-parameter Llama trained by examples/train_tiny_llama.py on
