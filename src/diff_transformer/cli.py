@@ -1,4 +1,4 @@
-"""The `diff-transformer` command: demo, convert, generate."""
+"""The `diff-transformer` command: demo, convert, generate, train."""
 
 import argparse
 import sys
