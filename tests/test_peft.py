@@ -267,7 +267,8 @@ def test_adapter_on_converted_model_reloads_as_remote_code(tmp_path, converted, 
 def test_qlora_4bit(converted, heldout_ids):
     """4-bit NF4 loading through transformers' bitsandbytes integration (bitsandbytes 0.50.2 runs NF4 on CPU too), then
     PEFT's k-bit preparation and one LoRA step that also trains λ."""
-    bnb = pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+
     from peft import prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig
 

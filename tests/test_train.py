@@ -381,6 +381,29 @@ def test_lora_trains_adapters_and_lambda_and_saves_the_adapter(workdir, tmp_path
         assert not torch.allclose(tuned(ids).logits, AutoModelForCausalLM.from_pretrained(workdir / "v2")(ids).logits)
 
 
+def test_qlora_cli_trains_4bit_base_with_lora_and_lambda(workdir, tmp_path):
+    """--lora --load-in-4bit: NF4 base through transformers' bitsandbytes integration (bitsandbytes runs it on CPU),
+    PEFT's k-bit preparation, adapters and λ trained and saved, the 4-bit weights themselves untouched."""
+    import bitsandbytes as bnb
+
+    trainer = trainer_for(workdir, 2, tmp_path, "--lora", "--load-in-4bit", "--max-steps", "3", "--lr", "1e-2", "--eval-fraction", "0", "--logging-steps", "1")
+    model = trainer.model
+    q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj.base_layer, bnb.nn.Linear4bit)
+    packed = {n: p.detach().clone() for n, p in model.named_parameters() if isinstance(p, bnb.nn.Params4bit)}
+    assert packed and not any(p.requires_grad for n, p in model.named_parameters() if n in packed)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
+    assert all(torch.equal(p, packed[n]) for n, p in model.named_parameters() if n in packed)
+    trainer.save_model(tmp_path / "adapter")
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert any("lora_A" in k for k in adapter) and any("diff_lambda" in k for k in adapter)
+    lam = next(v for k, v in adapter.items() if "layers.0.self_attn.diff_lambda" in k)
+    base = AutoModelForCausalLM.from_pretrained(workdir / "v2")
+    assert lam.dtype == torch.float32 and not torch.equal(lam, base.model.layers[0].self_attn.diff_lambda.proj.weight)
+
+
 # --- errors -------------------------------------------------------------------------------------------------------
 
 

@@ -74,7 +74,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     lora.add_argument("--lora-dropout", type=float, default=0.05)
     lora.add_argument("--lora-target-modules", nargs="+", default=None, help="default: PEFT's default for the model type")
     lora.add_argument("--lora-freeze-lambda", action="store_true", help="do not train λ (default: diff_lambda is in modules_to_save)")
-    lora.add_argument("--load-in-4bit", action="store_true", help="QLoRA: load the base model in 4 bit (bitsandbytes, CUDA)")
+    lora.add_argument("--load-in-4bit", action="store_true", help="QLoRA: load the base model in 4-bit NF4 (bitsandbytes; CUDA or CPU)")
     return p
 
 

@@ -109,9 +109,7 @@ def check_args(args, config) -> int:
         if not args.lora:
             raise TrainingError("--load-in-4bit needs --lora (4-bit weights cannot be trained directly)")
         if importlib.util.find_spec("bitsandbytes") is None:
-            raise TrainingError("--load-in-4bit needs bitsandbytes: pip install bitsandbytes")
-        if not torch.cuda.is_available():
-            raise TrainingError("--load-in-4bit needs a CUDA GPU")
+            raise TrainingError("--load-in-4bit needs bitsandbytes: pip install 'diff-transformer[qlora]'")
     return block_size
 
 
