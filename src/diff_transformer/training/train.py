@@ -196,8 +196,9 @@ def training_arguments(args, has_eval: bool, resuming: bool) -> TrainingArgument
         seed=args.seed,
         report_to=report_to,
         disable_tqdm=args.quiet,
-        # Frozen parameters get no gradient during --diff-only-steps; DDP must not wait for them.
-        ddp_find_unused_parameters=True if args.diff_only_steps else None,
+        # Frozen parameters get no gradient during --diff-only-steps, so DDP must look for them; otherwise every
+        # parameter gets one and the search (an extra graph traversal per step) is wasted.
+        ddp_find_unused_parameters=bool(args.diff_only_steps),
         remove_unused_columns=False,
         dataloader_pin_memory=torch.cuda.is_available(),
     )
