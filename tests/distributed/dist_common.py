@@ -2,33 +2,21 @@
 
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from diff_transformer import DiffConfig, DiffForCausalLM
+from diff_transformer import DiffForCausalLM
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for the suite's tiny config
+from conftest import tiny_config  # noqa: E402  (4 heads over 2 KV groups: GQA, both counts split over 2 ranks)
 
 
 SEQ_LEN = 16
-
-
-def tiny_config(diff_version: int, **overrides) -> DiffConfig:
-    # 4 differential heads over 2 key/value groups: GQA, and both head counts split over 2 ranks.
-    values = dict(
-        vocab_size=97,
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        diff_version=diff_version,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    values.update(overrides)
-    return DiffConfig(**values)
 
 
 def tiny_model(diff_version: int, seed: int = 0, **overrides) -> DiffForCausalLM:
