@@ -425,6 +425,8 @@ def test_cli_errors_name_the_problem(workdir, tmp_path, capsys):
         ([model, "--data", str(tmp_path / "empty.txt")], "fewer than one block"),
         ([model, "--data", str(tmp_path / "bad.jsonl")], "no string field 'text'"),
         ([model, "--data", text, "--block-size", "65"], "exceeds the model's context (64"),
+        ([model, "--data", text, "--block-size", "0"], "--block-size 0 must be at least 2"),
+        ([model, "--data", text, "--eval-steps", "0"], "--eval-steps must be at least 1"),
         ([model, "--data", text, "--load-in-4bit"], "needs --lora"),
         ([model, "--data", text, "--lora", "--diff-only-steps", "2"], "do not combine"),
         ([model, "--data", text, "--resume"], "no checkpoint-N directory"),
@@ -434,4 +436,8 @@ def test_cli_errors_name_the_problem(workdir, tmp_path, capsys):
         assert message in capsys.readouterr().err, argv
     assert cli.main(["train", model, "--data", text, "--output", str(tmp_path / "has-ckpt")]) == 2
     assert "pass --resume" in capsys.readouterr().err
+    # --overwrite deletes the old run's checkpoints only once the new run has its model: a failed start keeps them.
+    argv = ["train", model, "--data", text, "--output", str(tmp_path / "has-ckpt"), "--overwrite", "--lora", "--lora-target-modules", "no_such_proj"]
+    assert cli.main(argv) == 2 and "LoRA: " in capsys.readouterr().err
+    assert (tmp_path / "has-ckpt" / "checkpoint-5").is_dir()
     assert not (tmp_path / "out").exists()  # nothing written on failure

@@ -101,14 +101,9 @@ def _generate(args) -> int:
 
 
 def _train(args) -> int:
-    from diff_transformer.training.data import TrainingError
-    from diff_transformer.training.train import run
+    from diff_transformer.training.train import run_cli
 
-    try:
-        return run(args)
-    except TrainingError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    return run_cli(args)
 
 
 def _serve(args) -> int:

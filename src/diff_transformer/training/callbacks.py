@@ -54,8 +54,9 @@ class LambdaLoggingCallback(TrainerCallback):
         def record(module, inputs, output):
             if not module.training:  # evaluation batches are not training statistics
                 return
-            lam = output.detach().double()
-            update = torch.stack([lam.new_tensor(lam.numel()), lam.sum(), lam.square().sum()])
+            lam = output.detach().float()  # no copy in fp32; sums accumulate in fp64
+            count = torch.full((), lam.numel(), dtype=torch.float64, device=lam.device)  # a fill, not a host copy
+            update = torch.stack([count, lam.sum(dtype=torch.float64), lam.square().sum(dtype=torch.float64)])
             self.stats[layer] = update if layer not in self.stats else self.stats[layer] + update
 
         return record

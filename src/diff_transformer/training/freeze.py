@@ -59,7 +59,7 @@ class DiffOnlyCallback(TrainerCallback):
     def __init__(self, model, steps: int):
         self.model = model
         self.steps = steps
-        self.new = differential_parameters(model)
+        differential_parameters(model)  # refuses a non-Diff model now, not when training starts
         self.frozen: list[torch.nn.Parameter] = []
         self.partial: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] = []  # (param, old-row mask, old rows)
         self.hooks = []
@@ -69,14 +69,15 @@ class DiffOnlyCallback(TrainerCallback):
         return bool(self.frozen or self.partial)
 
     def freeze(self):
+        new = differential_parameters(self.model)  # row masks on the device Trainer has moved the model to by now
         for name, param in self.model.named_parameters():
             if not param.requires_grad:
                 continue
-            if name not in self.new:
+            if name not in new:
                 param.requires_grad_(False)
                 self.frozen.append(param)
-            elif self.new[name] is not None:
-                old = ~self.new[name]
+            elif new[name] is not None:
+                old = ~new[name]
                 self.partial.append((param, old, param.detach()[old].clone()))
                 self.hooks.append(param.register_hook(lambda grad, old=old: grad.masked_fill(old.view(-1, *[1] * (grad.dim() - 1)), 0)))
         trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad) - sum(int(m.sum()) * p[0].numel() for p, m, _ in self.partial)

@@ -22,8 +22,6 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-import diff_transformer  # noqa: F401  (registers model_type "diff" with the Auto classes)
-
 from .args import parse_train_args
 from .callbacks import LambdaLoggingCallback
 from .data import TrainingError, build_datasets
@@ -85,7 +83,7 @@ def load_config(args):
 def check_args(args, config) -> int:
     """Validate the options that do not need the data; returns the block size."""
     context = getattr(config, "max_position_embeddings", None)
-    block_size = args.block_size or min(DEFAULT_BLOCK_SIZE, context or DEFAULT_BLOCK_SIZE)
+    block_size = args.block_size if args.block_size is not None else min(DEFAULT_BLOCK_SIZE, context or DEFAULT_BLOCK_SIZE)
     if block_size < 2:
         raise TrainingError(f"--block-size {block_size} must be at least 2")
     if context is not None and block_size > context:
@@ -99,6 +97,8 @@ def check_args(args, config) -> int:
             raise TrainingError(f"--{flag.replace('_', '-')} must be at least 1")
     if args.max_steps is not None and args.max_steps < 1:
         raise TrainingError("--max-steps must be at least 1")
+    if args.eval_steps is not None and args.eval_steps < 1:
+        raise TrainingError("--eval-steps must be at least 1 (--eval-fraction 0 turns evaluation off)")
     if args.diff_only_steps < 0:
         raise TrainingError("--diff-only-steps must be >= 0")
     if args.diff_only_steps and config.model_type != "diff":
@@ -139,6 +139,10 @@ def load_model(args, training_args):
 
 def add_lora(model, args):
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    from ..peft_support import register_peft_defaults
+
+    register_peft_defaults()  # LoRA's default targets for "diff", whatever imported peft first
 
     if args.load_in_4bit:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
@@ -224,12 +228,12 @@ def build_trainer(args) -> CausalLMTrainer:
         bos=not args.no_bos,
     )
     training_args = training_arguments(args, eval_data is not None, resume is not None)
-    if args.overwrite and resume is None:
+    model = load_model(args, training_args)
+    if args.overwrite and resume is None:  # only once the model has loaded: a failed start keeps the old run
         with training_args.main_process_first(desc="removing old checkpoints"):
             if training_args.process_index == 0:
                 for old in _checkpoints(Path(args.output)):
                     shutil.rmtree(old)
-    model = load_model(args, training_args)
 
     callbacks = [DiffOnlyCallback(model, args.diff_only_steps)] if args.diff_only_steps else []
     trainer = CausalLMTrainer(
@@ -279,13 +283,17 @@ def run(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    args = parse_train_args(argv)
+def run_cli(args) -> int:
+    """`run`, with a bad option or input reported as one line on stderr and exit status 2."""
     try:
         return run(args)
     except TrainingError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+
+
+def main(argv=None) -> int:
+    return run_cli(parse_train_args(argv))
 
 
 if __name__ == "__main__":
