@@ -264,7 +264,11 @@ def test_adapter_on_converted_model_reloads_as_remote_code(tmp_path, converted, 
         )
 
 
-def test_qlora_4bit(converted, heldout_ids):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; run on a lent H100)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_qlora_4bit(converted, heldout_ids, device):
     """4-bit NF4 loading through transformers' bitsandbytes integration (bitsandbytes 0.50.2 runs NF4 on CPU too), then
     PEFT's k-bit preparation and one LoRA step that also trains λ."""
     import bitsandbytes as bnb
@@ -275,11 +279,11 @@ def test_qlora_4bit(converted, heldout_ids):
     quantization = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
     )
-    ids = heldout_ids[:, :48]
+    ids = heldout_ids[:, :48].to(device)
 
     def load(path, quantized):
-        kwargs = {"quantization_config": quantization, "device_map": "cpu"} if quantized else {}
-        return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", **kwargs)
+        kwargs = {"quantization_config": quantization} if quantized else {}
+        return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", device_map=device, **kwargs)
 
     with torch.no_grad():
         llama_4bit = load(ASSETS / "tiny-llama", True)(ids).logits

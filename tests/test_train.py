@@ -24,7 +24,7 @@ ASSETS = Path(__file__).resolve().parent.parent / "src" / "diff_transformer" / "
 TOKENIZER = ASSETS / "tiny-llama"
 HELDOUT = (ASSETS / "heldout.txt").read_text(encoding="utf-8")
 BLOCK = 32
-QUIET = ["--quiet", "--report-to", "none", "--block-size", str(BLOCK)]
+QUIET = ["--quiet", "--report-to", "none", "--block-size", str(BLOCK), "--bf16", "off"]  # exact comparisons on a GPU too
 
 
 @pytest.fixture(scope="module")
@@ -287,7 +287,8 @@ def test_torchrun_ddp_equals_one_process_with_the_global_batch(workdir, tmp_path
     common = ["train", str(workdir / f"v{version}"), "--data", str(tmp_path / "t.txt"), *QUIET, "--eval-fraction", "0"]
     common += ["--max-steps", "2", "--logging-steps", "1", "--lr", "1e-2", "--seed", "1", *extra]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    # CPU + gloo even on a GPU machine: two ranks cannot share one GPU under NCCL.
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "diff_transformer.cli"]
         + common + ["--output", str(tmp_path / "ddp"), "--batch-size", "1"],
@@ -337,7 +338,7 @@ def test_diff_only_steps_freezes_exactly_the_old_parameters(workdir, tmp_path, v
     else:
         assert sorted(new) == sorted(f"model.layers.{i}.self_attn.{n}" for i in (0, 1) for n in ("diff_lambda.proj.weight", "q_proj.weight"))
         odd = torch.tensor([(r // d) % 2 == 1 for r in range(2 * H * d)])
-        assert all(torch.equal(new[f"model.layers.{i}.self_attn.q_proj.weight"], odd) for i in (0, 1))
+        assert all(torch.equal(new[f"model.layers.{i}.self_attn.q_proj.weight"].cpu(), odd) for i in (0, 1))
     snaps = Snapshots(model)
     trainer.add_callback(snaps)
     trainer.train()
@@ -354,6 +355,31 @@ def test_diff_only_steps_freezes_exactly_the_old_parameters(workdir, tmp_path, v
                 assert torch.equal(at[step][name][~mask], at[0][name][~mask]), (name, step)
                 assert not torch.equal(at[step][name][mask], at[step - 1][name][mask]), (name, step)
         assert not torch.equal(at[4][name], at[3][name]), name  # every parameter trains after step 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; run on a lent H100)")
+def test_diff_only_steps_v2_on_gpu_in_bf16(workdir, tmp_path):
+    """The row masks must live where Trainer moves the model (they were built on the CPU once, and the first backward
+    on the GPU failed). bf16 autocast; the old rows are restored exactly."""
+    trainer = trainer_for(
+        workdir, 2, tmp_path, "--diff-only-steps", "3", "--max-steps", "3", "--lr", "1e-2", "--eval-fraction", "0",
+        "--logging-steps", "1", "--bf16", "on",
+    )  # fmt: skip
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.args.bf16 and next(trainer.model.parameters()).is_cuda
+    new = differential_parameters(trainer.model)
+    for name, param in trainer.model.named_parameters():
+        param, old = param.detach().cpu(), before[name].cpu()
+        if name not in new:
+            assert torch.equal(param, old), name
+        elif new[name] is None:
+            assert not torch.equal(param, old), name
+        else:
+            rows = new[name].cpu()
+            assert torch.equal(param[~rows], old[~rows]) and not torch.equal(param[rows], old[rows]), name
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 3 and all(math.isfinite(entry["loss"]) and 0 < entry["lambda/layer_01"] < 1 for entry in logs)
 
 
 # --- LoRA ---------------------------------------------------------------------------------------------------------
