@@ -88,8 +88,18 @@ def test_static_cache_with_torch_compile(diff_version):
 
 
 @pytest.mark.parametrize("attn,kv_heads", [("sdpa", 1), ("sdpa", 4), ("eager", 2)])
-def test_continuous_batching_matches_generate(diff_version, attn, kv_heads):
+def test_continuous_batching_matches_generate(diff_version, attn, kv_heads, monkeypatch):
+    from transformers.generation.continuous_batching import continuous_api
+
     model = tiny_model(diff_version, attn_implementation=attn, num_key_value_heads=kv_heads, eos_token_id=None)
+    seen = []  # (KV heads the paged cache is sized for, the model's own config at that moment)
+
+    class RecordingCache(continuous_api.PagedAttentionCache):
+        def __init__(self, config, *args, **kwargs):
+            seen.append((config.num_key_value_heads, model.config.num_key_value_heads))
+            super().__init__(config, *args, **kwargs)
+
+    monkeypatch.setattr(continuous_api, "PagedAttentionCache", RecordingCache)
     prompts = [torch.randint(3, 97, (n,)).tolist() for n in (5, 11, 3, 8)]
     expected = [
         model.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False)[0, len(p) :].tolist()
@@ -99,4 +109,7 @@ def test_continuous_batching_matches_generate(diff_version, attn, kv_heads):
     results = model.generate_batch(prompts, generation_config=config, progress_bar=False)
     by_prompt = {tuple(r.prompt_ids): r.generated_tokens for r in results.values()}
     assert [by_prompt[tuple(p)] for p in prompts] == expected
-    assert model.config.num_key_value_heads == kv_heads  # the V1 paged-cache sizing left the config as it was
+    # V1 stores V's two d-wide halves as extra KV heads; the model's config is never changed for that, not even while
+    # the cache is built (other threads may read it).
+    assert seen == [((2 if diff_version == 1 else 1) * kv_heads, kv_heads)]
+    assert model.config.num_key_value_heads == kv_heads

@@ -15,6 +15,7 @@ Only torch, transformers and `.configuration_diff` are imported: this file is co
 custom code.
 """
 
+import copy
 import os
 import sys
 from collections.abc import Callable
@@ -443,6 +444,16 @@ class DiffModel(DiffPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
 
+class _WithConfig:
+    """`model` as seen through another config: every other attribute is the model's."""
+
+    def __init__(self, model: nn.Module, config: DiffConfig):
+        self._model, self.config = model, config
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
 class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -460,16 +471,19 @@ class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
         if self.config.diff_version == 1 and not getattr(manager, "_sized_for_diff_v1", False):
             # The paged cache sizes its pages from config.num_key_value_heads x head_dim. A V1 layer stores what a Llama
             # with 2 H_kv KV heads of size d (and 2H query heads) stores, so the cache is built with that geometry.
+            # The manager reads that geometry from `manager.model.config`; it sees a resized copy for the call, so the
+            # model's own config, read meanwhile by other threads (a server, a plain generate), never changes.
             create_batch_processor = manager._create_batch_processor
+            sized = copy.copy(self.config)
+            sized.num_key_value_heads, sized.num_attention_heads = 2 * sized.num_key_value_heads, 2 * sized.num_attention_heads
 
             def create_batch_processor_v1():
-                config = self.config
-                saved = config.num_key_value_heads, config.num_attention_heads
-                config.num_key_value_heads, config.num_attention_heads = 2 * saved[0], 2 * saved[1]
+                model = manager.model
+                manager.model = _WithConfig(model, sized)
                 try:
                     return create_batch_processor()
                 finally:
-                    config.num_key_value_heads, config.num_attention_heads = saved
+                    manager.model = model
 
             manager._create_batch_processor = create_batch_processor_v1
             manager._sized_for_diff_v1 = True
