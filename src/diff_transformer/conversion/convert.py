@@ -21,7 +21,7 @@ import torch
 from ..configuration_diff import AUTO_MAP
 from ..modeling_diff import diff_model_card
 from .errors import ConversionError, one_line
-from .layout import IGNORED_SOURCE_TENSORS, Geometry, make_tensor_map, stored_as
+from .layout import IGNORED_SOURCE_TENSORS, Geometry, make_tensor_map
 from .provenance import conversion_provenance
 from .source import SourceCheckpoint, check_float_dtypes, open_source, read_weights_headers
 from .writer import ShardWriter
@@ -513,12 +513,8 @@ def _stream(
                             f"reading tensor {name} from shard {shard.name} failed ({one_line(exc)}): the shard is corrupt; re-download it."
                         ) from exc
                     for out_name, out_tensor in tensor_map(name, tensor):
-                        if target_dtype is not None and not _FP32_PARAMETERS.search(out_name):
-                            cast = out_tensor.to(target_dtype)
-                            if hasattr(out_tensor, "stored_shape"):
-                                cast = stored_as(cast, out_tensor.stored_shape)
-                            out_tensor = cast
-                        writer.add(out_name, out_tensor)
+                        keep = target_dtype is None or _FP32_PARAMETERS.search(out_name)
+                        writer.add(out_name, out_tensor, dtype=None if keep else target_dtype)
                     del tensor
             if writer.max_shard_bytes is None:
                 writer.close_shard()  # mirror the input sharding

@@ -51,42 +51,45 @@ class ShardWriter:
         self.total_bytes = 0
         self.total_parameters = 0
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Append `tensor` to the open shard, cast to `dtype` (if given) slice by slice as it is written."""
         if name in self.shapes:
             raise ConversionError(f"internal error: output tensor {name} produced twice; please report this bug.")
-        if tensor.dtype not in _SAFETENSORS_DTYPES:
-            raise ConversionError(f"tensor {name} has dtype {tensor.dtype}, which safetensors cannot store.")
+        dtype = dtype or tensor.dtype
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise ConversionError(f"tensor {name} has dtype {dtype}, which safetensors cannot store.")
         shape = tuple(getattr(tensor, "stored_shape", tensor.shape))  # see layout.stored_as
-        size = tensor.numel() * tensor.element_size()
+        size = tensor.numel() * dtype.itemsize
         if self.max_shard_bytes is not None and self._entries and self._pending_bytes + size > self.max_shard_bytes:
             self.close_shard()
         try:
             if self._file is None:
                 self._open_shard()
-            self._write(tensor.detach())
+            self._write(tensor.detach(), dtype)
         except OSError as exc:
             raise self._write_error(exc) from exc
         self._entries[name] = {
-            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "dtype": _SAFETENSORS_DTYPES[dtype],
             "shape": list(shape),
             "data_offsets": [self._pending_bytes, self._pending_bytes + size],
         }
         self._pending_bytes += size
         self.shapes[name] = shape
-        self.dtypes[name] = tensor.dtype
+        self.dtypes[name] = dtype
         self.total_bytes += size
         self.total_parameters += tensor.numel()
 
-    def _write(self, tensor: torch.Tensor) -> None:
+    def _write(self, tensor: torch.Tensor, dtype: torch.dtype) -> None:
         """Write a tensor's bytes in row-major order without copying where its leading slices are contiguous: an
-        expanded view (e.g. V2's duplicated query heads) goes out as views of the source, with no new allocation."""
+        expanded view (e.g. V2's duplicated query heads) goes out as views of the source, with no new allocation
+        (a cast allocates one slice at a time)."""
         if tensor.is_contiguous():
-            self._file.write(tensor.reshape(-1).view(torch.uint8).numpy())
+            self._file.write(tensor.to(dtype).reshape(-1).view(torch.uint8).numpy())
         elif tensor.dim() > 1 and tensor.shape[0] <= 4096:
             for row in tensor:
-                self._write(row)
+                self._write(row, dtype)
         else:
-            self._file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+            self._file.write(tensor.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy())
 
     def _write_error(self, exc: OSError) -> ConversionError:
         return ConversionError(
