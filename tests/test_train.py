@@ -434,6 +434,24 @@ def test_qlora_cli_trains_4bit_base_with_lora_and_lambda(workdir, tmp_path):
     assert lam.dtype == torch.float32 and not torch.equal(lam, base.model.layers[0].self_attn.diff_lambda.proj.weight)
 
 
+def test_qlora_cli_keeps_learning_after_evaluations(workdir, tmp_path):
+    """Evaluations between QLoRA steps on CPU: bitsandbytes repacks 4-bit layers for inference on the first forward in
+    eval mode without gradients, and its repacked kernel has no autograd. The model keeps the differentiable kernel,
+    so every step after an evaluation still has a gradient and λ keeps moving (grad_norm was 0 and λ frozen before)."""
+    trainer = trainer_for(
+        workdir, 2, tmp_path, "--lora", "--load-in-4bit", "--max-steps", "3", "--lr", "1e-2", "--logging-steps", "1",
+        "--eval-fraction", "0.2", "--eval-on-start", "--eval-steps", "1",
+    )
+    lam = trainer.model.base_model.model.model.layers[0].self_attn.diff_lambda
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "grad_norm" in entry]
+    evals = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    assert len(logs) == 3 and len(evals) >= 3  # step 0, then after every step
+    assert all(entry["grad_norm"] > 0 for entry in logs), logs
+    trained = lam.modules_to_save["default"].proj.weight
+    assert not torch.equal(trained, lam.original_module.proj.weight)
+
+
 # --- errors -------------------------------------------------------------------------------------------------------
 
 

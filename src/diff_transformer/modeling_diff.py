@@ -340,6 +340,18 @@ class DiffPreTrainedModel(PreTrainedModel):
         if "peft" in sys.modules:
             register_peft_defaults()
 
+    def train(self, mode: bool = True):
+        # bitsandbytes (0.50) repacks a CPU 4-bit layer into an AVX512-BF16 inference layout on its first forward in
+        # eval mode without gradients (`Linear4bit.forward`, `support_avx512bf16_for_cpu`); the repacked matmul has no
+        # autograd, so QLoRA on CPU silently stopped learning after any evaluation. `eval()` and `train()` (and
+        # from_pretrained, which ends with eval()) turn that repacking off: CPU 4-bit layers keep bitsandbytes'
+        # differentiable kernel. Guarded by tests/test_peft.py::test_qlora_4bit and
+        # tests/test_train.py::test_qlora_cli_keeps_learning_after_evaluations.
+        for module in self.modules():
+            if getattr(module, "support_avx512bf16_for_cpu", False):
+                module.support_avx512bf16_for_cpu = False
+        return super().train(mode)
+
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
         # Checked before sharding: an uneven colwise split would cut a differential head (or V1's k1/k2 pair) in half
