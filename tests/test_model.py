@@ -315,7 +315,7 @@ def test_default_head_dim_and_parameter_budget():
 def test_flash_style_backend_gets_equal_head_dims(diff_version, monkeypatch):
     """Flash kernels need V as wide as Q/K; V1 then attends once per V half. Checked on CPU with a stand-in backend
     that enforces the kernel's constraint and computes with sdpa (no flash kernel runs on CPU)."""
-    from diff_transformer.modeling_diff import DiffAttention
+    from diff_transformer.modeling_diff import DiffAttentionV1
 
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -328,7 +328,7 @@ def test_flash_style_backend_gets_equal_head_dims(diff_version, monkeypatch):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("equal_head_dims_cpu", flash_like)
-    monkeypatch.setattr(DiffAttention, "_needs_equal_head_dims", lambda self: self.config._attn_implementation == "equal_head_dims_cpu")
+    monkeypatch.setattr(DiffAttentionV1, "_needs_equal_head_dims", lambda self: self.config._attn_implementation == "equal_head_dims_cpu")
     eager = tiny_model(diff_version)
     flash = tiny_model(diff_version, attn_implementation="sdpa")
     flash.set_attn_implementation("equal_head_dims_cpu")

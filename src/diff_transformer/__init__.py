@@ -8,7 +8,15 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_diff import DiffConfig
 from .layers import DifferentialAttention, differential_attention
-from .modeling_diff import DiffAttention, DiffDecoderLayer, DiffForCausalLM, DiffModel, DiffPreTrainedModel
+from .modeling_diff import (
+    DiffAttention,
+    DiffAttentionV1,
+    DiffAttentionV2,
+    DiffDecoderLayer,
+    DiffForCausalLM,
+    DiffModel,
+    DiffPreTrainedModel,
+)
 from .peft_support import register_if_peft_imported, register_peft_defaults
 
 
@@ -34,6 +42,8 @@ __all__ = [
     "DiffModel",
     "DiffForCausalLM",
     "DiffAttention",
+    "DiffAttentionV1",
+    "DiffAttentionV2",
     "DiffDecoderLayer",
     "DifferentialAttention",
     "differential_attention",

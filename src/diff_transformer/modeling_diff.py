@@ -1,21 +1,22 @@
 """Diff Transformer (differential attention) as a transformers model.
 
-Two variants, selected by `config.diff_version` (see DESIGN.md for the exact math):
+Two variants, selected by `config.diff_version` (docs/design.md has the exact math):
 
-* V1 (Ye et al., ICLR 2025): head h computes `(softmax(q1 k1ᵀ) - λ softmax(q2 k2ᵀ)) v` with V of width 2d, then a
-  per-head RMSNorm (`subln`) scaled by `1 - λ_init`; λ is one fp32 scalar per layer.
-* V2 (Diff Transformer V2): 2H ordinary query heads share Llama's K/V; head h outputs
+* V1 (Ye et al., ICLR 2025), `DiffAttentionV1`: head h computes `(softmax(q1 k1ᵀ) - λ softmax(q2 k2ᵀ)) v` with V of
+  width 2d, then a per-head RMSNorm (`subln`) scaled by `1 - λ_init`; λ is one fp32 scalar per layer.
+* V2 (Diff Transformer V2), `DiffAttentionV2`: 2H ordinary query heads share Llama's K/V; head h outputs
   `a_2h - sigmoid(W_λ x)_h a_2h+1`.
 
-Both run as ONE standard attention call per layer through `ALL_ATTENTION_FUNCTIONS`, so every backend transformers
-ships (eager, sdpa, flash, flex, paged) computes QKᵀ once. Module names follow Llama's so Llama tooling (PEFT target
-modules, TP plans, conversion scripts) applies unchanged.
+Both attend through standard backends from `ALL_ATTENTION_FUNCTIONS` (eager, sdpa, flash, flex, paged) and compute
+each QKᵀ once: V2 in one call per layer, V1 in one call per map (or per map and V half, see `DiffAttentionV1`).
+Module names follow Llama's so Llama tooling (PEFT target modules, TP plans, conversion scripts) applies unchanged.
 
 Only torch, transformers and `.configuration_diff` are imported: this file is copied into saved checkpoints as Hub
 custom code.
 """
 
 import copy
+import enum
 import os
 import sys
 from collections.abc import Callable
@@ -93,41 +94,40 @@ class DiffLambdaV2(nn.Module):
         return torch.sigmoid(self.proj(hidden_states.to(self.proj.weight.dtype)))  # (B, N, H)
 
 
-_PAGED_TO_PLAIN = {"paged|eager": "eager", "paged|sdpa": "sdpa", "paged|flex_attention": "flex_attention"}
-
-
 class DiffAttention(nn.Module):
-    """Differential multi-head attention, one standard attention call per layer for both versions."""
+    """What both versions share: Llama's four projections (same names, so checkpoints, PEFT targets and TP plans
+    carry over), the head geometry and the rotary scaling. `DiffAttentionV1` and `DiffAttentionV2` add the λ module
+    and the forward; `DiffDecoderLayer` picks one by `config.diff_version`."""
 
-    def __init__(self, config: DiffConfig, layer_idx: int):
+    def __init__(self, config: DiffConfig, layer_idx: int, kv_width: int, output_width: int):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        self.diff_version = config.diff_version
         self.num_heads = config.num_attention_heads
         self.num_key_value_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        # Query heads per key head in the single attention call: V1 has 2H queries over 2H_kv keys, V2 2H over H_kv.
-        ratio = config.num_attention_heads // config.num_key_value_heads
-        self.num_key_value_groups = ratio if self.diff_version == 1 else 2 * ratio
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
 
-        hidden, H, H_kv, d, bias = config.hidden_size, self.num_heads, self.num_key_value_heads, self.head_dim, config.attention_bias
-        self.q_proj = nn.Linear(hidden, 2 * H * d, bias=bias)
-        if self.diff_version == 1:
-            self.k_proj = nn.Linear(hidden, 2 * H_kv * d, bias=bias)
-            self.v_proj = nn.Linear(hidden, 2 * H_kv * d, bias=bias)
-            self.o_proj = nn.Linear(2 * H * d, hidden, bias=bias)
-            self.lambda_init = config.lambda_init_for_layer(layer_idx)
-            self.diff_lambda = DiffLambdaV1(d, self.lambda_init)
-            self.subln = DiffRMSNorm(2 * d, eps=config.rms_norm_eps)
-        else:
-            self.k_proj = nn.Linear(hidden, H_kv * d, bias=bias)
-            self.v_proj = nn.Linear(hidden, H_kv * d, bias=bias)
-            self.o_proj = nn.Linear(H * d, hidden, bias=bias)
-            self.diff_lambda = DiffLambdaV2(hidden, H)
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, 2 * self.num_heads * self.head_dim, bias=bias)  # 2H query heads of size d
+        self.k_proj = nn.Linear(hidden, kv_width, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_width, bias=bias)
+        self.o_proj = nn.Linear(output_width, hidden, bias=bias)
+
+
+class DiffAttentionV2(DiffAttention):
+    """V2: Llama attention with 2H query heads over Llama's K/V; head h outputs `a_2h - sigmoid(W_λ x)_h a_2h+1`.
+
+    The forward is `LlamaAttention.forward` plus the differential step after the attention call.
+    """
+
+    def __init__(self, config: DiffConfig, layer_idx: int):
+        H, H_kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        super().__init__(config, layer_idx, kv_width=H_kv * d, output_width=H * d)
+        self.num_key_value_groups = 2 * H // H_kv  # 2H query heads share H_kv key/value heads
+        self.diff_lambda = DiffLambdaV2(config.hidden_size, H)
 
     def forward(
         self,
@@ -137,45 +137,28 @@ class DiffAttention(nn.Module):
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.diff_version == 1:
-            return self._forward_v1(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
-        return self._forward_v2(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
 
-    def _attention_interface(self, paged_cache_handled: bool = False) -> Callable:
-        implementation = self.config._attn_implementation
-        if paged_cache_handled:
-            implementation = _PAGED_TO_PLAIN.get(implementation, implementation)
-        if implementation == "eager":
-            return eager_attention_forward
-        return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-
-    def _needs_equal_head_dims(self) -> bool:
-        """Flash kernels (FA2/FA3, paged or not) need V as wide as Q/K; V1's V is twice as wide."""
-        return "flash" in self.config._attn_implementation
-
-    def _pad_query_key_to_value_width(self, query: torch.Tensor) -> bool:
-        """V1 prefill/training with SDPA on CPU (see the call site); decoding (one query) stays on the cheap path."""
-        return query.device.type == "cpu" and query.shape[2] > 1 and self.config._attn_implementation in ("sdpa", "paged|sdpa")
-
-    def _forward_v2(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs):
-        B, N, _ = hidden_states.shape
-        d = self.head_dim
-
-        query = self.q_proj(hidden_states).view(B, N, -1, d).transpose(1, 2)  # (B, 2H, N, d); H is local under TP
-        H = query.shape[1] // 2
-        key = self.k_proj(hidden_states).view(B, N, -1, d).transpose(1, 2)  # (B, H_kv, N, d)
-        value = self.v_proj(hidden_states).view(B, N, -1, d).transpose(1, 2)  # (B, H_kv, N, d)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, 2H, N, d); H local under TP
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H_kv, N, d)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H_kv, N, d)
 
         cos, sin = position_embeddings
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
-        attn_output, attn_weights = self._attention_interface()(
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+
+        attn_output, attn_weights = attention_interface(
             self,
-            query,
-            key,
-            value,
+            query_states,
+            key_states,
+            value_states,
             attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
@@ -183,87 +166,162 @@ class DiffAttention(nn.Module):
         )  # (B, N, 2H, d)
 
         lam = self.diff_lambda(hidden_states)  # (B, N, H)
-        pair = attn_output.view(B, N, H, 2, d)  # (B, N, H, 2, d): query heads (2h, 2h+1)
-        out = pair[..., 0, :] - lam.unsqueeze(-1).to(pair.dtype) * pair[..., 1, :]  # (B, N, H, d)
-        out = self.o_proj(out.reshape(B, N, H * d))
+        pair = attn_output.view(*input_shape, -1, 2, self.head_dim)  # (B, N, H, 2, d): query heads (2h, 2h+1)
+        attn_output = pair[..., 0, :] - lam.unsqueeze(-1).to(pair.dtype) * pair[..., 1, :]  # (B, N, H, d)
 
-        if attn_weights is not None:  # differential maps A_2h - λ A_2h+1, (B, H, N, L)
-            weights = attn_weights.view(B, H, 2, N, -1)
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        attn_output = self.o_proj(attn_output)
+
+        if attn_weights is not None:  # the differential maps A_2h - λ A_2h+1, (B, H, N, L)
+            weights = attn_weights.view(input_shape[0], -1, 2, *attn_weights.shape[2:])  # (B, H, 2, N, L)
             attn_weights = weights[:, :, 0] - lam.transpose(1, 2).unsqueeze(-1).to(weights.dtype) * weights[:, :, 1]
-        return out, attn_weights
+        return attn_output, attn_weights
 
-    def _forward_v1(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs):
+
+class V1Strategy(enum.Enum):
+    """How `DiffAttentionV1` computes `(A1 - λ A2) V` with V 2d wide (see that class's docstring)."""
+
+    WIDE_VALUE = "one call per map, V 2d wide"
+    PADDED_WIDE_VALUE = "one call per map, V 2d wide, q and k zero-padded to 2d"
+    SPLIT_VALUE = "one call per map and per d-wide half of V"
+    # A fused differential kernel (one call producing (A1 - λ A2) V) is one more member here, one branch in
+    # `_select_strategy` and one in `_differential_attention`.
+
+
+class DiffAttentionV1(DiffAttention):
+    """V1 (the paper): head h computes `RMSNorm((A1 - λ A2) V) (1 - λ_init)`, A_c = softmax(q_c k_cᵀ / √d), V 2d wide.
+
+    q and k are laid out component-major, [all q1 | all q2] and [all k1 | all k2], so each map is a contiguous block
+    of heads and the backend's ordinary GQA mapping pairs q_c of head h with k_c of its group. V is cached as 2 H_kv
+    heads of size d (its two halves), so every cache (dynamic, static, paged) holds what a Llama with 2 H_kv
+    key/value heads of size d holds. Each map is computed once (q1 never meets k2), by a standard backend from
+    `ALL_ATTENTION_FUNCTIONS`.
+
+    Backends differ in what they accept and what they make fast, so `_select_strategy` picks one of `V1Strategy`:
+
+    * WIDE_VALUE: one call per map with the two V halves concatenated to 2d (eager, sdpa on GPU, flex). Two calls.
+    * PADDED_WIDE_VALUE: the same with q and k zero-padded to 2d, for sdpa prefill/training on CPU: PyTorch's fused
+      CPU kernel needs equal head dims, and without it SDPA falls back to the math kernel that materialises every
+      (N, L) map. Padding leaves q kᵀ unchanged (the scale is passed explicitly).
+    * SPLIT_VALUE: one call per map and per V half, everything d wide. Flash kernels need V as wide as Q/K; and when
+      decoding (one query) with any fused backend, attending on views of the cache beats copying it into a 2d-wide V
+      every step. Four calls.
+    """
+
+    def __init__(self, config: DiffConfig, layer_idx: int):
+        H, H_kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        super().__init__(config, layer_idx, kv_width=2 * H_kv * d, output_width=2 * H * d)
+        self.num_key_value_groups = H // H_kv  # each call attends H query heads over H_kv key heads
+        self.lambda_init = config.lambda_init_for_layer(layer_idx)
+        self.diff_lambda = DiffLambdaV1(d, self.lambda_init)
+        self.subln = DiffRMSNorm(2 * d, eps=config.rms_norm_eps)
+
+    def _needs_equal_head_dims(self) -> bool:
+        """Flash kernels (FA2/FA3/FA4, kernels-community ones, paged or not) need V as wide as Q/K."""
+        return "flash" in self.config._attn_implementation
+
+    def _select_strategy(self, query: torch.Tensor) -> V1Strategy:
+        """The one place that decides how this layer's attention runs; `query` is (B, 2H, N, d)."""
+        implementation = self.config._attn_implementation
+        if self._needs_equal_head_dims() or (query.shape[2] == 1 and implementation != "eager"):
+            return V1Strategy.SPLIT_VALUE
+        if implementation == "sdpa" and query.device.type == "cpu":
+            return V1Strategy.PADDED_WIDE_VALUE
+        return V1Strategy.WIDE_VALUE
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, N, _ = hidden_states.shape
         d = self.head_dim
 
-        # Component-major head order [all q1 | all q2] and [all k1 | all k2]: each map c is then one contiguous
-        # slice, and the backend's ordinary GQA mapping h -> h // (H / H_kv) pairs q_c of head h with k_c of g(h).
         # Head counts come from the tensors, so a tensor-parallel shard works on its local heads.
         query = self.q_proj(hidden_states).view(B, N, -1, 2, d)  # (B, N, H, 2, d)
         H = query.shape[2]
-        query = query.permute(0, 3, 2, 1, 4).reshape(B, 2 * H, N, d)  # (B, 2H, N, d)
+        query = query.permute(0, 3, 2, 1, 4).reshape(B, 2 * H, N, d)  # (B, 2H, N, d): [all q1 | all q2]
         key = self.k_proj(hidden_states).view(B, N, -1, 2, d)  # (B, N, H_kv, 2, d)
         H_kv = key.shape[2]
-        key = key.permute(0, 3, 2, 1, 4).reshape(B, 2 * H_kv, N, d)  # (B, 2H_kv, N, d)
-        # V's two d-wide halves are cached as 2 H_kv heads of size d, so every cache (dynamic, static, paged)
-        # holds what a Llama with 2 H_kv KV heads of size d would hold.
-        value = self.v_proj(hidden_states).view(B, N, H_kv, 2, d).permute(0, 3, 2, 1, 4).reshape(B, 2 * H_kv, N, d)
+        key = key.permute(0, 3, 2, 1, 4).reshape(B, 2 * H_kv, N, d)  # (B, 2H_kv, N, d): [all k1 | all k2]
+        value = self.v_proj(hidden_states).view(B, N, H_kv, 2, d).permute(0, 3, 2, 1, 4)  # (B, 2, H_kv, N, d)
+        value = value.reshape(B, 2 * H_kv, N, d)  # (B, 2H_kv, N, d): [all first halves | all second halves]
 
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
 
+        # The backends update a paged cache (continuous batching) themselves, once per call; V1 makes several calls,
+        # so it writes the paged cache once here and hands the backends what it returns.
+        implementation = self.config._attn_implementation
         paged_cache = kwargs.pop("cache", None)
-        if paged_cache is not None:  # continuous batching: write the paged cache once, then attend on what it returns
-            key, value = paged_cache.update(key_states=key, value_states=value, layer_idx=self.layer_idx, kwargs=kwargs)
+        if paged_cache is not None:
+            key, value = paged_cache.update(
+                key_states=key, value_states=value, layer_idx=self.layer_idx, kwargs=kwargs
+            )  # (1, 2H_kv, L, d)
+            if implementation == "paged|eager":  # transformers' paged eager only adds the cache update to eager
+                implementation = "eager"
         elif past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
 
-        interface = self._attention_interface(paged_cache_handled=paged_cache is not None)
-        batch, _, L, _ = value.shape
+        batch, _, L, _ = value.shape  # the paged cache packs every sequence into one batch row
         queries = query.view(B, 2, H, N, d)  # (B, 2, H, N, d): [q1 | q2] of every head
         keys = key.reshape(batch, 2, H_kv, L, d)  # (B, 2, H_kv, L, d): [k1 | k2] of every group
-        halves = value.reshape(batch, 2, H_kv, L, d)  # (B, 2, H_kv, L, d): [first | second] d-wide half of v_g
-        # One call per map c (q_c against k_c only, so QKᵀ is computed once). V is 2d wide, except where the kernel
-        # wants V as wide as Q/K: flash kernels always, and SDPA when decoding, where one call per V half runs the
-        # fused kernel on views of the cache instead of copying it into a 2d-wide V every step.
-        split_value = self._needs_equal_head_dims() or (N == 1 and self.config._attn_implementation != "eager")
-        wide_value = None if split_value else torch.cat((halves[:, 0], halves[:, 1]), dim=-1)  # (B, H_kv, L, 2d)
-        pad = not split_value and self._pad_query_key_to_value_width(query)
-        outputs, maps = [], []
-        for c in (0, 1):
-            q_c, k_c = queries[:, c], keys[:, c]  # (B, H, N, d), (B, H_kv, L, d)
-            if split_value:
-                output_c = torch.cat(
-                    [interface(self, q_c, k_c, halves[:, c_v], attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)[0] for c_v in (0, 1)],
-                    dim=-1,
-                )  # (B, N, H, 2d)
-                map_c = None
-            else:
-                if pad:
-                    # PyTorch's CPU flash kernel needs equal head dims; otherwise SDPA falls back to the math kernel
-                    # and materialises every (N, L) map. Zero-padding q and k to 2d leaves q kᵀ unchanged (the scale
-                    # is passed explicitly) and keeps prefill/training on the fused kernel.
-                    q_c, k_c = torch.nn.functional.pad(q_c, (0, d)), torch.nn.functional.pad(k_c, (0, d))
-                output_c, map_c = interface(
-                    self, q_c, k_c, wide_value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
-                )  # (B, N, H, 2d), (B, H, N, L) or None
-            outputs.append(output_c)
-            maps.append(map_c)
+        values = value.reshape(batch, 2, H_kv, L, d)  # (B, 2, H_kv, L, d): [first | second] d-wide half of v_g
 
         lam = self.diff_lambda()  # () fp32
-        out = outputs[0] - lam.to(outputs[0].dtype) * outputs[1]  # (B, N, H, 2d)
-        out = self.subln(out) * (1.0 - self.lambda_init)
-        out = self.o_proj(out.reshape(B, N, H * 2 * d))
+        strategy = self._select_strategy(query)
+        attn_output, attn_weights = self._differential_attention(
+            strategy, attention_interface, queries, keys, values, lam, attention_mask, **kwargs
+        )  # (B, N, H, 2d), (B, H, N, L) or None
 
-        attn_weights = None if maps[0] is None else maps[0] - lam.to(maps[0].dtype) * maps[1]  # A1 - λ A2, (B, H, N, L)
-        return out, attn_weights
+        attn_output = self.subln(attn_output) * (1.0 - self.lambda_init)
+        attn_output = self.o_proj(attn_output.reshape(B, N, H * 2 * d))
+        return attn_output, attn_weights
+
+    def _differential_attention(
+        self, strategy, attention_interface, queries, keys, values, lam, attention_mask, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(A1 - λ A2) V as (B, N, H, 2d), and the differential map A1 - λ A2 when the backend returns maps."""
+
+        def attend(query, key, value):  # one standard attention call: (B, N, H, width of value), map or None
+            return attention_interface(
+                self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+            )
+
+        if strategy is V1Strategy.SPLIT_VALUE:
+            outputs = [  # per map c: (B, N, H, 2d)
+                torch.cat([attend(queries[:, c], keys[:, c], values[:, v])[0] for v in (0, 1)], dim=-1)
+                for c in (0, 1)
+            ]
+            maps = [None, None]
+        else:
+            wide_value = torch.cat((values[:, 0], values[:, 1]), dim=-1)  # (B, H_kv, L, 2d)
+            outputs, maps = [], []
+            for c in (0, 1):
+                query_c, key_c = queries[:, c], keys[:, c]  # (B, H, N, d), (B, H_kv, L, d)
+                if strategy is V1Strategy.PADDED_WIDE_VALUE:
+                    d = query_c.shape[-1]
+                    query_c, key_c = nn.functional.pad(query_c, (0, d)), nn.functional.pad(key_c, (0, d))  # (.., 2d)
+                output_c, map_c = attend(query_c, key_c, wide_value)  # (B, N, H, 2d), (B, H, N, L) or None
+                outputs.append(output_c)
+                maps.append(map_c)
+
+        attn_output = outputs[0] - lam.to(outputs[0].dtype) * outputs[1]  # (B, N, H, 2d)
+        attn_weights = None if maps[0] is None else maps[0] - lam.to(maps[0].dtype) * maps[1]  # (B, H, N, L)
+        return attn_output, attn_weights
+
+
+DIFF_ATTENTION_CLASSES = {1: DiffAttentionV1, 2: DiffAttentionV2}
 
 
 class DiffDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: DiffConfig, layer_idx: int):
         super().__init__()
-        self.hidden_size = config.hidden_size
-        self.self_attn = DiffAttention(config=config, layer_idx=layer_idx)
+        self.self_attn = DIFF_ATTENTION_CLASSES[config.diff_version](config=config, layer_idx=layer_idx)
         self.mlp = DiffMLP(config)
         self.input_layernorm = DiffRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DiffRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -670,4 +728,12 @@ needed), and `diff-transformer serve` serves it through transformers' OpenAI-com
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
 
-__all__ = ["DiffPreTrainedModel", "DiffModel", "DiffForCausalLM", "DiffAttention", "DiffDecoderLayer"]
+__all__ = [
+    "DiffPreTrainedModel",
+    "DiffModel",
+    "DiffForCausalLM",
+    "DiffAttention",
+    "DiffAttentionV1",
+    "DiffAttentionV2",
+    "DiffDecoderLayer",
+]
