@@ -7,8 +7,8 @@ Two variants, selected by `config.diff_version` (docs/design.md has the exact ma
 * V2 (Diff Transformer V2), `DiffAttentionV2`: 2H ordinary query heads share Llama's K/V; head h outputs
   `a_2h - sigmoid(W_λ x)_h a_2h+1`.
 
-Both attend through standard backends from `ALL_ATTENTION_FUNCTIONS` (eager, sdpa, flash, flex, paged) and compute
-each QKᵀ once: V2 in one call per layer, V1 in one call per map (or per map and V half, see `DiffAttentionV1`).
+Both attend through standard backends from `ALL_ATTENTION_FUNCTIONS` (eager, sdpa, flash, flex, paged): V2 in one
+call per layer, V1 in one call per map (or per map and V half where a kernel needs it, see `DiffAttentionV1`).
 Module names follow Llama's so Llama tooling (PEFT target modules, TP plans, conversion scripts) applies unchanged.
 
 Only torch, transformers and `.configuration_diff` are imported: this file is copied into saved checkpoints as Hub
@@ -200,18 +200,20 @@ class DiffAttentionV1(DiffAttention):
     q and k are laid out component-major, [all q1 | all q2] and [all k1 | all k2], so each map is a contiguous block
     of heads and the backend's ordinary GQA mapping pairs q_c of head h with k_c of its group. V is cached as 2 H_kv
     heads of size d (its two halves), so every cache (dynamic, static, paged) holds what a Llama with 2 H_kv
-    key/value heads of size d holds. Each map is computed once (q1 never meets k2), by a standard backend from
-    `ALL_ATTENTION_FUNCTIONS`.
+    key/value heads of size d holds. Every call goes to a standard backend from `ALL_ATTENTION_FUNCTIONS` and sees
+    one map's q_c and k_c only (q1 never meets k2).
 
-    Backends differ in what they accept and what they make fast, so `_select_strategy` picks one of `V1Strategy`:
+    Backends differ in what they accept and what they make fast, so `_select_strategy` picks one of `V1Strategy`
+    (docs/design.md, "V1's backend strategy"):
 
-    * WIDE_VALUE: one call per map with the two V halves concatenated to 2d (eager, sdpa on GPU, flex). Two calls.
+    * WIDE_VALUE: one call per map with the two V halves concatenated to 2d (eager, sdpa on GPU, flex). Two calls,
+      each map's scores computed once.
     * PADDED_WIDE_VALUE: the same with q and k zero-padded to 2d, for sdpa prefill/training on CPU: PyTorch's fused
       CPU kernel needs equal head dims, and without it SDPA falls back to the math kernel that materialises every
       (N, L) map. Padding leaves q kᵀ unchanged (the scale is passed explicitly).
     * SPLIT_VALUE: one call per map and per V half, everything d wide. Flash kernels need V as wide as Q/K; and when
-      decoding (one query) with any fused backend, attending on views of the cache beats copying it into a 2d-wide V
-      every step. Four calls.
+      decoding (one query) with any backend but eager, attending on views of the cache beats copying it into a
+      2d-wide V every step. Four calls: each map's scores are computed twice.
     """
 
     def __init__(self, config: DiffConfig, layer_idx: int):

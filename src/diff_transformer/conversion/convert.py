@@ -1,4 +1,4 @@
-"""Streaming conversion of Llama / DiffLlama checkpoints into Diff checkpoints (DESIGN.md, "Converting a Llama
+"""Streaming conversion of Llama / DiffLlama checkpoints into Diff checkpoints (docs/design.md, "Converting a Llama
 checkpoint").
 
 The source is read tensor by tensor from its safetensors shards and the output is written shard by shard, so peak
