@@ -1,4 +1,4 @@
-"""An independent reference of both Diff variants, written straight from DESIGN.md's formulas.
+"""An independent reference of both Diff variants, written straight from docs/design.md's formulas.
 
 Loops over heads, builds every mask and softmax by hand, and reads the model's weights by state-dict name only, so
 it shares no code with `modeling_diff.py` beyond the weights.

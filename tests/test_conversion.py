@@ -1,4 +1,4 @@
-"""Llama / DiffLlama -> Diff conversion (DESIGN.md, "Converting a Llama checkpoint")."""
+"""Llama / DiffLlama -> Diff conversion (docs/design.md, "Converting a Llama checkpoint")."""
 
 import hashlib
 import json
@@ -363,7 +363,7 @@ def test_side_files_card_and_custom_code(tmp_path):
     assert (out / "generation_config.json").read_bytes() == (src / "generation_config.json").read_bytes()
     assert not (out / "pytorch_model.bin").exists()
     package = Path(__file__).resolve().parents[1] / "src" / "diff_transformer"
-    for name in ("configuration_diff.py", "modeling_diff.py"):
+    for name in ("configuration_diff.py", "modeling_diff.py", "modelcard_diff.py"):
         assert (out / name).read_bytes() == (package / name).read_bytes()
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DiffForCausalLM"]
@@ -474,7 +474,7 @@ def test_convert_to_diff_dispatches(tmp_path):
 
 
 def test_v1_layout_mha(tmp_path):
-    """DESIGN.md's pairing: q1 of head h = Llama head 2h, q2 = head 2h+1; k/v of group g = kv heads 2g, 2g+1."""
+    """docs/design.md's pairing: q1 of head h = Llama head 2h, q2 = head 2h+1; k/v of group g = kv heads 2g, 2g+1."""
     src = make_llama(tmp_path / "llama", num_attention_heads=4, num_key_value_heads=4, attention_bias=True)
     out = convert_llama_to_diff(src, tmp_path / "diff", diff_version=1, lambda_std=0.05, seed=3, progress=False)
     config = json.loads((out / "config.json").read_text())

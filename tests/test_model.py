@@ -199,7 +199,7 @@ def test_save_reload_equal_and_auto_classes(tmp_path, diff_version):
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").exists()
     assert not list(tmp_path.glob("*.bin"))
-    for name in ("configuration_diff.py", "modeling_diff.py"):
+    for name in ("configuration_diff.py", "modeling_diff.py", "modelcard_diff.py"):
         assert (tmp_path / name).exists()
     config = AutoConfig.from_pretrained(tmp_path)
     assert isinstance(config, DiffConfig) and config.diff_version == diff_version
@@ -308,7 +308,7 @@ def test_default_head_dim_and_parameter_budget():
     llama = LlamaForCausalLM(LlamaConfig(hidden_size=512, num_attention_heads=8, num_key_value_heads=8, intermediate_size=1024, num_hidden_layers=1, vocab_size=10))
     v1 = DiffForCausalLM(DiffConfig(**{**config.to_dict(), "diff_version": 1}))
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    # DESIGN: V1 = Llama with 2H heads of size d and 2H_kv KV heads, plus 4d + 2d per layer
+    # docs/design.md: V1 = Llama with 2H heads of size d and 2H_kv KV heads, plus 4d + 2d per layer
     assert count(v1) == count(llama) + 6 * 64
 
 

@@ -40,8 +40,8 @@ class DiffConfig(PreTrainedConfig):
             and a per-head RMSNorm (`subln`). 2: Diff Transformer V2, 2H standard query heads paired as
             `a_2h - sigmoid(W_λ x)_h a_2h+1`, K/V and cache exactly a Llama's.
         head_dim (`int`, *optional*):
-            Query/key sub-head size d. Defaults to `hidden_size // (2 * num_attention_heads)`, so that both
-            versions have the parameter count of a Llama with `2 * num_attention_heads` heads of size d.
+            Query/key sub-head size d. Defaults to `hidden_size // (2 * num_attention_heads)`, so that V1 has the
+            parameter count of a Llama with `2 * num_attention_heads` heads of size d (plus 6d per layer).
         lambda_init (`float`, *optional*):
             V1 only. `None` uses the paper's depth schedule `0.8 - 0.6 exp(-0.3 layer_idx)`; a float fixes it.
         lambda_std (`float`, defaults to 0.1):
@@ -106,8 +106,8 @@ class DiffConfig(PreTrainedConfig):
         self._check_values()
         super().__post_init__(**kwargs)
         self.base_model_tp_plan = {**type(self).base_model_tp_plan, **_TP_PLAN_BY_VERSION[self.diff_version]}
-        # Saved models carry their code (configuration_diff.py + modeling_diff.py): point every Auto class at it, so a
-        # checkpoint loads with trust_remote_code=True where diff_transformer is not installed.
+        # Saved models carry their code (configuration_diff.py, modeling_diff.py, modelcard_diff.py): point every Auto
+        # class at it, so a checkpoint loads with trust_remote_code=True where diff_transformer is not installed.
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
 
     def _check_heads(self):

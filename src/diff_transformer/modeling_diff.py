@@ -7,8 +7,8 @@ Two variants, selected by `config.diff_version` (docs/design.md has the exact ma
 * V2 (Diff Transformer V2), `DiffAttentionV2`: 2H ordinary query heads share Llama's K/V; head h outputs
   `a_2h - sigmoid(W_λ x)_h a_2h+1`.
 
-Both attend through standard backends from `ALL_ATTENTION_FUNCTIONS` (eager, sdpa, flash, flex, paged) and compute
-each QKᵀ once: V2 in one call per layer, V1 in one call per map (or per map and V half, see `DiffAttentionV1`).
+Both attend through standard backends from `ALL_ATTENTION_FUNCTIONS` (eager, sdpa, flash, flex, paged): V2 in one
+call per layer, V1 in one call per map (or per map and V half where a kernel needs it, see `DiffAttentionV1`).
 Module names follow Llama's so Llama tooling (PEFT target modules, TP plans, conversion scripts) applies unchanged.
 
 Only torch, transformers and `.configuration_diff` are imported: this file is copied into saved checkpoints as Hub
@@ -42,12 +42,18 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_diff import DiffConfig
+from .modelcard_diff import TRANSFORMERS_PLACEHOLDER_CARD, diff_model_card
 
 
-try:  # `transformers.initialization` respects `_is_hf_initialized`, so loaded weights are never overwritten.
+# `transformers.initialization` respects `_is_hf_initialized`, so loaded weights are never overwritten (guarded by
+# tests/test_model.py::test_missing_diff_parameters_are_initialised).
+try:
     from transformers import initialization as init
 except ImportError:  # pragma: no cover - older transformers
     init = nn.init
+
+
+# ---- Layers ----
 
 
 class DiffRMSNorm(LlamaRMSNorm):
@@ -194,18 +200,20 @@ class DiffAttentionV1(DiffAttention):
     q and k are laid out component-major, [all q1 | all q2] and [all k1 | all k2], so each map is a contiguous block
     of heads and the backend's ordinary GQA mapping pairs q_c of head h with k_c of its group. V is cached as 2 H_kv
     heads of size d (its two halves), so every cache (dynamic, static, paged) holds what a Llama with 2 H_kv
-    key/value heads of size d holds. Each map is computed once (q1 never meets k2), by a standard backend from
-    `ALL_ATTENTION_FUNCTIONS`.
+    key/value heads of size d holds. Every call goes to a standard backend from `ALL_ATTENTION_FUNCTIONS` and sees
+    one map's q_c and k_c only (q1 never meets k2).
 
-    Backends differ in what they accept and what they make fast, so `_select_strategy` picks one of `V1Strategy`:
+    Backends differ in what they accept and what they make fast, so `_select_strategy` picks one of `V1Strategy`
+    (docs/design.md, "V1's backend strategy"):
 
-    * WIDE_VALUE: one call per map with the two V halves concatenated to 2d (eager, sdpa on GPU, flex). Two calls.
+    * WIDE_VALUE: one call per map with the two V halves concatenated to 2d (eager, sdpa on GPU, flex). Two calls,
+      each map's scores computed once.
     * PADDED_WIDE_VALUE: the same with q and k zero-padded to 2d, for sdpa prefill/training on CPU: PyTorch's fused
       CPU kernel needs equal head dims, and without it SDPA falls back to the math kernel that materialises every
       (N, L) map. Padding leaves q kᵀ unchanged (the scale is passed explicitly).
     * SPLIT_VALUE: one call per map and per V half, everything d wide. Flash kernels need V as wide as Q/K; and when
-      decoding (one query) with any fused backend, attending on views of the cache beats copying it into a 2d-wide V
-      every step. Four calls.
+      decoding (one query) with any backend but eager, attending on views of the cache beats copying it into a
+      2d-wide V every step. Four calls: each map's scores are computed twice.
     """
 
     def __init__(self, config: DiffConfig, layer_idx: int):
@@ -355,12 +363,19 @@ class DiffDecoderLayer(GradientCheckpointingLayer):
         return residual + hidden_states
 
 
-def register_peft_defaults() -> None:
+# ---- Integration hooks ----
+# Every place where this model overrides or patches a transformers/PEFT internal beyond the standard model-file API.
+# Each hook names the internal it relies on and the test that fails if that internal changes under it. The mixins
+# come first in the model classes' bases, so their methods wrap transformers' with `super()`.
+
+
+def add_diff_to_peft_default_targets() -> None:
     """Give `model_type="diff"` every PEFT default that "llama" has (LoRA and its relatives: q_proj/v_proj; IA3,
     LN tuning, ...), so `LoraConfig(task_type="CAUSAL_LM")` needs no `target_modules`: Diff's module names are Llama's.
 
-    PEFT has no registration API: its tuners look `model_type` up in these module-level dicts when `target_modules`
-    is None, so adding a key is all it takes. Needs peft installed.
+    Relies on: PEFT has no registration API; its tuners look `model_type` up in the module-level dicts
+    `peft.utils.constants.TRANSFORMERS_MODELS_TO_*` when `target_modules` is None, so adding a key is all it takes.
+    Guarded by tests/test_peft.py::test_defaults_registered_on_construction_and_on_request. Needs peft installed.
     """
     from peft.utils import constants
 
@@ -369,7 +384,124 @@ def register_peft_defaults() -> None:
             mapping.setdefault("diff", mapping["llama"])
 
 
-class DiffPreTrainedModel(PreTrainedModel):
+class _PreTrainedModelHooks:
+    """Hooks of every Diff model class (mixed into `DiffPreTrainedModel`)."""
+
+    def __init__(self, config: DiffConfig, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        # PEFT defaults (see `add_diff_to_peft_default_targets`). Runs wherever this file does (package or Hub custom
+        # code), but never imports peft: it is optional and slow to import (it pulls in bitsandbytes when installed).
+        # Anyone about to call get_peft_model has imported it.
+        if "peft" in sys.modules:
+            add_diff_to_peft_default_targets()
+
+    def train(self, mode: bool = True):
+        # Relies on: bitsandbytes (0.50) `Linear4bit.forward` repacking a CPU 4-bit layer into an AVX512-BF16 inference
+        # layout on its first forward in eval mode without gradients (when `support_avx512bf16_for_cpu`); the repacked
+        # matmul has no autograd, so QLoRA on CPU silently stopped learning after any evaluation. `eval()` and
+        # `train()` (and from_pretrained, which ends with eval()) turn that repacking off: CPU 4-bit layers keep
+        # bitsandbytes' differentiable kernel. Guarded by tests/test_peft.py::test_qlora_4bit and
+        # tests/test_train.py::test_qlora_cli_keeps_learning_after_evaluations.
+        for module in self.modules():
+            if getattr(module, "support_avx512bf16_for_cpu", False):
+                module.support_avx512bf16_for_cpu = False
+        return super().train(mode)
+
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        # Relies on: `PreTrainedModel.from_pretrained` calling `maybe_distribute_model` before it shards the weights
+        # over the tensor-parallel mesh. An uneven colwise split would cut a differential head (or V1's k1/k2 pair)
+        # in half and fail later with an opaque reshape error, so the sizes are checked here.
+        # Guarded by tests/test_distributed.py::test_tensor_parallel_matches_unsharded_model.
+        tp_size = getattr(distributed_config, "tp_size", None) or 1
+        heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+        if tp_size > 1 and (heads % tp_size or kv_heads % tp_size):
+            raise ValueError(
+                f"Tensor parallelism over {tp_size} ranks needs num_attention_heads={heads} and num_key_value_heads="
+                f"{kv_heads} to be divisible by {tp_size}: each rank computes whole differential heads and their "
+                f"key/value groups. Use a tensor-parallel size that divides both."
+            )
+        return super().maybe_distribute_model(model, distributed_config, mesh_manager)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`, plus a model card (README.md, see `diff_model_card`) unless the directory
+        already has one: a card that is there (the user's, or one from an earlier save) is never replaced.
+
+        Relies on: `save_pretrained`'s first positional argument after the directory being `is_main_process`.
+        Guarded by tests/test_card.py (test_save_pretrained_writes_a_card_with_architecture_and_lambda,
+        test_a_readme_already_in_the_directory_is_kept, test_only_the_main_process_writes_the_card).
+        """
+        readme = os.path.join(save_directory, "README.md")
+        had_card = os.path.isfile(readme)
+        super().save_pretrained(save_directory, *args, **kwargs)
+        is_main_process = kwargs.get("is_main_process", args[0] if args else True)
+        if is_main_process and not had_card and not os.path.isfile(readme):
+            diff_model_card(self.config, os.path.basename(os.path.normpath(save_directory))).save(readme)
+
+    def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
+        # Relies on: both push paths (`PushToHubMixin.push_to_hub`, `save_pretrained(push_to_hub=True)`) writing
+        # README.md (`create_and_tag_model_card`) just before calling `_upload_modified_files`: the Hub repo's own card
+        # if it has one (kept), else transformers' generic placeholder, which becomes this model's card here, keeping
+        # the tags transformers collected (`model_tags`, `tags=`). Guarded by tests/test_card.py
+        # (test_push_to_hub_uploads_the_diff_card_not_transformers_placeholder, test_push_keeps_a_card_already_on_the_hub,
+        # test_save_pretrained_push_to_hub_writes_the_card_locally_and_on_the_hub).
+        readme = os.path.join(working_dir, "README.md")
+        if os.path.isfile(readme):
+            from huggingface_hub import ModelCard
+
+            pushed = ModelCard.load(readme)
+            if TRANSFORMERS_PLACEHOLDER_CARD in pushed.text:
+                card = diff_model_card(self.config, repo_id)
+                card.data.tags += [tag for tag in pushed.data.tags or [] if tag not in card.data.tags]
+                card.save(readme)
+        return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
+
+
+class _WithConfig:
+    """`model` as seen through another config: every other attribute is the model's."""
+
+    def __init__(self, model: nn.Module, config: DiffConfig):
+        self._model, self.config = model, config
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+class _GenerationHooks:
+    """Hooks of the generating model (mixed into `DiffForCausalLM`)."""
+
+    def init_continuous_batching(self, *args, **kwargs):
+        # Relies on: `GenerationMixin.init_continuous_batching` returning a `ContinuousBatchingManager` whose
+        # `_create_batch_processor()` builds the `PagedAttentionCache` from `manager.model.config` (its
+        # num_key_value_heads x head_dim size the pages). Guarded by tests/test_generation.py and
+        # tests/test_serving.py (test_continuous_batching_matches_generate in both).
+        manager = super().init_continuous_batching(*args, **kwargs)
+        if self.config.diff_version == 1 and not getattr(manager, "_sized_for_diff_v1", False):
+            # A V1 layer stores what a Llama with 2 H_kv KV heads of size d (and 2H query heads) stores, so the cache
+            # is built with that geometry: the manager sees a resized copy of the config for the call, so the model's
+            # own config, read meanwhile by other threads (a server, a plain generate), never changes.
+            create_batch_processor = manager._create_batch_processor
+            sized = copy.copy(self.config)
+            sized.num_key_value_heads = 2 * sized.num_key_value_heads
+            sized.num_attention_heads = 2 * sized.num_attention_heads
+
+            def create_batch_processor_v1():
+                model = manager.model
+                manager.model = _WithConfig(model, sized)
+                try:
+                    return create_batch_processor()
+                finally:
+                    manager.model = model
+
+            manager._create_batch_processor = create_batch_processor_v1
+            manager._sized_for_diff_v1 = True
+        return manager
+
+
+# ---- Models ----
+
+
+class DiffPreTrainedModel(_PreTrainedModelHooks, PreTrainedModel):  # hooks: see "Integration hooks" above
     config: DiffConfig
     config_class = DiffConfig
     base_model_prefix = "model"
@@ -391,70 +523,12 @@ class DiffPreTrainedModel(PreTrainedModel):
         "attentions": DiffAttention,
     }
 
-    def __init__(self, config: DiffConfig, *inputs, **kwargs):
-        super().__init__(config, *inputs, **kwargs)
-        # Runs wherever this file does (package or Hub custom code), but never imports peft: it is optional and slow to
-        # import (it pulls in bitsandbytes when installed). Anyone about to call get_peft_model has imported it.
-        if "peft" in sys.modules:
-            register_peft_defaults()
-
-    def train(self, mode: bool = True):
-        # bitsandbytes (0.50) repacks a CPU 4-bit layer into an AVX512-BF16 inference layout on its first forward in
-        # eval mode without gradients (`Linear4bit.forward`, `support_avx512bf16_for_cpu`); the repacked matmul has no
-        # autograd, so QLoRA on CPU silently stopped learning after any evaluation. `eval()` and `train()` (and
-        # from_pretrained, which ends with eval()) turn that repacking off: CPU 4-bit layers keep bitsandbytes'
-        # differentiable kernel. Guarded by tests/test_peft.py::test_qlora_4bit and
-        # tests/test_train.py::test_qlora_cli_keeps_learning_after_evaluations.
-        for module in self.modules():
-            if getattr(module, "support_avx512bf16_for_cpu", False):
-                module.support_avx512bf16_for_cpu = False
-        return super().train(mode)
-
-    @classmethod
-    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
-        # Checked before sharding: an uneven colwise split would cut a differential head (or V1's k1/k2 pair) in half
-        # and fail later with an opaque reshape error.
-        tp_size = getattr(distributed_config, "tp_size", None) or 1
-        heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
-        if tp_size > 1 and (heads % tp_size or kv_heads % tp_size):
-            raise ValueError(
-                f"Tensor parallelism over {tp_size} ranks needs num_attention_heads={heads} and num_key_value_heads="
-                f"{kv_heads} to be divisible by {tp_size}: each rank computes whole differential heads and their "
-                f"key/value groups. Use a tensor-parallel size that divides both."
-            )
-        return super().maybe_distribute_model(model, distributed_config, mesh_manager)
-
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)  # Linear, Embedding, RMSNorm (incl. subln -> 1), rotary buffers
         if isinstance(module, DiffLambdaV1):
             for param in (module.lambda_q1, module.lambda_k1, module.lambda_q2, module.lambda_k2):
                 init.normal_(param, mean=0.0, std=self.config.lambda_std)
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`, plus a model card (README.md, see `diff_model_card`) unless the directory
-        already has one: a card that is there (the user's, or one from an earlier save) is never replaced."""
-        readme = os.path.join(save_directory, "README.md")
-        had_card = os.path.isfile(readme)
-        super().save_pretrained(save_directory, *args, **kwargs)
-        is_main_process = kwargs.get("is_main_process", args[0] if args else True)
-        if is_main_process and not had_card and not os.path.isfile(readme):
-            diff_model_card(self.config, os.path.basename(os.path.normpath(save_directory))).save(readme)
-
-    def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
-        # Both push paths (`push_to_hub`, `save_pretrained(push_to_hub=True)`) write README.md just before this call:
-        # the Hub repo's own card if it has one (kept), else transformers' generic placeholder, which becomes this
-        # model's card here, keeping the tags transformers collected (`model_tags`, `tags=`).
-        readme = os.path.join(working_dir, "README.md")
-        if os.path.isfile(readme):
-            from huggingface_hub import ModelCard
-
-            pushed = ModelCard.load(readme)
-            if _TRANSFORMERS_PLACEHOLDER_CARD in pushed.text:
-                card = diff_model_card(self.config, repo_id)
-                card.data.tags += [tag for tag in pushed.data.tags or [] if tag not in card.data.tags]
-                card.save(readme)
-        return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
 
 
 class DiffModel(DiffPreTrainedModel):
@@ -514,17 +588,7 @@ class DiffModel(DiffPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
 
-class _WithConfig:
-    """`model` as seen through another config: every other attribute is the model's."""
-
-    def __init__(self, model: nn.Module, config: DiffConfig):
-        self._model, self.config = model, config
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-
-class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
+class DiffForCausalLM(_GenerationHooks, DiffPreTrainedModel, GenerationMixin):  # hooks: see "Integration hooks"
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
@@ -535,29 +599,6 @@ class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-
-    def init_continuous_batching(self, *args, **kwargs):
-        manager = super().init_continuous_batching(*args, **kwargs)
-        if self.config.diff_version == 1 and not getattr(manager, "_sized_for_diff_v1", False):
-            # The paged cache sizes its pages from config.num_key_value_heads x head_dim. A V1 layer stores what a Llama
-            # with 2 H_kv KV heads of size d (and 2H query heads) stores, so the cache is built with that geometry.
-            # The manager reads that geometry from `manager.model.config`; it sees a resized copy for the call, so the
-            # model's own config, read meanwhile by other threads (a server, a plain generate), never changes.
-            create_batch_processor = manager._create_batch_processor
-            sized = copy.copy(self.config)
-            sized.num_key_value_heads, sized.num_attention_heads = 2 * sized.num_key_value_heads, 2 * sized.num_attention_heads
-
-            def create_batch_processor_v1():
-                model = manager.model
-                manager.model = _WithConfig(model, sized)
-                try:
-                    return create_batch_processor()
-                finally:
-                    manager.model = model
-
-            manager._create_batch_processor = create_batch_processor_v1
-            manager._sized_for_diff_v1 = True
-        return manager
 
     @can_return_tuple
     def forward(
@@ -596,137 +637,6 @@ class DiffForCausalLM(DiffPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
         )
 
-
-# ---- Model card ----
-# The card is written from here (not from the diff_transformer package) so that a model loaded as Hub custom code
-# writes the same card when it is saved or pushed. huggingface_hub is a dependency of transformers.
-
-# The text of the card transformers writes when a repo has none (`transformers.utils.hub.create_and_tag_model_card`).
-_TRANSFORMERS_PLACEHOLDER_CARD = "This model card has been automatically generated."
-
-_CONVERSION_METHODS = {
-    ("llama", 2): (
-        "Llama head i became query heads (2i, 2i+1) with identical rows, the λ projection started at zero (λ = 0.5) "
-        "and `o_proj` was doubled, so at step 0 the model computed exactly what the source computes. Continued "
-        "pretraining lets the two queries of each pair diverge."
-    ),
-    ("llama", 1): (
-        "Pairs of Llama heads became differential heads (each query kept with the key/value head it was trained "
-        "with), every weight reused, with fresh λ vectors: continue pretraining before use."
-    ),
-    ("diffllama", 1): (
-        "Imported from transformers' DiffLlama into the V1 (paper) layout with the head permutation that reproduces "
-        "DiffLlama's logits."
-    ),
-}
-
-
-def diff_model_card(config: DiffConfig, model_id: str | None = None):
-    """The model card (README.md) of a Diff checkpoint, as a `huggingface_hub.ModelCard`.
-
-    YAML metadata the Hub understands (library_name, pipeline_tag, tags; base_model and the source's licence for
-    converted models) and a body with the architecture, `diff_version`, the λ settings, the conversion provenance and
-    a usage snippet. The one card generator: `save_pretrained`, `push_to_hub` and the converter all call it. A
-    converted model's provenance lives in `config.conversion`, so re-saving or pushing it later keeps `base_model`.
-    """
-    from huggingface_hub import ModelCard, ModelCardData
-
-    version, conversion = config.diff_version, config.conversion or {}
-    name = model_id or "PATH_OR_ID"
-    tags = ["diff-transformer", "differential-attention", f"diff-transformer-v{version}", "custom_code"]
-    if conversion.get("source_model_type"):
-        tags.append(conversion["source_model_type"])
-    data = ModelCardData(
-        base_model=conversion.get("base_model"),
-        library_name="transformers",
-        pipeline_tag="text-generation",
-        tags=tags,
-        **conversion.get("card_data", {}),
-    )
-
-    H, H_kv, d, layers = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.num_hidden_layers
-    rope = config.rope_parameters or {}
-    if version == 1:
-        variant = "Diff Transformer V1, the ICLR 2025 paper (Ye et al., [arXiv:2410.05258](https://arxiv.org/abs/2410.05258))"
-        attention = "O_h = RMSNorm((A1 − λ·A2) · V_g(h)) · (1 − λ_init), A_c = softmax(Q_c K_cᵀ / √d), V 2d wide"
-        schedule = ", ".join(f"{config.lambda_init_for_layer(i):.3f}" for i in range(layers))
-        if config.lambda_init is None:
-            init_text = f"the paper's depth schedule λ_init = 0.8 − 0.6·exp(−0.3·layer), per layer: {schedule}"
-        else:
-            init_text = f"fixed λ_init = {config.lambda_init} in every layer"
-        lam = (
-            "λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init: one learned fp32 scalar per layer "
-            f"(`diff_lambda.lambda_{{q1,k1,q2,k2}}`, vectors of size d = {d}, initialised N(0, {config.lambda_std}²)), "
-            f"with {init_text}."
-        )
-    else:
-        variant = "Diff Transformer V2, the authors' 2026 revision of differential attention"
-        attention = "O_h = a_2h − λ_h · a_2h+1, a_j = softmax(Q_j K_G(j)ᵀ / √d) · V_G(j): 2H query heads over Llama's K/V"
-        lam = (
-            "λ = sigmoid(W_λ x): one value per token and per differential head (`diff_lambda.proj`, "
-            f"{config.hidden_size} → {H}, no bias); no subln."
-        )
-        if conversion.get("source_model_type") == "llama":
-            lam += " The converter set W_λ = 0, so λ = 0.5 everywhere at step 0."
-    rows = [
-        ("diff_version", version),
-        ("attention", attention),
-        ("layers", layers),
-        ("hidden size", config.hidden_size),
-        ("differential heads H", H),
-        ("key/value heads", H_kv),
-        ("head_dim d", d),
-        ("MLP size", config.intermediate_size),
-        ("vocabulary", config.vocab_size),
-        ("context (max_position_embeddings)", config.max_position_embeddings),
-        ("RoPE", f"{rope.get('rope_type', 'default')}, θ = {rope.get('rope_theta', '?')}"),
-        ("tied embeddings", "yes" if config.tie_word_embeddings else "no"),
-    ]
-    table = "\n".join(f"| {key} | {value} |" for key, value in rows)
-
-    provenance = ""
-    if conversion:
-        base = conversion.get("base_model")
-        source = f"[`{base}`](https://huggingface.co/{base})" if base else f"`{conversion.get('source')}`"
-        method = _CONVERSION_METHODS.get((conversion.get("source_model_type"), version), "")
-        exact = "yes" if conversion.get("function_preserving") else "no"
-        provenance = (
-            f"\n## Conversion\n\nConverted from {source} (`model_type=\"{conversion.get('source_model_type')}\"`) with "
-            f"{conversion.get('converter', 'diff-transformer')}. Function-preserving at conversion: {exact}. {method}\n"
-        )
-
-    body = f"""
-# {name}
-
-A differential-attention language model: {variant}, in a Llama-style decoder (`model_type="diff"`,
-`DiffForCausalLM`), made with [diff-transformer](https://pypi.org/project/diff-transformer/).
-
-## Architecture
-
-| | |
-|---|---|
-{table}
-
-## λ (differential weight)
-
-{lam}
-{provenance}
-## Usage
-
-```python
-from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
-
-model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)
-generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
-print(generator("Once upon a time", max_new_tokens=32)[0]["generated_text"])
-```
-
-The checkpoint carries its code (`configuration_diff.py`, `modeling_diff.py`), hence `trust_remote_code=True`. With
-`pip install diff-transformer`, `import diff_transformer` registers the model with the Auto classes (no remote code
-needed), and `diff-transformer serve` serves it through transformers' OpenAI-compatible server.
-"""
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
 
 __all__ = [
     "DiffPreTrainedModel",

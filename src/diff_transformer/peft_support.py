@@ -18,17 +18,17 @@ starts at zero), pass `modules_to_save=["diff_lambda"]`: they are then trained i
 import importlib.util
 import sys
 
-from .modeling_diff import register_peft_defaults as _register
+from .modeling_diff import add_diff_to_peft_default_targets
 
 
 def register_peft_defaults() -> bool:
     """Register "diff" next to "llama" in PEFT's default-target tables (importing peft). False if peft is missing."""
     if importlib.util.find_spec("peft") is None:
         return False
-    _register()
+    add_diff_to_peft_default_targets()
     return True
 
 
 def register_if_peft_imported() -> None:
     if "peft" in sys.modules:
-        _register()
+        add_diff_to_peft_default_targets()

@@ -1,4 +1,4 @@
-"""Converting Llama-family checkpoints into Diff checkpoints (DESIGN.md, "Converting a Llama checkpoint").
+"""Converting Llama-family checkpoints into Diff checkpoints (docs/design.md, "Converting a Llama checkpoint").
 
 * `convert_llama_to_diff(src, out, diff_version=2, ...)`: Llama -> V2 (function-preserving, default) or V1.
 * `convert_diffllama_to_diff(src, out, ...)`: transformers' DiffLlama -> V1, exact.

@@ -1,4 +1,4 @@
-"""Streaming conversion of Llama / DiffLlama checkpoints into Diff checkpoints (DESIGN.md, "Converting a Llama
+"""Streaming conversion of Llama / DiffLlama checkpoints into Diff checkpoints (docs/design.md, "Converting a Llama
 checkpoint").
 
 The source is read tensor by tensor from its safetensors shards and the output is written shard by shard, so peak
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..configuration_diff import AUTO_MAP
-from ..modeling_diff import diff_model_card
+from ..modelcard_diff import diff_model_card
 from .errors import ConversionError, one_line
 from .layout import IGNORED_SOURCE_TENSORS, Geometry, make_tensor_map
 from .provenance import conversion_provenance
@@ -27,7 +27,7 @@ from .source import SourceCheckpoint, check_float_dtypes, open_source, read_weig
 from .writer import ShardWriter
 
 
-CUSTOM_CODE_FILES = ("configuration_diff.py", "modeling_diff.py")
+CUSTOM_CODE_FILES = ("configuration_diff.py", "modeling_diff.py", "modelcard_diff.py")
 
 # Llama / DiffLlama config fields that DiffConfig shares with the same meaning (the head geometry is set separately).
 _COPIED_FIELDS = (

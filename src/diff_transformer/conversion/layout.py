@@ -1,8 +1,8 @@
 """Tensor-level maps from Llama / DiffLlama state dicts to Diff (V1, V2) state dicts.
 
 Every map is a pure function of one source tensor (plus, for the first tensor of a layer, the new parameters of that
-layer), so the converter can stream a checkpoint tensor by tensor. Head layouts (DESIGN.md, "The two attention
-variants"; rows of a projection weight are grouped in blocks of `head_dim` = d):
+layer), so the converter can stream a checkpoint tensor by tensor. Head layouts (docs/design.md, "Head
+layouts"; rows of a projection weight are grouped in blocks of `head_dim` = d):
 
 * Llama (H query heads, H_kv key/value heads, n = H / H_kv): query head j attends with kv head j // n.
 * Diff V2 (H differential heads, H_kv kv heads): query block j in [0, 2H) attends with kv head j // (2n);
@@ -127,7 +127,7 @@ def llama_to_v1_query_permutation(num_heads: int, num_kv_heads: int) -> list[int
 
         perm[2h + c] = (2 (h // n) + c) n + h % n
 
-    For MHA (n = 1) this is the identity: q1 of head h = Llama head 2h, q2 = head 2h+1 (DESIGN.md's pairing), and
+    For MHA (n = 1) this is the identity: q1 of head h = Llama head 2h, q2 = head 2h+1 (docs/design.md's pairing), and
     q_proj / k_proj / v_proj / o_proj are reused exactly as stored. The naive pairing (2h, 2h+1) is NOT right under
     GQA: with n = 2, Llama heads 2h and 2h+1 both use kv head h, yet V1 needs two kv heads per differential head,
     and head h = 1 (group 0, kv heads 0 and 1) would take Llama heads 2 and 3, trained against kv head 1 only.

@@ -1,6 +1,6 @@
 """`--diff-only-steps K`: right after conversion, train only what the conversion added, then everything.
 
-Which parameters are "new" follows the conversion rules (DESIGN.md, "Converting a Llama checkpoint"):
+Which parameters are "new" follows the conversion rules (docs/design.md, "Converting a Llama checkpoint"):
 
 * V2: `diff_lambda.proj` (set to 0 by the converter) and the second query head of every pair, i.e. the rows of
   `q_proj` (weight and bias) in the odd d-row blocks 2h+1 (copies of q_2h at conversion). The even blocks are the

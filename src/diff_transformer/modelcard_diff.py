@@ -1,0 +1,161 @@
+"""The model card (README.md) of a Diff checkpoint.
+
+Written from a custom-code file (not from the diff_transformer package) so that a model loaded as Hub custom code
+writes the same card when it is saved or pushed: `modeling_diff.py` imports it relatively, and transformers copies a
+custom-code file's relative imports next to it when saving (the converter copies it too). Only huggingface_hub (a
+dependency of transformers) and `.configuration_diff` are imported.
+"""
+
+from .configuration_diff import DiffConfig
+
+
+# The text of the card transformers writes when a repo has none (`transformers.utils.hub.create_and_tag_model_card`).
+TRANSFORMERS_PLACEHOLDER_CARD = "This model card has been automatically generated."
+
+_CONVERSION_METHODS = {
+    ("llama", 2): (
+        "Llama head i became query heads (2i, 2i+1) with identical rows, the λ projection started at zero (λ = 0.5) "
+        "and `o_proj` was doubled, so at step 0 the model computed exactly what the source computes. Continued "
+        "pretraining lets the two queries of each pair diverge."
+    ),
+    ("llama", 1): (
+        "Pairs of Llama heads became differential heads (each query kept with the key/value head it was trained "
+        "with), every weight reused, with fresh λ vectors: continue pretraining before use."
+    ),
+    ("diffllama", 1): (
+        "Imported from transformers' DiffLlama into the V1 (paper) layout with the head permutation that reproduces "
+        "DiffLlama's logits."
+    ),
+}
+
+
+def _card_data(config: DiffConfig):
+    """YAML metadata the Hub understands; base_model and the source's licence/language for converted models."""
+    from huggingface_hub import ModelCardData
+
+    conversion = config.conversion or {}
+    tags = ["diff-transformer", "differential-attention", f"diff-transformer-v{config.diff_version}", "custom_code"]
+    if conversion.get("source_model_type"):
+        tags.append(conversion["source_model_type"])
+    return ModelCardData(
+        base_model=conversion.get("base_model"),
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=tags,
+        **conversion.get("card_data", {}),
+    )
+
+
+def _version_texts(config: DiffConfig) -> tuple[str, str, str]:
+    """(which paper, the attention formula, the λ paragraph) of the config's `diff_version`."""
+    if config.diff_version == 1:
+        variant = (
+            "Diff Transformer V1, the ICLR 2025 paper (Ye et al., [arXiv:2410.05258](https://arxiv.org/abs/2410.05258))"
+        )
+        attention = "O_h = RMSNorm((A1 − λ·A2) · V_g(h)) · (1 − λ_init), A_c = softmax(Q_c K_cᵀ / √d), V 2d wide"
+        schedule = ", ".join(f"{config.lambda_init_for_layer(i):.3f}" for i in range(config.num_hidden_layers))
+        if config.lambda_init is None:
+            init_text = f"the paper's depth schedule λ_init = 0.8 − 0.6·exp(−0.3·layer), per layer: {schedule}"
+        else:
+            init_text = f"fixed λ_init = {config.lambda_init} in every layer"
+        lam = (
+            "λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init: one learned fp32 scalar per layer "
+            f"(`diff_lambda.lambda_{{q1,k1,q2,k2}}`, vectors of size d = {config.head_dim}, initialised "
+            f"N(0, {config.lambda_std}²)), with {init_text}."
+        )
+        return variant, attention, lam
+    variant = "Diff Transformer V2, the authors' 2026 revision of differential attention"
+    attention = "O_h = a_2h − λ_h · a_2h+1, a_j = softmax(Q_j K_G(j)ᵀ / √d) · V_G(j): 2H query heads over Llama's K/V"
+    lam = (
+        "λ = sigmoid(W_λ x): one value per token and per differential head (`diff_lambda.proj`, "
+        f"{config.hidden_size} → {config.num_attention_heads}, no bias); no subln."
+    )
+    if (config.conversion or {}).get("source_model_type") == "llama":
+        lam += " The converter set W_λ = 0, so λ = 0.5 everywhere at step 0."
+    return variant, attention, lam
+
+
+def _architecture_table(config: DiffConfig, attention: str) -> str:
+    rope = config.rope_parameters or {}
+    rows = [
+        ("diff_version", config.diff_version),
+        ("attention", attention),
+        ("layers", config.num_hidden_layers),
+        ("hidden size", config.hidden_size),
+        ("differential heads H", config.num_attention_heads),
+        ("key/value heads", config.num_key_value_heads),
+        ("head_dim d", config.head_dim),
+        ("MLP size", config.intermediate_size),
+        ("vocabulary", config.vocab_size),
+        ("context (max_position_embeddings)", config.max_position_embeddings),
+        ("RoPE", f"{rope.get('rope_type', 'default')}, θ = {rope.get('rope_theta', '?')}"),
+        ("tied embeddings", "yes" if config.tie_word_embeddings else "no"),
+    ]
+    return "\n".join(f"| {key} | {value} |" for key, value in rows)
+
+
+def _provenance(config: DiffConfig) -> str:
+    """The "Conversion" section of a converted model (empty for a model built as a Diff model)."""
+    conversion = config.conversion or {}
+    if not conversion:
+        return ""
+    base = conversion.get("base_model")
+    source = f"[`{base}`](https://huggingface.co/{base})" if base else f"`{conversion.get('source')}`"
+    method = _CONVERSION_METHODS.get((conversion.get("source_model_type"), config.diff_version), "")
+    exact = "yes" if conversion.get("function_preserving") else "no"
+    return (
+        f"\n## Conversion\n\nConverted from {source} (`model_type=\"{conversion.get('source_model_type')}\"`) with "
+        f"{conversion.get('converter', 'diff-transformer')}. Function-preserving at conversion: {exact}. {method}\n"
+    )
+
+
+def diff_model_card(config: DiffConfig, model_id: str | None = None):
+    """The model card (README.md) of a Diff checkpoint, as a `huggingface_hub.ModelCard`.
+
+    YAML metadata the Hub understands (library_name, pipeline_tag, tags; base_model and the source's licence for
+    converted models) and a body with the architecture, `diff_version`, the λ settings, the conversion provenance and
+    a usage snippet. The one card generator: `save_pretrained`, `push_to_hub` and the converter all call it. A
+    converted model's provenance lives in `config.conversion`, so re-saving or pushing it later keeps `base_model`.
+    """
+    from huggingface_hub import ModelCard
+
+    name = model_id or "PATH_OR_ID"
+    variant, attention, lam = _version_texts(config)
+    table = _architecture_table(config, attention)
+    provenance = _provenance(config)
+    body = f"""
+# {name}
+
+A differential-attention language model: {variant}, in a Llama-style decoder (`model_type="diff"`,
+`DiffForCausalLM`), made with [diff-transformer](https://pypi.org/project/diff-transformer/).
+
+## Architecture
+
+| | |
+|---|---|
+{table}
+
+## λ (differential weight)
+
+{lam}
+{provenance}
+## Usage
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)
+generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
+print(generator("Once upon a time", max_new_tokens=32)[0]["generated_text"])
+```
+
+The checkpoint carries its code (`configuration_diff.py`, `modeling_diff.py`, `modelcard_diff.py`), hence
+`trust_remote_code=True`. With `pip install diff-transformer`, `import diff_transformer` registers the model with the
+Auto classes (no remote code needed), and `diff-transformer serve` serves it through transformers' OpenAI-compatible
+server.
+"""
+    return ModelCard(f"---\n{_card_data(config).to_yaml()}\n---\n{body}")
+
+
+__all__ = ["diff_model_card", "TRANSFORMERS_PLACEHOLDER_CARD"]
