@@ -96,7 +96,9 @@ def test_train_refuses_the_model_directory_as_output(tmp_path, capsys):
 def test_demo_does_not_replace_a_training_run(tmp_path, capsys):
     run = tmp_path / "run"
     (run / "checkpoint-5").mkdir(parents=True)
-    (run / "config.json").write_text(json.dumps({"model_type": "diff", "diff_version": 2}))  # what the old check trusted
+    (run / "config.json").write_text(
+        json.dumps({"model_type": "diff", "diff_version": 2})
+    )  # what the old check trusted
     (run / "checkpoint-5" / "model.safetensors").write_bytes(b"trained weights")
     digest = sentinel_tree(run)
     refused(capsys, ["demo", "--output", run], str(run), "--overwrite")

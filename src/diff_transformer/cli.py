@@ -91,18 +91,19 @@ def _convert(args) -> int:
 
 def _generate(args) -> int:
     import torch
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    from diff_transformer.loading import load_causal_lm, resolve_model
+    from diff_transformer.loading import check_diff_checkpoint, load_causal_lm, resolve_model
 
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} must be at least 1.")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UserError(f"--temperature {args.temperature} must be a number >= 0 (0 = greedy).")
+    # Everything about the inputs is checked before the weights load.
     location, local = resolve_model(args.model)
-    model = load_causal_lm(args.model).eval()
+    if local is not None:
+        check_diff_checkpoint(local)
     tokenizer = _tokenizer(AutoTokenizer, location, local, args.model)
-    vocab = model.get_input_embeddings().num_embeddings
     if tokenizer is not None:
         inputs = tokenizer(args.prompt, return_tensors="pt")
         ids = inputs["input_ids"][0].tolist()
@@ -117,9 +118,14 @@ def _generate(args) -> int:
         inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
     if not ids:
         raise UserError("PROMPT is empty: pass some text (or token ids).")
+    try:
+        vocab = AutoConfig.from_pretrained(location).get_text_config().vocab_size
+    except Exception as exc:
+        raise UserError(f"cannot read the config of MODEL {args.model} ({' '.join(str(exc).split())[:200]}).") from None
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise UserError(f"token id {bad[0]} in PROMPT is out of range for MODEL {args.model}: use ids from 0 to {vocab - 1}.")
+    model = load_causal_lm(args.model).eval()
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
     if args.temperature > 0:
         kwargs["temperature"] = args.temperature

@@ -26,14 +26,16 @@ def hub_id(text: str, *, name: str = "MODEL", error: type[UserError] = UserError
     repo = text.removeprefix(HUB_PREFIX)
     if not _REPO_ID.match(repo) or ".." in repo:
         raise error(
-            f"{name} {text!r} is neither an existing directory nor a valid Hub model id: check the path, or pass an id "
-            "like 'org/model'."
+            f"{name} {text!r} is neither an existing directory nor a valid Hub model id: check the path, or pass an "
+            "id like 'org/model'."
         )
     if text.startswith(HUB_PREFIX):
         return repo
     first = repo.split("/")[0]
     if "/" not in repo:
-        raise error(f"{name} {text!r} does not exist: check the path (for the Hub model {repo!r}, pass {HUB_PREFIX}{repo}).")
+        raise error(
+            f"{name} {text!r} does not exist: check the path (for the Hub model {repo!r}, pass {HUB_PREFIX}{repo})."
+        )
     if Path(first).is_dir():
         raise error(
             f"{name} {text!r} does not exist (the directory {first} does): check the path (for the Hub model "
@@ -48,7 +50,9 @@ def resolve_model(text, *, name: str = "MODEL", error: type[UserError] = UserErr
     path = Path(text).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise error(f"{name} {text!r} is a file: pass the checkpoint directory (config.json + weights) or a Hub id.")
+            raise error(
+                f"{name} {text!r} is a file: pass the checkpoint directory (config.json + weights) or a Hub id."
+            )
         return str(path), path
     return hub_id(text, name=name, error=error), None
 
@@ -60,7 +64,9 @@ def read_json(path: Path, *, error: type[UserError] = UserError):
     except RecursionError:
         raise error(f"{path} is nested too deeply to be a config: restore or re-download it.") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise error(f"{path} is not valid JSON ({' '.join(str(exc).split())[:200]}): restore or re-download it.") from None
+        raise error(
+            f"{path} is not valid JSON ({' '.join(str(exc).split())[:200]}): restore or re-download it."
+        ) from None
 
 
 def _weight_shapes(directory: Path, error: type[UserError]) -> dict[str, tuple[int, ...]] | None:
@@ -111,7 +117,9 @@ def check_diff_checkpoint(directory: Path, *, name: str = "MODEL", error: type[U
     try:
         config = DiffConfig.from_pretrained(directory)
     except Exception as exc:
-        raise error(f"{config_file} is not a valid Diff config ({' '.join(str(exc).split())[:200]}): fix it.") from None
+        raise error(
+            f"{config_file} is not a valid Diff config ({' '.join(str(exc).split())[:200]}): fix it."
+        ) from None
     problem = _mismatch(config, shapes)
     if problem is None:
         return
@@ -124,9 +132,12 @@ def check_diff_checkpoint(directory: Path, *, name: str = "MODEL", error: type[U
     if fits_other:
         raise error(
             f"{name} {directory}: config.json says diff_version={version}, but the weights are those of a "
-            f"diff_version={other} model: set \"diff_version\": {other} in config.json."
+            f'diff_version={other} model: set "diff_version": {other} in config.json.'
         )
-    raise error(f"{name} {directory}: {problem}: config.json does not describe these weights; fix it or re-download the checkpoint.")
+    raise error(
+        f"{name} {directory}: {problem}: config.json does not describe these weights; fix it or re-download the "
+        "checkpoint."
+    )
 
 
 def load_causal_lm(text, *, name: str = "MODEL", error: type[UserError] = UserError, **kwargs):
@@ -142,7 +153,9 @@ def load_causal_lm(text, *, name: str = "MODEL", error: type[UserError] = UserEr
         return AutoModelForCausalLM.from_pretrained(location, **kwargs)
     except Exception as exc:
         message = " ".join(str(exc).split())[:300] or type(exc).__name__
-        raise error(f"cannot load {name} {text!r} ({message}): check that it is a complete checkpoint, or re-download it.") from None
+        raise error(
+            f"cannot load {name} {text!r} ({message}): check that it is a complete checkpoint, or re-download it."
+        ) from None
 
 
 __all__ = ["HUB_PREFIX", "check_diff_checkpoint", "hub_id", "load_causal_lm", "read_json", "resolve_model"]

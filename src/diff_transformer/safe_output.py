@@ -152,7 +152,9 @@ def recover(out: Path) -> list[str]:
             if stem.is_dir() and not stem.is_symlink():
                 size = _size_mb(stem)
                 shutil.rmtree(stem)
-                notes.append(f"note: removed {stem.name} ({size:.1f} MB), the unfinished output of an interrupted run.")
+                notes.append(
+                    f"note: removed {stem.name} ({size:.1f} MB), the unfinished output of an interrupted run."
+                )
             if old.is_dir() and not old.is_symlink():
                 if not os.path.lexists(out):
                     os.rename(old, out)
@@ -240,7 +242,9 @@ class Staging:
             os.mkdir(self.path, 0o777)  # the umask applies, as for save_pretrained's directories
         except OSError as exc:
             self._cleanup(failed=True)
-            raise self.error(f"cannot create a directory in {parent} ({exc.strerror or exc}): check the path and permissions.") from exc
+            raise self.error(
+                f"cannot create a directory in {parent} ({exc.strerror or exc}): check the path and permissions."
+            ) from exc
         return self.path
 
     def _appeared(self):
