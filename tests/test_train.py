@@ -519,6 +519,9 @@ def test_resume_refuses_incomplete_checkpoints_other_blocks_and_finished_runs(wo
     _refused(capsys, resume, "checkpoint-9 is incomplete (model.safetensors is truncated or corrupt)", "delete it")
     shutil.rmtree(run / "checkpoint-9")
 
+    (tmp_path / "mine").mkdir()  # not a checkpoint at all: never advise deleting it
+    err = _refused(capsys, [*resume[:-1], "--resume", tmp_path / "mine"], "not a Trainer checkpoint (no trainer_state.json)")
+    assert "delete" not in err
     _refused(capsys, [*resume, "--block-size", "16"], "blocks of 32 tokens, not 16", "--block-size 32")
     shutil.copytree(full / "checkpoint-12", run / "checkpoint-12")
     _refused(capsys, resume, "already complete (12 of --max-steps 12 steps)", "raise --max-steps")

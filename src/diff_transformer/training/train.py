@@ -80,7 +80,7 @@ def resolve_resume(args, block_size: int) -> str | None:
         checkpoint = Path(args.resume)
         if not checkpoint.is_dir():
             raise TrainingError(f"--resume {args.resume}: no such checkpoint directory")
-    state = _checkpoint_state(checkpoint, args)
+    state = _checkpoint_state(checkpoint)
     settings = state.get("stateful_callbacks", {}).get(RunSettingsCallback.__name__, {}).get("args", {})
     if settings.get("block_size", block_size) != block_size:
         raise TrainingError(
@@ -99,13 +99,14 @@ def resolve_resume(args, block_size: int) -> str | None:
     return str(checkpoint)
 
 
-def _checkpoint_state(checkpoint: Path, args) -> dict:
+def _checkpoint_state(checkpoint: Path) -> dict:
     """The checkpoint's trainer_state.json, once its files are known to be complete (a checkpoint written while the
     run was killed can be empty or truncated)."""
 
     def incomplete(reason: str):
-        earlier = [c for c in _checkpoints(checkpoint.parent) if c != checkpoint and _complete(c)]
-        earlier = [c for c in earlier if _step(c) < _step(checkpoint)]
+        if _step(checkpoint) < 0:  # not a checkpoint-N directory: maybe the user's own, never advise deleting it
+            return TrainingError(f"--resume {checkpoint}: not a Trainer checkpoint ({reason}): pass a checkpoint-N directory")
+        earlier = [c for c in _checkpoints(checkpoint.parent) if 0 <= _step(c) < _step(checkpoint) and _complete(c)]
         hint = f"resume from {max(earlier, key=_step)} (--resume PATH)" if earlier else "start over with --overwrite"
         return TrainingError(f"--resume: {checkpoint} is incomplete ({reason}): delete it, or {hint}")
 
@@ -119,10 +120,8 @@ def _checkpoint_state(checkpoint: Path, args) -> dict:
 
 
 def _step(checkpoint: Path) -> int:
-    try:
-        return int(checkpoint.name.rsplit("-", 1)[-1])
-    except ValueError:
-        return -1
+    prefix, _, step = checkpoint.name.rpartition("-")
+    return int(step) if prefix == PREFIX_CHECKPOINT_DIR and step.isdigit() else -1
 
 
 def _incomplete(checkpoint: Path) -> str | None:
