@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def test_scratch_demo_end_to_end(tmp_path):
     result = subprocess.run(
@@ -74,3 +76,80 @@ def test_main_demo_command(tmp_path):
     result = _cli("demo", "--output", tmp_path / "demo")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert (tmp_path / "demo" / "config.json").exists()
+
+
+# --- one clear line instead of a traceback (exit 2, the input named, the fix given) -------------------------------
+
+
+def _refused(capsys, argv, *words):
+    from diff_transformer import cli
+
+    capsys.readouterr()
+    assert cli.main([str(a) for a in argv]) == 2, argv
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    for word in words:
+        assert str(word) in err, (word, err)
+    return err
+
+
+@pytest.fixture
+def no_hub(monkeypatch):
+    """Any attempt to reach the Hub fails the test (a mistyped path must be refused before that)."""
+    import huggingface_hub
+
+    def hub(*args, **kwargs):
+        raise AssertionError(f"the Hub was asked for {args[:1]}")
+
+    for name in ("snapshot_download", "hf_hub_download"):
+        monkeypatch.setattr(huggingface_hub, name, hub)
+
+
+def test_generate_bad_inputs_are_one_line(tmp_path, capsys, monkeypatch, no_hub):
+    import json
+
+    from conftest import tiny_model
+
+    model = tmp_path / "model"
+    tiny_model(2).save_pretrained(model)  # no tokenizer: prompts are token ids
+    monkeypatch.chdir(tmp_path)
+    _refused(capsys, ["generate", "./no-such-model", "5 6"], "'./no-such-model' is neither an existing directory")
+    _refused(capsys, ["generate", "no-such-model", "5 6"], "'no-such-model' does not exist", "hf://no-such-model")
+    _refused(capsys, ["generate", "model/typo", "5 6"], "'model/typo' does not exist", "hf://model/typo")
+    _refused(capsys, ["generate", model, "hello"], "has no tokenizer", "'hello'", "token ids")
+    _refused(capsys, ["generate", model, "5 97"], "token id 97", "from 0 to 96")
+    _refused(capsys, ["generate", model, "5 -1"], "token id -1", "from 0 to 96")
+    _refused(capsys, ["generate", model, "5 6", "--max-new-tokens", "0"], "--max-new-tokens 0", "at least 1")
+    _refused(capsys, ["generate", model, "5 6", "--temperature", "-0.5"], "--temperature -0.5", ">= 0")
+    _refused(capsys, ["generate", model, "5 6", "--temperature", "nan"], "--temperature nan")
+
+    mismatched = tmp_path / "mismatched"  # V2 weights under a config edited to say V1
+    tiny_model(2).save_pretrained(mismatched)
+    config = json.loads((mismatched / "config.json").read_text())
+    (mismatched / "config.json").write_text(json.dumps({**config, "diff_version": 1}))
+    _refused(capsys, ["generate", mismatched, "5 6"], "config.json says diff_version=1", '"diff_version": 2')
+
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    _refused(capsys, ["generate", model, "5 6"], "model.safetensors", "corrupt or truncated", "re-download")
+
+
+def test_convert_mistyped_path_and_nested_config(tmp_path, capsys, monkeypatch, no_hub):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    _refused(capsys, ["convert", "tiny-lama", "out"], "SRC 'tiny-lama' does not exist", "hf://tiny-lama")
+    _refused(capsys, ["convert", "models/tiny-lama", "out"], "SRC 'models/tiny-lama' does not exist", "hf://models/tiny-lama")
+    _tiny_llama(tmp_path / "llama")
+    (tmp_path / "llama" / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    _refused(capsys, ["convert", tmp_path / "llama", "out"], "config.json is nested too deeply")
+    assert not (tmp_path / "out").exists()
+
+
+def test_top_level_help_names_every_command(capsys):
+    from diff_transformer import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    description = capsys.readouterr().out.split("\n\n")[1]  # after the usage line
+    for command in ("demo", "convert", "generate", "train", "serve"):
+        assert command in description, description

@@ -99,8 +99,13 @@ def test_run_demo_end_to_end(tmp_path):
     assert config["model_type"] == "diff" and config["diff_version"] == 2
     assert (out / "tokenizer.json").exists() and (out / "chat_template.jinja").exists()
 
-    # Running again into the same directory replaces the previous demo output.
+    # Running again into the same directory replaces the previous demo output...
     assert run_demo(out, max_new_tokens=4, file=io.StringIO()) == 0
+    # ... but not once something in it changed, unless told to.
+    (out / "generation_config.json").write_text("{}")
+    buffer = io.StringIO()
+    assert run_demo(out, file=buffer) == 2 and "--overwrite" in buffer.getvalue()
+    assert (out / "generation_config.json").read_text() == "{}"
 
 
 def test_run_demo_refuses_foreign_output_dir(tmp_path):

@@ -485,3 +485,95 @@ def test_cli_errors_name_the_problem(workdir, tmp_path, capsys):
     assert cli.main(argv) == 2 and "LoRA: " in capsys.readouterr().err
     assert (tmp_path / "has-ckpt" / "checkpoint-5").is_dir()
     assert not (tmp_path / "out").exists()  # nothing written on failure
+
+
+def _refused(capsys, argv, *words):
+    capsys.readouterr()
+    assert cli.main(["train", *map(str, argv)]) == 2, argv
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("error: "), err
+    assert all(not line.startswith(("Traceback", "error: ")) for line in err[:-1]), err  # one error line, no traceback
+    for word in words:
+        assert str(word) in err[-1], (word, err[-1])
+    return err[-1]
+
+
+def test_bad_inputs_are_one_line_and_leave_nothing(workdir, tmp_path, capsys):
+    model, text, out = workdir / "v2", workdir / "text.txt", tmp_path / "out"
+    common = ["--data", text, "--output", out, "--quiet", "--report-to", "none", "--block-size", str(BLOCK)]
+    (tmp_path / "latin1.txt").write_bytes("Caf\xe9 au lait, na\xefve.\n".encode("latin-1") * 20)
+    (tmp_path / "blob.txt").write_bytes(b"\x00\x01\x02 binary \x00" * 50)
+    _refused(capsys, [model, *common, "--data", tmp_path / "latin1.txt"], tmp_path / "latin1.txt", "not UTF-8", "byte 3")
+    _refused(capsys, [model, *common, "--data", tmp_path / "blob.txt"], tmp_path / "blob.txt", "binary")
+    for lr in ("-1e-4", "nan", "inf"):
+        _refused(capsys, [model, *common, f"--lr={lr}"], f"--lr {float(lr)}", ">= 0")
+    _refused(capsys, [model, *common, "--weight-decay", "-0.1"], "--weight-decay -0.1")
+    assert not out.exists()  # no empty output directory left behind
+    (tmp_path / "a-file").write_text("mine")
+    _refused(capsys, [model, *common, "--output", tmp_path / "a-file"], "a-file is a file", "pass a directory")
+    assert (tmp_path / "a-file").read_text() == "mine"
+
+    mismatched = tmp_path / "mismatched"
+    shutil.copytree(model, mismatched)
+    config = json.loads((mismatched / "config.json").read_text())
+    (mismatched / "config.json").write_text(json.dumps({**config, "diff_version": 1}))
+    _refused(capsys, [mismatched, *common], "config.json says diff_version=1", '"diff_version": 2')
+
+
+def test_resume_refuses_incomplete_checkpoints_other_blocks_and_finished_runs(workdir, v2_run, tmp_path, capsys):
+    argv, full = v2_run
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(full / "checkpoint-6", run / "checkpoint-6")
+    options = argv[argv.index("--quiet") :]  # the same options as the run, less its model, data and output
+    resume = [workdir / "v2", "--data", workdir / "repeat.txt", "--output", run, *options, "--resume"]
+
+    (run / "checkpoint-9").mkdir()  # created by a run killed before it wrote anything
+    _refused(capsys, resume, "checkpoint-9 is incomplete (no trainer_state.json)", f"resume from {run / 'checkpoint-6'}")
+    shutil.rmtree(run / "checkpoint-9")
+    shutil.copytree(full / "checkpoint-6", run / "checkpoint-9")
+    weights = run / "checkpoint-9" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    _refused(capsys, resume, "checkpoint-9 is incomplete (model.safetensors is truncated or corrupt)", "delete it")
+    shutil.rmtree(run / "checkpoint-9")
+
+    (tmp_path / "mine").mkdir()  # not a checkpoint at all: never advise deleting it
+    err = _refused(capsys, [*resume[:-1], "--resume", tmp_path / "mine"], "not a Trainer checkpoint (no trainer_state.json)")
+    assert "delete" not in err
+    _refused(capsys, [*resume, "--block-size", "16"], "blocks of 32 tokens, not 16", "--block-size 32")
+    shutil.copytree(full / "checkpoint-12", run / "checkpoint-12")
+    _refused(capsys, resume, "already complete (12 of --max-steps 12 steps)", "raise --max-steps")
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-12", "checkpoint-6"]
+
+
+def test_resume_of_a_tied_model_reports_no_missing_lm_head(workdir, tmp_path, monkeypatch):
+    import transformers.trainer
+
+    tied = tmp_path / "tied"
+    model = DiffForCausalLM.from_pretrained(workdir / "v1")
+    model.config.tie_word_embeddings = True
+    DiffForCausalLM._from_config(model.config).save_pretrained(tied)
+    AutoTokenizer.from_pretrained(workdir / "v1").save_pretrained(tied)
+    warnings = []
+    monkeypatch.setattr(transformers.trainer.logger, "warning", lambda message, *a, **k: warnings.append(str(message)))
+    argv = ["train", str(tied), "--data", str(workdir / "text.txt"), "--output", str(tmp_path / "run"), *QUIET]
+    argv += ["--max-steps", "2", "--save-steps", "1", "--eval-fraction", "0", "--batch-size", "2"]
+    assert cli.main(argv) == 0
+    shutil.rmtree(tmp_path / "run" / "checkpoint-2")
+    assert cli.main([*argv, "--resume"]) == 0
+    assert not [w for w in warnings if "missing keys" in w], warnings
+    final = load_file(tmp_path / "run" / "model.safetensors")
+    assert "lm_head.weight" not in final  # still tied: saved once, as the embedding
+
+
+def test_bitsandbytes_kernel_notice_is_hidden_outside_4bit(caplog):
+    import logging
+
+    from diff_transformer.training.args import hide_bitsandbytes_kernel_notice
+
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    hide_bitsandbytes_kernel_notice()
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please ...", "no kernels")
+        logger.warning("another bitsandbytes warning")
+    assert caplog.messages == ["another bitsandbytes warning"]

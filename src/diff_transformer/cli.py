@@ -1,10 +1,14 @@
-"""The `diff-transformer` command: demo, convert, generate, train."""
+"""The `diff-transformer` command: demo, convert, generate, train, serve."""
 
 import argparse
+import logging
+import math
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from diff_transformer.errors import UserError
 
 
 def _demo(args) -> int:
@@ -14,17 +18,26 @@ def _demo(args) -> int:
     from diff_transformer.demo import run_demo
 
     kwargs = {"prompt": args.prompt} if args.prompt else {}
-    return run_demo(args.output, **kwargs)
+    return run_demo(args.output, overwrite=args.overwrite, **kwargs)
 
 
 def _scratch_demo(args) -> int:
     """Build small Diff models of both versions, save them, reload through AutoModelForCausalLM, generate."""
+    from diff_transformer.demo import SCRATCH_MARK, demo_output
+
+    if args.output is None:
+        with tempfile.TemporaryDirectory(prefix="diff-demo-") as tmp:
+            return _scratch_models(args, Path(tmp), shown=None)
+    with demo_output(args.output, SCRATCH_MARK, overwrite=args.overwrite) as (tmp, out):
+        return _scratch_models(args, tmp, shown=out)
+
+
+def _scratch_models(args, out: Path, shown: Path | None) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
     from diff_transformer import DiffConfig, DiffForCausalLM
 
-    out = Path(args.output) if args.output else Path(tempfile.mkdtemp(prefix="diff-demo-"))
     prompt = torch.tensor([[1, 17, 42, 7, 99, 3]])
     for version in (1, 2):
         torch.manual_seed(args.seed)
@@ -47,7 +60,8 @@ def _scratch_demo(args) -> int:
         with torch.no_grad():
             same = torch.equal(model(prompt).logits, reloaded(prompt).logits)
         params = sum(p.numel() for p in reloaded.parameters())
-        print(f"Diff V{version}: {params / 1e6:.2f}M params, saved to {path}")
+        where = shown / path.name if shown is not None else "a temporary directory (removed at exit; --output keeps it)"
+        print(f"Diff V{version}: {params / 1e6:.2f}M params, saved to {where}")
         print(f"  reloaded as {type(reloaded).__name__} via AutoModelForCausalLM; logits identical after reload: {same}")
         print(f"  greedy tokens: {generated[0, prompt.shape[1]:].tolist()} ({16 / seconds:.0f} tokens/s)")
         if not same:
@@ -56,42 +70,62 @@ def _scratch_demo(args) -> int:
 
 
 def _convert(args) -> int:
-    from diff_transformer.conversion import ConversionError, convert_to_diff, verify_conversion
+    from diff_transformer.conversion import convert_to_diff, verify_conversion
 
-    try:
-        out = convert_to_diff(
-            args.src, args.out, diff_version=args.diff_version, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet
+    out = convert_to_diff(
+        args.src, args.out, diff_version=args.diff_version, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet
+    )
+    print(f"wrote {out}")
+    if args.diff_version == 1:
+        print("note: diff_version=1 re-pairs the Llama heads and adds fresh λ: not function-preserving; continue pretraining.")
+    if args.verify:
+        report = verify_conversion(args.src, out)
+        print(
+            f"verify (against {report['reference']}, both run in {report['dtype']}): max |Δlogit| = "
+            f"{report['max_abs_logit_diff']:.3g}, greedy continuations match: {report['greedy_match']}"
         )
-        print(f"wrote {out}")
-        if args.diff_version == 1:
-            print("note: diff_version=1 re-pairs the Llama heads and adds fresh λ: not function-preserving; continue pretraining.")
-        if args.verify:
-            report = verify_conversion(args.src, out)
-            print(f"verify: max |Δlogit| = {report['max_abs_logit_diff']:.3g}, greedy continuations match: {report['greedy_match']}")
-            if report["expected_exact"] and not report["passed"]:
-                return 1
-    except ConversionError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        if report["expected_exact"] and not report["passed"]:
+            return 1
     return 0
 
 
 def _generate(args) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    import diff_transformer  # noqa: F401  (registers the Auto classes)
+    from diff_transformer.loading import check_diff_checkpoint, load_causal_lm, resolve_model
 
-    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-    except (OSError, ValueError):
-        tokenizer = None
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens} must be at least 1.")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UserError(f"--temperature {args.temperature} must be a number >= 0 (0 = greedy).")
+    # Everything about the inputs is checked before the weights load.
+    location, local = resolve_model(args.model)
+    if local is not None:
+        check_diff_checkpoint(local)
+    tokenizer = _tokenizer(AutoTokenizer, location, local, args.model)
     if tokenizer is not None:
         inputs = tokenizer(args.prompt, return_tensors="pt")
+        ids = inputs["input_ids"][0].tolist()
     else:
-        ids = [int(t) for t in args.prompt.split()]
+        try:
+            ids = [int(t) for t in args.prompt.split()]
+        except ValueError:
+            raise UserError(
+                f"MODEL {args.model} has no tokenizer, so PROMPT must be space-separated token ids like '5 6 7', not "
+                f"{args.prompt!r}: pass token ids, or save a tokenizer with the model."
+            ) from None
         inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+    if not ids:
+        raise UserError("PROMPT is empty: pass some text (or token ids).")
+    try:
+        vocab = AutoConfig.from_pretrained(location).get_text_config().vocab_size
+    except Exception as exc:
+        raise UserError(f"cannot read the config of MODEL {args.model} ({' '.join(str(exc).split())[:200]}).") from None
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise UserError(f"token id {bad[0]} in PROMPT is out of range for MODEL {args.model}: use ids from 0 to {vocab - 1}.")
+    model = load_causal_lm(args.model).eval()
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
     if args.temperature > 0:
         kwargs["temperature"] = args.temperature
@@ -100,7 +134,26 @@ def _generate(args) -> int:
     return 0
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def _tokenizer(auto_tokenizer, location: str, local: Path | None, shown: str):
+    """The model's tokenizer; None when it has none (prompts are then token ids)."""
+    has_files = local is not None and any((local / name).is_file() for name in _TOKENIZER_FILES)
+    try:
+        return auto_tokenizer.from_pretrained(location)
+    except Exception as exc:  # transformers raises OSError, ValueError, TypeError... for a missing or broken tokenizer
+        if has_files:
+            message = " ".join(str(exc).split())[:200]
+            raise UserError(f"the tokenizer files of MODEL {shown} cannot be loaded ({message}): restore them.") from None
+        return None
+
+
 def _train(args) -> int:
+    from diff_transformer.training.args import hide_bitsandbytes_kernel_notice
+
+    if not args.load_in_4bit:
+        hide_bitsandbytes_kernel_notice()
     from diff_transformer.training.train import run_cli
 
     return run_cli(args)
@@ -112,7 +165,22 @@ def _serve(args) -> int:
     return serve(args.serve_args)
 
 
+class _Notes(logging.Handler):
+    """Our notes (e.g. what `safe_output` recovered after a killed run) as plain lines on the current stderr."""
+
+    def emit(self, record):
+        print(record.getMessage(), file=sys.stderr, flush=True)
+
+
+def _show_notes() -> None:
+    logger = logging.getLogger("diff_transformer")
+    if not any(isinstance(h, _Notes) for h in logger.handlers):
+        handler = _Notes(logging.WARNING)
+        logger.addHandler(handler)
+
+
 def main(argv=None) -> int:
+    _show_notes()
     parser = argparse.ArgumentParser(prog="diff-transformer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -120,21 +188,28 @@ def main(argv=None) -> int:
     demo.add_argument("--output", help="where to write the converted model (default: a temporary directory)")
     demo.add_argument("--prompt", help="English prompt to continue")
     demo.add_argument("--scratch", action="store_true", help="instead: build, save, reload random Diff V1/V2 models")
+    demo.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty --output that is not an unchanged earlier demo output"
+    )
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
 
     convert = commands.add_parser("convert", help="convert a Llama (or DiffLlama) checkpoint into a Diff checkpoint")
-    convert.add_argument("src", help="source checkpoint directory or Hub model id (never modified)")
+    convert.add_argument("src", help="source checkpoint directory or Hub model id org/name (hf://name forces a Hub id)")
     convert.add_argument("out", help="output directory")
     convert.add_argument("--diff-version", type=int, choices=(1, 2), default=None, help="2 (default for Llama): exact; 1: paper layout")
     convert.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="cast weights (default: keep)")
     convert.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
-    convert.add_argument("--verify", action="store_true", help="compare logits and greedy continuations with the source")
+    convert.add_argument(
+        "--verify",
+        action="store_true",
+        help="compare logits and greedy continuations with the source (with --dtype: the source cast the same way)",
+    )
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
     convert.set_defaults(func=_convert)
 
     generate = commands.add_parser("generate", help="generate text with a saved Diff model")
-    generate.add_argument("model", help="model directory or Hub id")
+    generate.add_argument("model", help="model directory or Hub id org/name (hf://name forces a Hub id)")
     generate.add_argument("prompt", help="text (or space-separated token ids if the model has no tokenizer)")
     generate.add_argument("--max-new-tokens", type=int, default=32)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -153,7 +228,11 @@ def main(argv=None) -> int:
     if rest and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.serve_args = rest
-    return args.func(args)
+    try:
+        return args.func(args)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

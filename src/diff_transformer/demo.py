@@ -11,7 +11,6 @@ exit code (0 when every check holds).
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import shutil
@@ -22,6 +21,10 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+
+from .errors import UserError
+from .safe_output import OutputError, Staging, check_target, write_manifest, wrote_this
+
 
 ASSET_MODEL = "tiny-llama"
 ASSET_HELDOUT = "heldout.txt"
@@ -97,11 +100,34 @@ def _indent(text: str, prefix: str = " " * 20) -> str:
     return text.replace("\n", "\n" + prefix)
 
 
-def _is_previous_demo_output(path: Path) -> bool:
-    try:
-        return json.loads((path / "config.json").read_text()).get("model_type") == "diff"
-    except (OSError, ValueError):
-        return False
+DEMO_MARK = "diff-transformer demo"
+SCRATCH_MARK = "diff-transformer demo --scratch"
+
+
+def check_demo_output(output, mark: str, overwrite: bool = False) -> tuple[Path, bool]:
+    """(--output as an absolute path, whether it must be replaced). A non-empty directory is replaced only when its
+    manifest proves that this demo (`mark`) wrote it and nothing changed since, or with `overwrite`; anything else
+    (a training run, a model of the user's...) raises `OutputError`."""
+    out = check_target(output, name="--output")
+    if os.path.lexists(out) and (not out.is_dir() or any(out.iterdir())):
+        if overwrite or (out.is_dir() and not out.is_symlink() and wrote_this(out, mark)):
+            return out, True
+        raise OutputError(
+            f"--output {out} holds files that this demo did not write (or that changed since): choose another "
+            "directory, or pass --overwrite to replace it."
+        )
+    return out, False
+
+
+@contextlib.contextmanager
+def demo_output(output, mark: str, overwrite: bool = False):
+    """Yield (staging directory, --output): write into the first; on success it becomes --output, with a manifest."""
+    out, replace = check_demo_output(output, mark, overwrite)
+    staging = Staging(out, overwrite=replace, name="--output")
+    with staging as tmp:
+        yield tmp, out
+        write_manifest(tmp, mark)
+        staging.install()
 
 
 def run_demo(
@@ -109,17 +135,19 @@ def run_demo(
     prompt: str = DEFAULT_PROMPT,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     *,
+    overwrite: bool = False,
     results: dict | None = None,
     file=None,
 ) -> int:
     """Convert the shipped tiny Llama to Diff V2 in `output_dir` (default: a temporary directory, removed afterwards),
-    verify it, and generate a continuation of `prompt` with both models. Prints to `file` (default stdout); fills
-    `results` (if given) with the figures. Returns 0 when every check holds, 1 when one fails, 2 when the conversion
-    cannot run (e.g. `output_dir` is a non-empty directory that is not an earlier demo output)."""
+    verify it, and generate a continuation of `prompt` with both models. Prints to `file` (default stdout; errors to
+    stderr); fills `results` (if given) with the figures. Returns 0 when every check holds, 1 when one fails, 2 when
+    the conversion cannot run (e.g. `output_dir` is a non-empty directory that this demo did not write, or changed
+    since, and `overwrite` is not set)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from .conversion import ConversionError, convert_llama_to_diff, verify_conversion
+    from .conversion import convert_llama_to_diff, verify_conversion
     from .modeling_diff import DiffForCausalLM
 
     out_file = file or sys.stdout
@@ -128,6 +156,11 @@ def run_demo(
 
     def say(text: str = "") -> None:
         print(text, file=out_file, flush=True)
+
+    def fail(error: Exception) -> int:
+        print(f"error: {error}", file=file or sys.stderr, flush=True)
+        figures.update(ok=False, error=str(error))
+        return 2
 
     def check(name: str, ok: bool) -> bool:
         figures.setdefault("checks", {})[name] = bool(ok)
@@ -140,13 +173,12 @@ def run_demo(
     try:
         if output_dir is None:
             tmp = Path(tempfile.mkdtemp(prefix="diff-demo-"))
-            out = tmp / "tiny-diff-v2"
+            out, replace = tmp / "tiny-diff-v2", False
         else:
-            out = Path(output_dir).expanduser()
-            if out.exists() and (not out.is_dir() or any(out.iterdir())) and not _is_previous_demo_output(out):
-                say(f"error: {out} exists and is not empty (nor an earlier demo output): choose another directory.")
-                figures.update(ok=False, error="output directory not empty")
-                return 2
+            try:
+                out, replace = check_demo_output(output_dir, DEMO_MARK, overwrite)
+            except UserError as exc:
+                return fail(exc)
         with shipped_assets() as (src, heldout_path):
             say(
                 "diff-transformer demo: a trained Llama checkpoint -> Diff Transformer V2 (function-preserving), offline"
@@ -190,12 +222,11 @@ def run_demo(
             # 2. Conversion.
             t = time.perf_counter()
             try:
-                convert_llama_to_diff(src, out, diff_version=2, progress=False, overwrite=_is_previous_demo_output(out))
-            except ConversionError as exc:
-                say(f"error: {exc}")
-                figures["ok"] = False
-                figures["error"] = str(exc)
-                return 2
+                convert_llama_to_diff(src, out, diff_version=2, progress=False, overwrite=replace)
+            except UserError as exc:
+                return fail(exc)
+            if tmp is None:
+                write_manifest(out, DEMO_MARK)  # what lets a later run replace this directory without --overwrite
             figures.update(output_dir=str(out), output_bytes=_dir_size(out), time_convert_s=time.perf_counter() - t)
             say()
             say(
@@ -317,4 +348,12 @@ def run_demo(
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["DEFAULT_PROMPT", "DEMO_EVAL_TOKENS", "heldout_perplexity", "run_demo", "shipped_assets"]
+__all__ = [
+    "DEFAULT_PROMPT",
+    "DEMO_EVAL_TOKENS",
+    "check_demo_output",
+    "demo_output",
+    "heldout_perplexity",
+    "run_demo",
+    "shipped_assets",
+]

@@ -3,23 +3,23 @@ checkpoint").
 
 The source is read tensor by tensor from its safetensors shards and the output is written shard by shard, so peak
 memory stays near one shard. Everything is written into a temporary directory next to OUT and renamed into place only
-once complete; on any error the temporary directory is removed and OUT (and SRC, which is only ever read) is left
-as it was.
+once complete (`safe_output.Staging`); on any error the temporary directory is removed and OUT (and SRC, which is only
+ever read) is left as it was.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
-import tempfile
-import uuid
 from pathlib import Path
 
 import torch
 
 from ..configuration_diff import AUTO_MAP
 from ..modelcard_diff import diff_model_card
+from ..safe_output import Staging, check_target
 from .errors import ConversionError, one_line
 from .layout import IGNORED_SOURCE_TENSORS, Geometry, make_tensor_map
 from .provenance import conversion_provenance
@@ -68,6 +68,7 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch
 # V1's λ vectors feed an exp() and stay float32 whatever `dtype` asks (DiffPreTrainedModel keeps them in fp32 too).
 _FP32_PARAMETERS = re.compile(r"\.diff_lambda\.lambda_[qk][12]$")
 _SOURCE_KINDS = {"llama": "convert_llama_to_diff", "diffllama": "convert_diffllama_to_diff"}
+logger = logging.getLogger(__name__)
 
 
 def convert_llama_to_diff(
@@ -349,43 +350,20 @@ def _check_output_against_model(config, writer: ShardWriter) -> None:
         )
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
-    if out.is_symlink():
-        raise ConversionError(f"OUT {out} is a symbolic link: pass the directory it points to, or another path.")
-    if out.exists() and not out.is_dir():
-        raise ConversionError(f"OUT {out} exists and is not a directory: choose a directory path.")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ConversionError(f"OUT {out} is not empty: pass overwrite=True (--overwrite) or choose another directory.")
-
-
-def _check_no_overlap(src: Path, out: Path) -> None:
-    src, out = src.resolve(), out.resolve()
-    if src == out or src in out.parents or out in src.parents:
-        raise ConversionError(
-            f"OUT {out} overlaps SRC {src}: choose an output directory outside the source checkpoint (SRC is never modified)."
-        )
-
-
-def _make_parents(directory: Path) -> Path | None:
-    """mkdir -p, returning the top-most directory created (to remove on failure) or None."""
-    created = None
-    for parent in reversed([directory, *directory.parents]):
-        if not parent.exists():
-            created = created or parent
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConversionError(f"cannot create {directory} ({exc}): check the path and permissions.") from exc
-    return created
-
-
 def _copy_side_files(source: SourceCheckpoint, target: Path) -> list[str]:
-    """Tokenizer files, chat template, generation config, licence... every top-level non-weight file."""
+    """Tokenizer files, chat template, generation config, licence... every top-level non-weight file. A symbolic link
+    is followed only to a file inside SRC (for a Hub id: inside its cache folder, where snapshots link to blobs), so a
+    link to, say, a credentials file elsewhere never ends up in OUT (and on the Hub)."""
+    root = (source.path.parent.parent if source.repo_id is not None else source.path).resolve()
     copied = []
     for path in sorted(source.path.iterdir()):
-        if path.is_file() and not _NOT_COPIED.search(path.name):
-            shutil.copyfile(path, target / path.name)
-            copied.append(path.name)
+        if not path.is_file() or _NOT_COPIED.search(path.name):
+            continue
+        if path.is_symlink() and root not in path.resolve().parents:
+            logger.warning(f"note: not copying {path.name}: it is a symbolic link to {path.resolve()}, outside SRC.")
+            continue
+        shutil.copyfile(path, target / path.name)
+        copied.append(path.name)
     return copied
 
 
@@ -393,21 +371,6 @@ def _copy_custom_code(target: Path) -> None:
     package = Path(__file__).resolve().parent.parent
     for name in CUSTOM_CODE_FILES:
         shutil.copyfile(package / name, target / name)
-
-
-def _install(tmp: Path, out: Path) -> None:
-    """Rename the finished checkpoint into place (replacing an existing OUT only now)."""
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(out, old)
-        try:
-            os.replace(tmp, out)
-        except BaseException:
-            os.replace(old, out)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
 
 
 def _convert(
@@ -425,65 +388,59 @@ def _convert(
     revision=None,
     token=None,
 ) -> Path:
-    from tqdm.auto import tqdm
-
-    out_path = Path(out).expanduser().absolute()
     target_dtype = parse_dtype(dtype)
     max_shard_bytes = parse_size(max_shard_size)
     if lambda_std < 0:
         raise ConversionError(f"lambda_std={lambda_std} must be >= 0.")
-    _check_out(out_path, overwrite)
+    out_path = check_target(out, error=ConversionError)
+    # Refused (and dead runs' leftovers recovered) before anything is downloaded or read.
+    staging = Staging(out_path, overwrite=overwrite, flag="overwrite=True (--overwrite)", error=ConversionError)
 
     source = open_source(src, revision=revision, token=token)
+    check_target(out_path, sources={"SRC": source.path}, error=ConversionError)
+    config, tensor_map = _plan(source, source_kind, diff_version, target_dtype, lambda_std, seed)
+    try:
+        with staging as tmp:
+            _write(source, config, tensor_map, tmp, out_path.name, target_dtype, max_shard_bytes, progress)
+            staging.install()
+    except OSError as exc:
+        raise ConversionError(f"writing {out_path} failed ({one_line(exc)}): check free disk space and permissions.") from exc
+    return out_path
+
+
+def _plan(source: SourceCheckpoint, source_kind: str, diff_version: int, target_dtype, lambda_std: float, seed: int):
+    """Validate SRC (config, then every tensor header) and return the Diff config and the tensor map."""
     where = source.repo_id or str(source.path)
-    _check_no_overlap(source.path, out_path)
     source_config = _source_config(source, source_kind)
     geometry = Geometry.from_config(source_config)
     tensor_map = make_tensor_map(source_kind, diff_version, geometry, lambda_std=lambda_std, seed=seed)
     config_dtype = source.config.get("dtype") or source.config.get("torch_dtype")
     config_dtype = _DTYPES.get(str(config_dtype).removeprefix("torch.")) if config_dtype else None
+    out_dtype = target_dtype or config_dtype or torch.float32
     # Built once before any weights are downloaded or read, so that an unsupported config is refused early.
-    config = _diff_config(
-        source_config,
-        source_kind,
-        diff_version,
-        geometry,
-        target_dtype or config_dtype or torch.float32,
-        lambda_std,
-        where,
-    )
-
+    config = _diff_config(source_config, source_kind, diff_version, geometry, out_dtype, lambda_std, where)
     read_weights_headers(source)
     _validate_tensors(source, geometry, source_kind)
     if target_dtype is None and config_dtype is None:  # the config did not say: record what the shards store
         stored = _SAFETENSORS_DTYPES[source.tensors["model.embed_tokens.weight"].dtype]
         config = _diff_config(source_config, source_kind, diff_version, geometry, stored, lambda_std, where)
+    return config, tensor_map
 
-    created_parent = _make_parents(out_path.parent)
-    tmp = None
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.tmp-", dir=out_path.parent))
-        writer = ShardWriter(tmp, max_shard_bytes, expected_tensors=2 * len(source.tensors))
-        _stream(source, tensor_map, writer, target_dtype, progress, tqdm, f"{source_kind} -> diff v{diff_version}")
-        writer.finish()
-        _check_output_against_model(config, writer)
-        config.conversion = conversion_provenance(source, source_kind, diff_version)
-        config.to_json_file(str(tmp / "config.json"))
-        _copy_custom_code(tmp)
-        _copy_side_files(source, tmp)
-        diff_model_card(config, out_path.name).save(tmp / "README.md")  # the card save_pretrained writes too
-        _install(tmp, out_path)
-    except BaseException as exc:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if created_parent is not None:
-            shutil.rmtree(created_parent, ignore_errors=True)
-        if isinstance(exc, OSError):
-            raise ConversionError(
-                f"writing {out_path} failed ({one_line(exc)}): check free disk space and permissions."
-            ) from exc
-        raise
-    return out_path
+
+def _write(source, config, tensor_map, tmp: Path, name: str, target_dtype, max_shard_bytes, progress: bool) -> None:
+    """Everything OUT will hold, written into `tmp`: shards, config, custom code, side files, card."""
+    from tqdm.auto import tqdm
+
+    source_kind = source.model_type
+    writer = ShardWriter(tmp, max_shard_bytes, expected_tensors=2 * len(source.tensors))
+    _stream(source, tensor_map, writer, target_dtype, progress, tqdm, f"{source_kind} -> diff v{config.diff_version}")
+    writer.finish()
+    _check_output_against_model(config, writer)
+    config.conversion = conversion_provenance(source, source_kind, config.diff_version)
+    config.to_json_file(str(tmp / "config.json"))
+    _copy_custom_code(tmp)
+    _copy_side_files(source, tmp)
+    diff_model_card(config, name).save(tmp / "README.md")  # the card save_pretrained writes too
 
 
 def _stream(

@@ -1,7 +1,9 @@
 """The one exception the converter raises for every problem with its inputs or outputs."""
 
+from ..errors import UserError
 
-class ConversionError(ValueError):
+
+class ConversionError(UserError):
     """A checkpoint cannot be converted. The message is one line: what is wrong, then how to fix it."""
 
 

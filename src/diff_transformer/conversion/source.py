@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..loading import hub_id
 from .errors import ConversionError, one_line
 
 
@@ -35,8 +35,6 @@ HUB_ALLOW_PATTERNS = [
     "NOTICE*",
 ]
 HUB_IGNORE_PATTERNS = ["original/*", "*/original/*"]
-
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 
 
 @dataclass(frozen=True)
@@ -84,12 +82,9 @@ def resolve_source(
                 "*.safetensors shards, or a Hub model id."
             )
         return path.resolve(), None
-    looks_local = isinstance(src, Path) or text.startswith((".", "/", "~")) or "\\" in text
-    if looks_local or not _REPO_ID.match(text):
-        raise ConversionError(
-            f"SRC {text!r} is neither an existing directory nor a valid Hub model id: check the path, or pass an id like "
-            "'org/model'."
-        )
+    if isinstance(src, Path):
+        raise ConversionError(f"SRC {text!r} is neither an existing directory nor a valid Hub model id: check the path.")
+    text = hub_id(text, name="SRC", error=ConversionError)  # a mistyped path is refused here, not after Hub retries
     if config_only:
         return _hub_config_dir(text, revision=revision, token=token), text
     return download_snapshot(text, revision=revision, token=token), text
@@ -160,6 +155,8 @@ def load_config(path: Path) -> dict:
         )
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ConversionError(f"{config_file} is nested too deeply to be a config: restore or re-download it.") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConversionError(
             f"{config_file} is not valid JSON ({one_line(exc)}): restore or re-download it."

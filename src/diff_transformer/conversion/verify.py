@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
 
-from .convert import parse_dtype
+from .convert import _SAFETENSORS_DTYPES, parse_dtype
 from .errors import ConversionError
-from .source import load_config, resolve_source
+from .source import find_shards, load_config, read_headers, resolve_source
+
+
+# Source parameters that the converter never casts (DiffLlama's λ vectors; `_FP32_PARAMETERS` on the output side).
+_UNCAST_SOURCE_PARAMETERS = re.compile(r"\.lambda_[qk][12]$")
 
 
 def verify_conversion(
@@ -31,10 +36,14 @@ def verify_conversion(
 
     Loads both models whole: meant for checkpoints that fit in memory twice.
 
+    When OUT stores its weights in another dtype than SRC (`convert --dtype bfloat16`), the reference is the source
+    with every weight cast the way the converter cast it (then to `dtype`), so a correct conversion still agrees
+    within `atol`: what is checked is the conversion, not the precision lost by the requested cast.
+
     Returns a dict with `max_abs_logit_diff` (max |Δlogit| over all positions), `greedy_match` (token-identical
     continuations), `expected_exact` (True for Llama -> V2 and DiffLlama -> V1, where the logits must agree; False
     for Llama -> V1, which is not function-preserving), `passed` (expected_exact and both checks hold, else None
-    when not expected exact), plus the settings used.
+    when not expected exact), `reference` (what the converted model was compared with), plus the settings used.
     """
     from transformers import DiffLlamaForCausalLM, LlamaForCausalLM
 
@@ -64,6 +73,14 @@ def verify_conversion(
         converted = DiffForCausalLM.from_pretrained(out_path, dtype=torch_dtype).eval()
     except Exception as exc:
         raise ConversionError(f"loading the checkpoints failed ({' '.join(str(exc).split())[:300]}).") from exc
+    reference_name = "the source"
+    cast = _stored_dtype(out_path)
+    if cast is not None and cast != _stored_dtype(src_path):
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                if param.is_floating_point() and not _UNCAST_SOURCE_PARAMETERS.search(name):
+                    param.copy_(param.to(cast).to(param.dtype))
+        reference_name = f"the source with its weights cast to {_dtype_name(cast)} as in OUT"
 
     vocab = min(reference.config.vocab_size, converted.config.vocab_size)
     generator = torch.Generator().manual_seed(seed)
@@ -90,6 +107,7 @@ def verify_conversion(
         "expected_exact": expected_exact,
         "passed": passed,
         "atol": atol,
+        "reference": reference_name,
         "source_model_type": source_type,
         "diff_version": diff_version,
         "num_sequences": num_sequences,
@@ -97,6 +115,16 @@ def verify_conversion(
         "max_new_tokens": max_new_tokens,
         "dtype": str(torch_dtype).removeprefix("torch."),
     }
+
+
+def _stored_dtype(path: Path) -> torch.dtype | None:
+    """The dtype a checkpoint stores its embedding matrix in (every weight the converter casts has it)."""
+    info = read_headers(path, find_shards(path)).get("model.embed_tokens.weight")
+    return _SAFETENSORS_DTYPES.get(info.dtype) if info is not None else None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 __all__ = ["verify_conversion"]

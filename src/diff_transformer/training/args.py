@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 
 SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup", "cosine_with_min_lr", "inverse_sqrt", "polynomial")
@@ -81,3 +82,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 def parse_train_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="diff-transformer train", description="Continued pretraining of a Diff model.")
     return add_train_arguments(parser).parse_args(argv)
+
+
+def hide_bitsandbytes_kernel_notice() -> None:
+    """transformers' Trainer imports peft, which imports bitsandbytes, whose CPU backend then logs that the optional
+    `kernels` package is missing. That only concerns 4-bit weights: other runs do not show it."""
+    notice = "gemm_4bit_forward from kernels-community"
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(lambda record: notice not in record.getMessage())

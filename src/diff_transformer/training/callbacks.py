@@ -1,4 +1,4 @@
-"""Trainer callbacks: λ per layer in the logs, and the perplexity of an evaluation."""
+"""Trainer callbacks: λ per layer in the logs, and the run settings a resume must keep."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import re
 import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 
 _LAMBDA_MODULE = re.compile(r"layers\.(\d+)\.self_attn\.diff_lambda(?:\.modules_to_save\.(\w+))?$")
@@ -95,3 +96,14 @@ class LambdaLoggingCallback(TrainerCallback):
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+
+class RunSettingsCallback(TrainerCallback, ExportableState):
+    """Stores in every checkpoint's trainer_state.json (`stateful_callbacks`) the settings that decide which tokens
+    make up each block, so that `--resume` can refuse to continue a run with other blocks."""
+
+    def __init__(self, block_size: int, bos: bool):
+        self.block_size, self.bos = block_size, bos
+
+    def state(self) -> dict:
+        return {"args": {"block_size": self.block_size, "bos": self.bos}, "attributes": {}}

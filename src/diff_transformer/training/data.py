@@ -18,29 +18,45 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UserError
 
-class TrainingError(ValueError):
+
+class TrainingError(UserError):
     """A problem with the input of `diff-transformer train`; a one-line message that names it and the fix."""
+
+
+def _read_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise TrainingError(
+            f"data file {path} is not UTF-8 text (byte {error.start} cannot be decoded): convert it to UTF-8 "
+            "(e.g. iconv -t UTF-8) or leave it out"
+        ) from None
+    if "\x00" in text:
+        raise TrainingError(f"data file {path} is binary (it holds NUL bytes), not text: pass .txt or .jsonl files")
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as open() in text mode reads
 
 
 def read_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
     path = Path(path)
     if not path.is_file():
         raise TrainingError(f"data file {path} does not exist (or is not a file)")
+    text = _read_text(path)
     if path.suffix.lower() != ".jsonl":
-        yield path.read_text(encoding="utf-8")
+        yield text
         return
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise TrainingError(f"{path}:{number}: not valid JSON ({error.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise TrainingError(f"{path}:{number}: no string field {text_field!r} (choose the field with --text-field)")
-            yield record[text_field]
+    for number, line in enumerate(text.split("\n"), 1):  # not splitlines(): JSON strings may hold U+2028
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as error:
+            raise TrainingError(f"{path}:{number}: not valid JSON ({getattr(error, 'msg', 'nested too deeply')})") from None
+        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+            raise TrainingError(f"{path}:{number}: no string field {text_field!r} (choose the field with --text-field)")
+        yield record[text_field]
 
 
 def tokenize_files(tokenizer, paths: Sequence[str | Path], text_field: str = "text") -> list[int]:

@@ -13,17 +13,23 @@ DDP) is Trainer's; this module only turns the command line into `TrainingArgumen
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import os
 import shutil
 import sys
+import zipfile
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
+from transformers import AutoConfig, AutoTokenizer, Trainer, TrainingArguments, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from ..errors import UserError
+from ..loading import check_diff_checkpoint, load_causal_lm, read_json, resolve_model
+from ..safe_output import check_target
 from .args import parse_train_args
-from .callbacks import LambdaLoggingCallback
+from .callbacks import LambdaLoggingCallback, RunSettingsCallback
 from .data import TrainingError, build_datasets
 from .freeze import DiffOnlyCallback
 
@@ -44,12 +50,20 @@ class CausalLMTrainer(Trainer):
             output.metrics[f"{metric_key_prefix}_perplexity"] = math.exp(min(loss, 700.0))
         return output
 
+    def _issue_warnings_after_load(self, load_result):
+        # A tied lm_head is not stored in checkpoints (it is the embedding matrix), so it is always "missing" when
+        # Trainer reloads one; transformers re-ties it only for models that list it in `_keys_to_ignore_on_save`.
+        tied = set(getattr(self.accelerator.unwrap_model(self.model), "all_tied_weights_keys", None) or {})
+        load_result.missing_keys[:] = [key for key in load_result.missing_keys if key not in tied]
+        super()._issue_warnings_after_load(load_result)
+
 
 def _checkpoints(output: Path) -> list[Path]:
     return sorted(output.glob(f"{PREFIX_CHECKPOINT_DIR}-*")) if output.is_dir() else []
 
 
-def resolve_resume(args) -> str | None:
+def resolve_resume(args, block_size: int) -> str | None:
+    """The checkpoint to resume from (None: start), checked to be complete and to continue this run as configured."""
     output = Path(args.output)
     if args.resume is None:
         if _checkpoints(output) and not args.overwrite:
@@ -61,16 +75,91 @@ def resolve_resume(args) -> str | None:
         last = get_last_checkpoint(str(output)) if output.is_dir() else None
         if last is None:
             raise TrainingError(f"--resume: no {PREFIX_CHECKPOINT_DIR}-N directory in {output}; run without --resume first")
-        return last
-    if not (Path(args.resume) / "trainer_state.json").is_file():
-        raise TrainingError(f"--resume {args.resume}: not a Trainer checkpoint (no trainer_state.json)")
-    return args.resume
+        checkpoint = Path(last)
+    else:
+        checkpoint = Path(args.resume)
+        if not checkpoint.is_dir():
+            raise TrainingError(f"--resume {args.resume}: no such checkpoint directory")
+    state = _checkpoint_state(checkpoint)
+    settings = state.get("stateful_callbacks", {}).get(RunSettingsCallback.__name__, {}).get("args", {})
+    if settings.get("block_size", block_size) != block_size:
+        raise TrainingError(
+            f"--resume {checkpoint}: that run packed blocks of {settings['block_size']} tokens, not {block_size}: pass "
+            f"--block-size {settings['block_size']} to continue it, or start a new run in another --output"
+        )
+    if settings.get("bos", not args.no_bos) != (not args.no_bos):
+        flag = "without --no-bos" if settings["bos"] else "with --no-bos"
+        raise TrainingError(f"--resume {checkpoint}: that run packed its blocks {flag}: resume it the same way")
+    step = state.get("global_step", 0)
+    if args.max_steps is not None and step >= args.max_steps:
+        raise TrainingError(
+            f"--resume {checkpoint}: the run is already complete ({step} of --max-steps {args.max_steps} steps): "
+            "raise --max-steps to train further"
+        )
+    return str(checkpoint)
+
+
+def _checkpoint_state(checkpoint: Path) -> dict:
+    """The checkpoint's trainer_state.json, once its files are known to be complete (a checkpoint written while the
+    run was killed can be empty or truncated)."""
+
+    def incomplete(reason: str):
+        if _step(checkpoint) < 0:  # not a checkpoint-N directory: maybe the user's own, never advise deleting it
+            return TrainingError(f"--resume {checkpoint}: not a Trainer checkpoint ({reason}): pass a checkpoint-N directory")
+        earlier = [c for c in _checkpoints(checkpoint.parent) if 0 <= _step(c) < _step(checkpoint) and _complete(c)]
+        hint = f"resume from {max(earlier, key=_step)} (--resume PATH)" if earlier else "start over with --overwrite"
+        return TrainingError(f"--resume: {checkpoint} is incomplete ({reason}): delete it, or {hint}")
+
+    problem = _incomplete(checkpoint)
+    if problem:
+        raise incomplete(problem)
+    state = read_json(checkpoint / "trainer_state.json", error=TrainingError)
+    if not isinstance(state, dict):
+        raise incomplete("trainer_state.json holds no JSON object")
+    return state
+
+
+def _step(checkpoint: Path) -> int:
+    prefix, _, step = checkpoint.name.rpartition("-")
+    return int(step) if prefix == PREFIX_CHECKPOINT_DIR and step.isdigit() else -1
+
+
+def _incomplete(checkpoint: Path) -> str | None:
+    """Why a checkpoint cannot be resumed from, or None: its state, weights and optimizer files must be whole."""
+    from safetensors import safe_open
+
+    if not (checkpoint / "trainer_state.json").is_file():
+        return "no trainer_state.json"
+    try:
+        json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return "trainer_state.json is truncated or corrupt"
+    weights = sorted(checkpoint.glob("*.safetensors"))
+    if not weights:
+        return "no model weights"
+    for path in weights:
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except Exception:
+            return f"{path.name} is truncated or corrupt"
+    for path in sorted(checkpoint.iterdir()):  # optimizer.pt, scheduler.pt, rng_state.pth: zip archives when whole
+        if path.suffix in (".pt", ".pth") and not zipfile.is_zipfile(path):
+            return f"{path.name} is truncated or corrupt"
+    return None
+
+
+def _complete(checkpoint: Path) -> bool:
+    return _incomplete(checkpoint) is None
 
 
 def load_config(args):
+    location, local = resolve_model(args.model, error=TrainingError)
+    if local is not None:
+        check_diff_checkpoint(local, error=TrainingError)  # also: a config.json that does not parse, or that lies
     try:
-        config = AutoConfig.from_pretrained(args.model)
-    except (OSError, ValueError) as error:
+        config = AutoConfig.from_pretrained(location)
+    except (OSError, ValueError, RecursionError) as error:
         raise TrainingError(f"cannot load a model config from {args.model!r}: {str(error).splitlines()[0]}") from None
     if config.model_type != "diff" and not args.any_model:
         raise TrainingError(
@@ -78,6 +167,28 @@ def load_config(args):
             f"(diff-transformer convert {args.model} OUT), or pass --any-model to train it as it is (e.g. as a baseline)"
         )
     return config
+
+
+_RUN_FILES = ("trainer_state.json", "runs")  # what Trainer writes into every run's output directory
+_MODEL_FILES = ("config.json", "adapter_config.json", "model.safetensors", "model.safetensors.index.json")
+
+
+def check_output(args) -> Path:
+    """--output must not be the model (or overlap it), a file, or a model that is no training run (the final save
+    would overwrite it) unless --overwrite."""
+    _, local = resolve_model(args.model, error=TrainingError)
+    output = check_target(args.output, name="--output", sources={"MODEL": local} if local else None, error=TrainingError)
+    if os.path.lexists(output) and not output.is_dir():
+        raise TrainingError(f"--output {args.output} is a file: pass a directory (it is created if missing)")
+    if output.is_dir() and not args.overwrite and not _checkpoints(output):
+        ran_here = any((output / name).exists() for name in _RUN_FILES)
+        model = [name for name in _MODEL_FILES if (output / name).exists()]
+        if model and not ran_here:
+            raise TrainingError(
+                f"--output {output} holds a model ({model[0]}) that no training run wrote, and the final save would "
+                "overwrite it: choose another --output, or pass --overwrite to replace it"
+            )
+    return output
 
 
 def check_args(args, config) -> int:
@@ -99,6 +210,13 @@ def check_args(args, config) -> int:
         raise TrainingError("--max-steps must be at least 1")
     if args.eval_steps is not None and args.eval_steps < 1:
         raise TrainingError("--eval-steps must be at least 1 (--eval-fraction 0 turns evaluation off)")
+    for flag, value in (("lr", args.lr), ("weight_decay", args.weight_decay), ("max_grad_norm", args.max_grad_norm)):
+        if not (math.isfinite(value) and value >= 0):
+            raise TrainingError(f"--{flag.replace('_', '-')} {value} must be a finite number >= 0")
+    if not (math.isfinite(args.epochs) and args.epochs > 0):
+        raise TrainingError(f"--epochs {args.epochs} must be a finite number > 0")
+    if args.lora and not 0 <= args.lora_dropout < 1:
+        raise TrainingError(f"--lora-dropout {args.lora_dropout} must be in [0, 1)")
     if args.diff_only_steps < 0:
         raise TrainingError("--diff-only-steps must be >= 0")
     if args.diff_only_steps and config.model_type != "diff":
@@ -131,7 +249,7 @@ def load_model(args, training_args):
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute, bnb_4bit_use_double_quant=True
         )
         kwargs["device_map"] = {"": training_args.device}
-    model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)
+    model = load_causal_lm(args.model, error=TrainingError, **kwargs)
     if args.lora:
         model = add_lora(model, args)
     return model
@@ -212,9 +330,11 @@ def build_trainer(args) -> CausalLMTrainer:
     """Everything `run` needs, without training: the Trainer (model, data, callbacks) for `args`."""
     config = load_config(args)
     block_size = check_args(args, config)
-    resume = resolve_resume(args)
+    check_output(args)
+    resume = resolve_resume(args, block_size)
+    location, _ = resolve_model(args.model, error=TrainingError)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        tokenizer = AutoTokenizer.from_pretrained(location)
     except (OSError, ValueError, TypeError) as error:
         raise TrainingError(f"{args.model} has no usable tokenizer ({str(error).splitlines()[0]})") from None
     set_seed(args.seed)  # before the model: LoRA's initialisation draws random numbers
@@ -235,7 +355,8 @@ def build_trainer(args) -> CausalLMTrainer:
                 for old in _checkpoints(Path(args.output)):
                     shutil.rmtree(old)
 
-    callbacks = [DiffOnlyCallback(model, args.diff_only_steps)] if args.diff_only_steps else []
+    callbacks = [RunSettingsCallback(block_size, bos=not args.no_bos)]
+    callbacks += [DiffOnlyCallback(model, args.diff_only_steps)] if args.diff_only_steps else []
     trainer = CausalLMTrainer(
         model=model,
         args=training_args,
@@ -284,11 +405,18 @@ def run(args) -> int:
 
 
 def run_cli(args) -> int:
-    """`run`, with a bad option or input reported as one line on stderr and exit status 2."""
+    """`run`, with a bad option or input reported as one line on stderr and exit status 2 (and no empty --output
+    directory left behind)."""
+    existed = os.path.lexists(args.output) if args.output else True
     try:
         return run(args)
-    except TrainingError as error:
+    except UserError as error:
         print(f"error: {error}", file=sys.stderr)
+        if not existed:
+            try:
+                os.rmdir(args.output)
+            except OSError:
+                pass
         return 2
 
 

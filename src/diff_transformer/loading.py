@@ -1,0 +1,161 @@
+"""Models named on the command line (`generate`, `train`, and SRC of `convert`): a local path or a Hub id, checked
+before transformers tries it, so that every problem is one line naming the input and the fix.
+
+* A name that does not exist locally is a Hub id only when it reads as one (`org/name`), or when forced with
+  `hf://` (`hf://gpt2`); otherwise it is a mistyped path and is reported as such at once, instead of after the Hub
+  client's retries.
+* A local Diff checkpoint is compared with its config before loading: a `diff_version` that disagrees with the
+  weights (an edited config.json) is named as such, not as transformers' size mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from .errors import UserError
+
+
+HUB_PREFIX = "hf://"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+
+
+def hub_id(text: str, *, name: str = "MODEL", error: type[UserError] = UserError) -> str:
+    """`text`, which is not an existing path, as a Hub model id; `error` when it reads as a mistyped local path."""
+    repo = text.removeprefix(HUB_PREFIX)
+    if not _REPO_ID.match(repo) or ".." in repo:
+        raise error(
+            f"{name} {text!r} is neither an existing directory nor a valid Hub model id: check the path, or pass an "
+            "id like 'org/model'."
+        )
+    if text.startswith(HUB_PREFIX):
+        return repo
+    first = repo.split("/")[0]
+    if "/" not in repo:
+        raise error(
+            f"{name} {text!r} does not exist: check the path (for the Hub model {repo!r}, pass {HUB_PREFIX}{repo})."
+        )
+    if Path(first).is_dir():
+        raise error(
+            f"{name} {text!r} does not exist (the directory {first} does): check the path (for the Hub model "
+            f"{repo!r}, pass {HUB_PREFIX}{repo})."
+        )
+    return repo
+
+
+def resolve_model(text, *, name: str = "MODEL", error: type[UserError] = UserError) -> tuple[str, Path | None]:
+    """(what to pass to `from_pretrained`, the local directory or None for a Hub id)."""
+    text = str(text)
+    path = Path(text).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise error(
+                f"{name} {text!r} is a file: pass the checkpoint directory (config.json + weights) or a Hub id."
+            )
+        return str(path), path
+    return hub_id(text, name=name, error=error), None
+
+
+def read_json(path: Path, *, error: type[UserError] = UserError):
+    """A JSON file's content, or `error` naming the file (also for nesting too deep for the parser)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise error(f"{path} is nested too deeply to be a config: restore or re-download it.") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise error(
+            f"{path} is not valid JSON ({' '.join(str(exc).split())[:200]}): restore or re-download it."
+        ) from None
+
+
+def _weight_shapes(directory: Path, error: type[UserError]) -> dict[str, tuple[int, ...]] | None:
+    """Tensor name -> shape from the safetensors headers, or None when the checkpoint has no safetensors weights."""
+    from .conversion.errors import ConversionError
+    from .conversion.source import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, find_shards, read_headers
+
+    if not ((directory / SAFETENSORS_INDEX).is_file() or (directory / SAFETENSORS_SINGLE).is_file()):
+        return None
+    try:
+        return {name: info.shape for name, info in read_headers(directory, find_shards(directory)).items()}
+    except ConversionError as exc:
+        raise error(str(exc)) from None
+
+
+def _mismatch(config, shapes: dict) -> str | None:
+    """The first way the weights disagree with `DiffForCausalLM(config)`, or None."""
+    import torch
+
+    from .modeling_diff import DiffForCausalLM
+
+    with torch.device("meta"):
+        expected = {n: tuple(t.shape) for n, t in DiffForCausalLM(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    for key, shape in expected.items():
+        if key not in shapes:
+            return f"tensor {key} is missing"
+        if tuple(shapes[key]) != shape:
+            return f"tensor {key} has shape {list(shapes[key])}, but config.json implies {list(shape)}"
+    return None
+
+
+def check_diff_checkpoint(directory: Path, *, name: str = "MODEL", error: type[UserError] = UserError) -> None:
+    """For a local Diff checkpoint: its config.json parses and its weights are those the config describes; a
+    `diff_version` that disagrees with the weights is named with the fix."""
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        return  # e.g. a PEFT adapter directory: transformers reports what is missing
+    raw = read_json(config_file, error=error)
+    if not isinstance(raw, dict) or raw.get("model_type") != "diff":
+        return
+    shapes = _weight_shapes(directory, error)
+    if shapes is None:
+        return
+    from .configuration_diff import DiffConfig
+
+    try:
+        config = DiffConfig.from_pretrained(directory)
+    except Exception as exc:
+        raise error(
+            f"{config_file} is not a valid Diff config ({' '.join(str(exc).split())[:200]}): fix it."
+        ) from None
+    problem = _mismatch(config, shapes)
+    if problem is None:
+        return
+    version = config.diff_version
+    other = 2 if version == 1 else 1
+    try:
+        fits_other = _mismatch(DiffConfig.from_dict({**config.to_dict(), "diff_version": other}), shapes) is None
+    except Exception:
+        fits_other = False
+    if fits_other:
+        raise error(
+            f"{name} {directory}: config.json says diff_version={version}, but the weights are those of a "
+            f'diff_version={other} model: set "diff_version": {other} in config.json.'
+        )
+    raise error(
+        f"{name} {directory}: {problem}: config.json does not describe these weights; fix it or re-download the "
+        "checkpoint."
+    )
+
+
+def load_causal_lm(text, *, name: str = "MODEL", error: type[UserError] = UserError, **kwargs):
+    """`AutoModelForCausalLM.from_pretrained` of a command-line MODEL, with every failure as one `error` line."""
+    from transformers import AutoModelForCausalLM
+
+    import diff_transformer  # noqa: F401  (registers the Auto classes)
+
+    location, local = resolve_model(text, name=name, error=error)
+    if local is not None:
+        check_diff_checkpoint(local, name=name, error=error)
+    try:
+        return AutoModelForCausalLM.from_pretrained(location, **kwargs)
+    except Exception as exc:
+        message = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise error(
+            f"cannot load {name} {text!r} ({message}): check that it is a complete checkpoint, or re-download it."
+        ) from None
+
+
+__all__ = ["HUB_PREFIX", "check_diff_checkpoint", "hub_id", "load_causal_lm", "read_json", "resolve_model"]
