@@ -6,6 +6,7 @@ Importing the package registers `model_type="diff"` with the Auto classes, so `A
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from .backends import register_diff_triton
 from .configuration_diff import DiffConfig
 from .layers import DifferentialAttention, differential_attention
 from .modeling_diff import (
@@ -31,6 +32,9 @@ AutoModelForCausalLM.register(DiffConfig, DiffForCausalLM, exist_ok=True)
 DiffConfig.register_for_auto_class("AutoConfig")
 DiffModel.register_for_auto_class("AutoModel")
 DiffForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+# attn_implementation="diff_triton": V1's fused Triton kernel on CUDA (sdpa elsewhere).
+register_diff_triton()
 
 # PEFT picks default target modules by model_type: give "diff" Llama's. peft is not imported here (slow); Diff
 # models constructed after it is imported register too (see peft_support).

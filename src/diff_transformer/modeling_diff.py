@@ -11,8 +11,9 @@ Both attend through standard backends from `ALL_ATTENTION_FUNCTIONS` (eager, sdp
 call per layer, V1 in one call per map (or per map and V half where a kernel needs it, see `DiffAttentionV1`).
 Module names follow Llama's so Llama tooling (PEFT target modules, TP plans, conversion scripts) applies unchanged.
 
-Only torch, transformers and `.configuration_diff` are imported: this file is copied into saved checkpoints as Hub
-custom code.
+Only torch, transformers and the sibling custom-code files are imported: this file is copied into saved checkpoints
+as Hub custom code. The one exception is optional: V1's fused Triton kernel (`attn_implementation="diff_triton"`) comes
+from the installed `diff_transformer` package when there is one; without it, "diff_triton" runs as sdpa.
 """
 
 import copy
@@ -43,6 +44,18 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_diff import DiffConfig
 from .modelcard_diff import TRANSFORMERS_PLACEHOLDER_CARD, diff_model_card
+
+
+# V1's fused kernel ships with the package, not with a checkpoint's custom code: where the package is missing (a model
+# loaded as Hub custom code alone), V1 keeps its standard-backend strategies.
+try:
+    from diff_transformer.kernels import differential_attention_v1 as fused_differential_attention_v1
+    from diff_transformer.kernels import is_available as fused_kernel_available
+except ImportError:
+    fused_differential_attention_v1 = None
+
+    def fused_kernel_available(device) -> bool:
+        return False
 
 
 # `transformers.initialization` respects `_is_hf_initialized`, so loaded weights are never overwritten (guarded by
@@ -190,8 +203,7 @@ class V1Strategy(enum.Enum):
     WIDE_VALUE = "one call per map, V 2d wide"
     PADDED_WIDE_VALUE = "one call per map, V 2d wide, q and k zero-padded to 2d"
     SPLIT_VALUE = "one call per map and per d-wide half of V"
-    # A fused differential kernel (one call producing (A1 - λ A2) V) is one more member here, one branch in
-    # `_select_strategy` and one in `_differential_attention`.
+    FUSED = "one fused Triton kernel call producing (A1 - λ A2) V"
 
 
 class DiffAttentionV1(DiffAttention):
@@ -214,6 +226,11 @@ class DiffAttentionV1(DiffAttention):
     * SPLIT_VALUE: one call per map and per V half, everything d wide. Flash kernels need V as wide as Q/K; and when
       decoding (one query) with any backend but eager, attending on views of the cache beats copying it into a
       2d-wide V every step. Four calls: each map's scores are computed twice.
+    * FUSED: `attn_implementation="diff_triton"` on a CUDA device with triton: one call to the package's Triton kernel
+      (`diff_transformer.kernels.differential_attention_v1`), which reads each K/V tile once for both maps, keeps two
+      online softmaxes and writes (A1 - λ A2) V with V 2d wide; one query against a cache runs its split-K decoding
+      kernel. Elsewhere (CPU, no triton, a paged cache, Hub custom code without the package) "diff_triton" runs as
+      sdpa. It returns no maps (`output_attentions` needs eager).
     """
 
     def __init__(self, config: DiffConfig, layer_idx: int):
@@ -228,9 +245,14 @@ class DiffAttentionV1(DiffAttention):
         """Flash kernels (FA2/FA3/FA4, kernels-community ones, paged or not) need V as wide as Q/K."""
         return "flash" in self.config._attn_implementation
 
-    def _select_strategy(self, query: torch.Tensor) -> V1Strategy:
-        """The one place that decides how this layer's attention runs; `query` is (B, 2H, N, d)."""
+    def _select_strategy(self, query: torch.Tensor, paged: bool = False) -> V1Strategy:
+        """The one place that decides how this layer's attention runs; `query` is (B, 2H, N, d), `paged` says whether
+        a paged cache (continuous batching) holds the keys."""
         implementation = self.config._attn_implementation
+        if implementation == "diff_triton":
+            if not paged and fused_kernel_available(query.device):
+                return V1Strategy.FUSED
+            implementation = "sdpa"  # what "diff_triton" is registered as for every other call
         if self._needs_equal_head_dims() or (query.shape[2] == 1 and implementation != "eager"):
             return V1Strategy.SPLIT_VALUE
         if implementation == "sdpa" and query.device.type == "cpu":
@@ -281,7 +303,7 @@ class DiffAttentionV1(DiffAttention):
         values = value.reshape(batch, 2, H_kv, L, d)  # (B, 2, H_kv, L, d): [first | second] d-wide half of v_g
 
         lam = self.diff_lambda()  # () fp32
-        strategy = self._select_strategy(query)
+        strategy = self._select_strategy(query, paged=paged_cache is not None)
         attn_output, attn_weights = self._differential_attention(
             strategy, attention_interface, queries, keys, values, lam, attention_mask, **kwargs
         )  # (B, N, H, 2d), (B, H, N, L) or None
@@ -300,6 +322,18 @@ class DiffAttentionV1(DiffAttention):
                 self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
             )
 
+        if strategy is V1Strategy.FUSED:
+            # transformers' sdpa mask is None exactly when plain causal attention over the last N of L keys is right.
+            attn_output = fused_differential_attention_v1(
+                queries.flatten(1, 2),  # (B, 2H, N, d)
+                keys.flatten(1, 2),  # (B, 2H_kv, L, d)
+                values.flatten(1, 2),  # (B, 2H_kv, L, d)
+                lam,
+                scaling=self.scaling,
+                causal=attention_mask is None,
+                attention_mask=attention_mask,
+            )  # (B, N, H, 2d)
+            return attn_output, None
         if strategy is V1Strategy.SPLIT_VALUE:
             outputs = [  # per map c: (B, N, H, 2d)
                 torch.cat([attend(queries[:, c], keys[:, c], values[:, v])[0] for v in (0, 1)], dim=-1)
