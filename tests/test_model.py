@@ -300,6 +300,69 @@ def test_invalid_config_raises_value_error(kwargs, fragment):
         tiny_config(**{"diff_version": 2, **kwargs})
 
 
+# Each of these used to be accepted and gave NaN/inf logits or failed later inside torch.
+INVALID_VALUES = [
+    ("lambda_std", math.nan, 1, "use e.g. 0.1"),
+    ("lambda_std", math.inf, 1, "use e.g. 0.1"),
+    ("rms_norm_eps", -1e-6, 2, "use e.g. 1e-6"),
+    ("rms_norm_eps", 0.0, 2, "use e.g. 1e-6"),  # an all-zero hidden state (the padding embedding) gives 0/0
+    ("rms_norm_eps", math.nan, 1, "use e.g. 1e-6"),
+    ("max_position_embeddings", 0, 2, "positive integer"),
+    ("max_position_embeddings", -8, 1, "positive integer"),
+    ("intermediate_size", -4, 2, "positive integer"),
+    ("intermediate_size", 0, 1, "positive integer"),
+    ("attention_dropout", 1.0, 2, "use 0.0 to disable"),
+    ("attention_dropout", -0.1, 2, "use 0.0 to disable"),
+    ("attention_dropout", math.nan, 2, "use 0.0 to disable"),
+    ("hidden_act", "swiglu", 2, "'silu'"),
+    ("hidden_act", "SiLU", 1, "'silu'"),
+    ("initializer_range", math.nan, 2, "use e.g. 0.02"),
+]
+
+
+@pytest.mark.parametrize("field,value,version,fix", INVALID_VALUES)
+def test_invalid_value_is_one_line_naming_field_and_fix(field, value, version, fix):
+    with pytest.raises(ValueError) as error:
+        tiny_config(version, **{field: value})
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"{field}=") and repr(value) in message and fix in message
+
+
+@pytest.mark.parametrize("field,value,version,fix", INVALID_VALUES)
+def test_invalid_value_in_config_json_is_refused_at_load(tmp_path, field, value, version, fix):
+    """A hand-edited config.json: refused by AutoConfig with the same message (its JSON has NaN/Infinity literals)."""
+    import json
+
+    config = tiny_config(version).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=f"^{field}="):
+        AutoConfig.from_pretrained(tmp_path)
+
+
+def test_value_changed_after_construction_is_refused_at_save(tmp_path, diff_version):
+    """`@strict` runs the `validate_*` methods again on `validate()`, which `save_pretrained` calls."""
+    from huggingface_hub.errors import StrictDataclassClassValidationError
+
+    config = tiny_config(diff_version)
+    config.validate()
+    config.rms_norm_eps = -1.0
+    with pytest.raises(StrictDataclassClassValidationError, match="rms_norm_eps=-1.0 must be a finite number > 0"):
+        config.save_pretrained(tmp_path)
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_attention_dropout_none_means_no_dropout():
+    assert tiny_config(2, attention_dropout=None).attention_dropout == 0.0
+    assert tiny_config(1, attention_dropout=None).attention_dropout == 0.0  # V1 refuses dropout, not None
+
+
+def test_every_transformers_activation_is_accepted():
+    from transformers.activations import ACT2FN
+
+    for name in ACT2FN:
+        assert tiny_config(2, hidden_act=name).hidden_act == name
+
+
 def test_default_head_dim_and_parameter_budget():
     config = DiffConfig(hidden_size=512, num_attention_heads=4, num_key_value_heads=4, intermediate_size=1024, num_hidden_layers=1, vocab_size=10)
     assert config.head_dim == 64
