@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 import torch
@@ -102,6 +103,15 @@ def test_output_attentions_are_differential_maps(diff_version):
     assert out.attentions[0].min() < 0  # not a softmax map
     # raw softmax rows would sum to 1; differential rows sum to 1 - λ
     assert not torch.allclose(out.attentions[0].sum(-1), torch.ones(1, 4, 12), atol=1e-3)
+
+
+def test_keep_in_fp32_modules_name_modules_of_the_version(diff_version):
+    model = tiny_model(diff_version)
+    names = [name for name, _ in model.named_parameters()]
+    listed = [*model._keep_in_fp32_modules, *model._keep_in_fp32_modules_strict]
+    assert listed, "each version keeps its λ in fp32"
+    for entry in listed:
+        assert any(re.search(rf"(?:^|\.){entry}(?:\.|$)", name) for name in names), entry
 
 
 BACKENDS = ["sdpa", "flex_attention"]

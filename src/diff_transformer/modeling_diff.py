@@ -323,11 +323,14 @@ class DiffPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _can_compile_fullgraph = True
     _supports_attention_backend = True
-    # V1's λ vectors feed an exp(): they stay fp32 whatever dtype the rest of the model loads in.
-    _keep_in_fp32_modules_strict = ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"]
-    # V2's λ gate is tiny (D x H) and decides how much of each head pair cancels: quantizers (bitsandbytes, ...) skip
-    # it, which also keeps it trainable under QLoRA with `modules_to_save=["diff_lambda"]`.
-    _keep_in_fp32_modules = ["diff_lambda.proj"]
+    # Set per version in __init__, so each names only modules that version has: (_keep_in_fp32_modules, _strict).
+    # V1's λ vectors feed an exp(): they stay fp32 whatever dtype the rest of the model loads in (strict). V2's λ gate
+    # is tiny (D x H) and decides how much of each head pair cancels: quantizers (bitsandbytes, ...) skip it, which
+    # also keeps it trainable under QLoRA with `modules_to_save=["diff_lambda"]`, and fp16 loads keep it in fp32.
+    _keep_in_fp32_by_version = {
+        1: ([], ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"]),
+        2: (["diff_lambda.proj"], []),
+    }
     _can_record_outputs = {
         "hidden_states": DiffDecoderLayer,
         "attentions": DiffAttention,
@@ -335,6 +338,7 @@ class DiffPreTrainedModel(PreTrainedModel):
 
     def __init__(self, config: DiffConfig, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
+        self._keep_in_fp32_modules, self._keep_in_fp32_modules_strict = self._keep_in_fp32_by_version[config.diff_version]
         # Runs wherever this file does (package or Hub custom code), but never imports peft: it is optional and slow to
         # import (it pulls in bitsandbytes when installed). Anyone about to call get_peft_model has imported it.
         if "peft" in sys.modules:
