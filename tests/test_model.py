@@ -105,6 +105,18 @@ def test_output_attentions_are_differential_maps(diff_version):
     assert not torch.allclose(out.attentions[0].sum(-1), torch.ones(1, 4, 12), atol=1e-3)
 
 
+def test_output_attentions_maps_are_on_the_gradient_path(diff_version):
+    """In eager mode the output is computed from the maps returned (as Llama's eager attention does), so
+    `retain_grad()` on them gets a gradient."""
+    model = tiny_model(diff_version).train()
+    out = model(torch.randint(3, 97, (2, 9)), output_attentions=True)
+    for maps in out.attentions:
+        maps.retain_grad()
+    out.logits[:, -1].sum().backward()
+    for maps in out.attentions:
+        assert maps.grad is not None and maps.grad.abs().sum() > 0
+
+
 def test_keep_in_fp32_modules_name_modules_of_the_version(diff_version):
     model = tiny_model(diff_version)
     names = [name for name, _ in model.named_parameters()]

@@ -34,6 +34,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
     eager_attention_forward,
+    repeat_kv,
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
@@ -91,6 +92,13 @@ class DiffLambdaV2(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # The gate stays unquantized and, under fp16, in fp32 (`_keep_in_fp32_modules`): cast the input to its dtype.
         return torch.sigmoid(self.proj(hidden_states.to(self.proj.weight.dtype)))  # (B, N, H)
+
+
+def _output_from_map(weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Eager mode: the output computed from the differential map (B, H, N, L) the layer returns, as Llama's eager
+    attention computes its output from the weights it returns, so `output_attentions` maps are on the gradient path."""
+    value = repeat_kv(value, weights.shape[1] // value.shape[1])  # (B, H, L, dv)
+    return torch.matmul(weights.to(value.dtype), value).transpose(1, 2)  # (B, N, H, dv)
 
 
 _PAGED_TO_PLAIN = {"paged|eager": "eager", "paged|sdpa": "sdpa", "paged|flex_attention": "flex_attention"}
@@ -183,13 +191,15 @@ class DiffAttention(nn.Module):
         )  # (B, N, 2H, d)
 
         lam = self.diff_lambda(hidden_states)  # (B, N, H)
-        pair = attn_output.view(B, N, H, 2, d)  # (B, N, H, 2, d): query heads (2h, 2h+1)
-        out = pair[..., 0, :] - lam.unsqueeze(-1).to(pair.dtype) * pair[..., 1, :]  # (B, N, H, d)
-        out = self.o_proj(out.reshape(B, N, H * d))
-
         if attn_weights is not None:  # differential maps A_2h - λ A_2h+1, (B, H, N, L)
             weights = attn_weights.view(B, H, 2, N, -1)
             attn_weights = weights[:, :, 0] - lam.transpose(1, 2).unsqueeze(-1).to(weights.dtype) * weights[:, :, 1]
+        if attn_weights is not None and self.config._attn_implementation == "eager":
+            out = _output_from_map(attn_weights, value)  # (B, N, H, d)
+        else:
+            pair = attn_output.view(B, N, H, 2, d)  # (B, N, H, 2, d): query heads (2h, 2h+1)
+            out = pair[..., 0, :] - lam.unsqueeze(-1).to(pair.dtype) * pair[..., 1, :]  # (B, N, H, d)
+        out = self.o_proj(out.reshape(B, N, H * d))
         return out, attn_weights
 
     def _forward_v1(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs):
@@ -251,11 +261,13 @@ class DiffAttention(nn.Module):
             maps.append(map_c)
 
         lam = self.diff_lambda()  # () fp32
-        out = outputs[0] - lam.to(outputs[0].dtype) * outputs[1]  # (B, N, H, 2d)
+        attn_weights = None if maps[0] is None else maps[0] - lam.to(maps[0].dtype) * maps[1]  # A1 - λ A2, (B, H, N, L)
+        if attn_weights is not None and self.config._attn_implementation == "eager":
+            out = _output_from_map(attn_weights, wide_value)  # (B, N, H, 2d)
+        else:
+            out = outputs[0] - lam.to(outputs[0].dtype) * outputs[1]  # (B, N, H, 2d)
         out = self.subln(out) * (1.0 - self.lambda_init)
         out = self.o_proj(out.reshape(B, N, H * 2 * d))
-
-        attn_weights = None if maps[0] is None else maps[0] - lam.to(maps[0].dtype) * maps[1]  # A1 - λ A2, (B, H, N, L)
         return out, attn_weights
 
 
