@@ -261,7 +261,7 @@ class DiffAttention(nn.Module):
             maps.append(map_c)
 
         lam = self.diff_lambda()  # () fp32
-        attn_weights = None if maps[0] is None else maps[0] - lam.to(maps[0].dtype) * maps[1]  # A1 - λ A2, (B, H, N, L)
+        attn_weights = None if maps[0] is None else maps[0] - lam.to(maps[0].dtype) * maps[1]  # A1 - λA2, (B, H, N, L)
         if attn_weights is not None and self.config._attn_implementation == "eager":
             out = _output_from_map(attn_weights, wide_value)  # (B, N, H, 2d)
         else:
@@ -350,7 +350,8 @@ class DiffPreTrainedModel(PreTrainedModel):
 
     def __init__(self, config: DiffConfig, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
-        self._keep_in_fp32_modules, self._keep_in_fp32_modules_strict = self._keep_in_fp32_by_version[config.diff_version]
+        keep, keep_strict = self._keep_in_fp32_by_version[config.diff_version]
+        self._keep_in_fp32_modules, self._keep_in_fp32_modules_strict = keep, keep_strict
         # Runs wherever this file does (package or Hub custom code), but never imports peft: it is optional and slow to
         # import (it pulls in bitsandbytes when installed). Anyone about to call get_peft_model has imported it.
         if "peft" in sys.modules:
