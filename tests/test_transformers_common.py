@@ -213,8 +213,8 @@ class DiffModelTestBase(ModelTesterMixin):
         pass
 
 
-# The fp16/bf16 eager-vs-SDPA cases (16 of the 25 per version) take about half of this file's time on 2 CPU cores; the
-# fp32 cases check the same dispatch, padding and masking at a tight tolerance. The low-precision ones are marked slow.
+# The fp16/bf16 eager-vs-SDPA cases (16 of the 25 per version) take about a third of this file's CPU time; the fp32
+# cases check the same dispatch, padding and masking at a tight tolerance. The low-precision ones are marked slow.
 for _name, _test in vars(ModelTesterMixin).items():
     if _name.startswith("test_eager_matches_sdpa_inference_") and ("_fp16_" in _name or "_bf16_" in _name):
         _wrapped = functools.wraps(_test)(lambda self, _test=_test: _test(self))
