@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 import torch
@@ -124,3 +125,27 @@ def test_module_scalar_mode_matches_paper_formula():
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * 0.5
     expected = layer.o_proj(o.transpose(1, 2).reshape(1, 6, 16))
     assert torch.allclose(layer(x), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(lambda_std=math.nan), "lambda_std=nan must be a finite number >= 0.0"),
+        (dict(lambda_std=math.inf), "lambda_std=inf must be a finite number >= 0.0"),
+        (dict(lambda_std=-0.1), "lambda_std=-0.1 must be a finite number >= 0.0"),
+        (dict(lambda_init=math.nan, lambda_mode="head"), "lambda_init=nan must be a finite number"),
+        (dict(eps=0.0), "eps=0.0 must be a finite number > 0"),
+        (dict(eps=-1e-6), "eps=-1e-06 must be a finite number > 0"),
+    ],
+)
+def test_module_refuses_non_finite_settings(kwargs, message):
+    """These used to build a module whose every output was NaN."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DifferentialAttention(16, 2, **kwargs)
+
+
+@pytest.mark.parametrize("lam", [math.nan, math.inf, -math.inf])
+def test_op_refuses_non_finite_float_lambda(lam):
+    q, k, v = tensors()
+    with pytest.raises(ValueError, match=r"^lambda=(nan|inf|-inf) must be a finite number: pass"):
+        differential_attention(q, k, v, lam)

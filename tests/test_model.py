@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 import torch
@@ -102,6 +103,27 @@ def test_output_attentions_are_differential_maps(diff_version):
     assert out.attentions[0].min() < 0  # not a softmax map
     # raw softmax rows would sum to 1; differential rows sum to 1 - λ
     assert not torch.allclose(out.attentions[0].sum(-1), torch.ones(1, 4, 12), atol=1e-3)
+
+
+def test_output_attentions_maps_are_on_the_gradient_path(diff_version):
+    """In eager mode the output is computed from the maps returned (as Llama's eager attention does), so
+    `retain_grad()` on them gets a gradient."""
+    model = tiny_model(diff_version).train()
+    out = model(torch.randint(3, 97, (2, 9)), output_attentions=True)
+    for maps in out.attentions:
+        maps.retain_grad()
+    out.logits[:, -1].sum().backward()
+    for maps in out.attentions:
+        assert maps.grad is not None and maps.grad.abs().sum() > 0
+
+
+def test_keep_in_fp32_modules_name_modules_of_the_version(diff_version):
+    model = tiny_model(diff_version)
+    names = [name for name, _ in model.named_parameters()]
+    listed = [*model._keep_in_fp32_modules, *model._keep_in_fp32_modules_strict]
+    assert listed, "each version keeps its λ in fp32"
+    for entry in listed:
+        assert any(re.search(rf"(?:^|\.){entry}(?:\.|$)", name) for name in names), entry
 
 
 BACKENDS = ["sdpa", "flex_attention"]
@@ -298,6 +320,69 @@ def test_meta_device_and_device_map_loading(tmp_path, diff_version):
 def test_invalid_config_raises_value_error(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         tiny_config(**{"diff_version": 2, **kwargs})
+
+
+# Each of these used to be accepted and gave NaN/inf logits or failed later inside torch.
+INVALID_VALUES = [
+    ("lambda_std", math.nan, 1, "use e.g. 0.1"),
+    ("lambda_std", math.inf, 1, "use e.g. 0.1"),
+    ("rms_norm_eps", -1e-6, 2, "use e.g. 1e-6"),
+    ("rms_norm_eps", 0.0, 2, "use e.g. 1e-6"),  # an all-zero hidden state (the padding embedding) gives 0/0
+    ("rms_norm_eps", math.nan, 1, "use e.g. 1e-6"),
+    ("max_position_embeddings", 0, 2, "positive integer"),
+    ("max_position_embeddings", -8, 1, "positive integer"),
+    ("intermediate_size", -4, 2, "positive integer"),
+    ("intermediate_size", 0, 1, "positive integer"),
+    ("attention_dropout", 1.0, 2, "use 0.0 to disable"),
+    ("attention_dropout", -0.1, 2, "use 0.0 to disable"),
+    ("attention_dropout", math.nan, 2, "use 0.0 to disable"),
+    ("hidden_act", "swiglu", 2, "'silu'"),
+    ("hidden_act", "SiLU", 1, "'silu'"),
+    ("initializer_range", math.nan, 2, "use e.g. 0.02"),
+]
+
+
+@pytest.mark.parametrize("field,value,version,fix", INVALID_VALUES)
+def test_invalid_value_is_one_line_naming_field_and_fix(field, value, version, fix):
+    with pytest.raises(ValueError) as error:
+        tiny_config(version, **{field: value})
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"{field}=") and repr(value) in message and fix in message
+
+
+@pytest.mark.parametrize("field,value,version,fix", INVALID_VALUES)
+def test_invalid_value_in_config_json_is_refused_at_load(tmp_path, field, value, version, fix):
+    """A hand-edited config.json: refused by AutoConfig with the same message (its JSON has NaN/Infinity literals)."""
+    import json
+
+    config = tiny_config(version).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=f"^{field}="):
+        AutoConfig.from_pretrained(tmp_path)
+
+
+def test_value_changed_after_construction_is_refused_at_save(tmp_path, diff_version):
+    """`@strict` runs the `validate_*` methods again on `validate()`, which `save_pretrained` calls."""
+    from huggingface_hub.errors import StrictDataclassClassValidationError
+
+    config = tiny_config(diff_version)
+    config.validate()
+    config.rms_norm_eps = -1.0
+    with pytest.raises(StrictDataclassClassValidationError, match="rms_norm_eps=-1.0 must be a finite number > 0"):
+        config.save_pretrained(tmp_path)
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_attention_dropout_none_means_no_dropout():
+    assert tiny_config(2, attention_dropout=None).attention_dropout == 0.0
+    assert tiny_config(1, attention_dropout=None).attention_dropout == 0.0  # V1 refuses dropout, not None
+
+
+def test_every_transformers_activation_is_accepted():
+    from transformers.activations import ACT2FN
+
+    for name in ACT2FN:
+        assert tiny_config(2, hidden_act=name).hidden_act == name
 
 
 def test_default_head_dim_and_parameter_budget():

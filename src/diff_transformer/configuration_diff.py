@@ -1,3 +1,16 @@
+# Copyright 2026 The diff-transformer Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
 """Configuration of the Diff Transformer (differential attention) model.
 
 Self-contained on purpose: this file is copied next to the weights when a model is saved, so that
@@ -7,6 +20,7 @@ Self-contained on purpose: this file is copied next to the weights when a model 
 import math
 
 from huggingface_hub.dataclasses import strict
+from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
@@ -100,24 +114,31 @@ class DiffConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        self._check_heads()
+        if self.attention_dropout is None:  # the type allows None (as Llama's does); it means no dropout
+            self.attention_dropout = 0.0
+        # `@strict` runs every `validate_*` method after construction (and on `validate()` / `save_pretrained`),
+        # wrapping errors in a two-line StrictDataclassClassValidationError. They are called here first, before
+        # anything is derived from the values, so a bad value is one plain ValueError naming the field and the fix.
+        self.validate_architecture()
         if self.head_dim is None:
             self.head_dim = self.hidden_size // (2 * self.num_attention_heads)
-        self._check_values()
+        self.validate_values()
         super().__post_init__(**kwargs)
         self.base_model_tp_plan = {**type(self).base_model_tp_plan, **_TP_PLAN_BY_VERSION[self.diff_version]}
         # Saved models carry their code (configuration_diff.py, modeling_diff.py, modelcard_diff.py): point every Auto
         # class at it, so a checkpoint loads with trust_remote_code=True where diff_transformer is not installed.
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
 
-    def _check_heads(self):
+    def validate_architecture(self):
+        """Part of `@strict`-powered validation (as in `LlamaConfig`): version and head geometry."""
         if self.diff_version not in (1, 2):
             raise ValueError(
                 f"diff_version={self.diff_version!r} is not supported: use 1 (ICLR 2025 paper) or 2 (Diff Transformer V2)."
             )
-        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size"):
+        sizes = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers")
+        for name in (*sizes, "vocab_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be a positive integer.")
+                raise ValueError(f"{name}={getattr(self, name)} must be a positive integer: set it to a size > 0.")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not divisible by num_key_value_heads="
@@ -130,24 +151,49 @@ class DiffConfig(PreTrainedConfig):
                 f"{self.num_attention_heads} sub-heads: lower num_attention_heads or set head_dim explicitly."
             )
 
-    def _check_values(self):
+    def validate_values(self):
+        """Part of `@strict`-powered validation: values that would otherwise give NaN logits or fail deep in torch."""
         if self.head_dim <= 0 or self.head_dim % 2 != 0:
             raise ValueError(
                 f"head_dim={self.head_dim} must be a positive even number (rotary embeddings rotate pairs of "
                 "dimensions): set head_dim explicitly or change hidden_size / num_attention_heads."
+            )
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(
+                f"hidden_act={self.hidden_act!r} is not an activation transformers knows: use a key of "
+                "transformers.activations.ACT2FN, e.g. 'silu' (Llama's), 'gelu' or 'relu'."
+            )
+        # `not x > 0` (rather than `x <= 0`) also catches NaN, for which every comparison is False.
+        if not 0.0 < self.rms_norm_eps < math.inf:
+            raise ValueError(
+                f"rms_norm_eps={self.rms_norm_eps} must be a finite number > 0 (RMSNorm divides by "
+                "sqrt(mean(x²) + eps): with eps <= 0 an all-zero hidden state gives NaN): use e.g. 1e-6 or 1e-5."
+            )
+        if not 0.0 <= self.initializer_range <= 1.0:
+            raise ValueError(
+                f"initializer_range={self.initializer_range} must lie in [0, 1] (the std of the initial weights): "
+                "use e.g. 0.02."
+            )
+        if not 0.0 <= self.attention_dropout < 1.0:
+            raise ValueError(
+                f"attention_dropout={self.attention_dropout} must lie in [0, 1) (a dropout probability; 1 drops "
+                "every attention weight): use 0.0 to disable it."
+            )
+        if self.attention_dropout and self.diff_version == 1:
+            # The V1 pair shares one softmax per map; independent dropout masks would break the noise cancellation.
+            raise ValueError(
+                f"attention_dropout={self.attention_dropout} is not supported with diff_version=1: set it to 0.0 "
+                "or use diff_version=2."
             )
         if self.lambda_init is not None and not 0.0 <= self.lambda_init < 1.0:
             raise ValueError(
                 f"lambda_init={self.lambda_init} must lie in [0, 1) (V1 scales the output by 1 - lambda_init); "
                 "use None for the paper's depth schedule."
             )
-        if self.lambda_std < 0:
-            raise ValueError(f"lambda_std={self.lambda_std} must be >= 0.")
-        if self.attention_dropout and self.diff_version == 1:
-            # The V1 pair shares one softmax per map; independent dropout masks would break the noise cancellation.
+        if not 0.0 <= self.lambda_std < math.inf:
             raise ValueError(
-                f"attention_dropout={self.attention_dropout} is not supported with diff_version=1: set it to 0.0 "
-                "or use diff_version=2."
+                f"lambda_std={self.lambda_std} must be a finite number >= 0 (the std of V1's initial λ vectors, "
+                "which feed an exp()): use e.g. 0.1, the paper's value."
             )
 
     def lambda_init_for_layer(self, layer_idx: int) -> float:

@@ -7,12 +7,23 @@ probability interpretation; the paper itself keeps the signed map).
 """
 
 
+import math
+
 import torch
 from torch import nn
 
 
+def _check_finite(name: str, value: float, minimum: float | None = None, fix: str = "") -> None:
+    """Refuse a NaN/inf (or too small) Python number, which would otherwise only show up as NaN outputs."""
+    if not (math.isfinite(value) and (minimum is None or value >= minimum)):
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise ValueError(f"{name}={value} must be a finite number{bound}: {fix}")
+
+
 def _broadcast_lambda(lam: float | torch.Tensor, num_heads: int, query_len: int, ref: torch.Tensor) -> torch.Tensor:
     """λ as a tensor broadcastable to attention maps (B, H, Nq, Nk)."""
+    if isinstance(lam, (int, float)):
+        _check_finite("lambda", lam, fix="pass the weight of the second map, e.g. 0.8 (the paper's lambda_init).")
     lam = torch.as_tensor(lam, dtype=torch.promote_types(ref.dtype, torch.float32), device=ref.device)
     if lam.dim() == 0:
         return lam
@@ -50,7 +61,8 @@ def differential_attention(
         query: (B, H, Nq, 2d); its last dim holds [q1 | q2].
         key: (B, H, Nk, 2d); [k1 | k2].
         value: (B, H, Nk, dv).
-        lam: float, 0-d tensor, (H,) per head, or (B, H, Nq) per query token and head.
+        lam: float, 0-d tensor, (H,) per head, or (B, H, Nq) per query token and head. A float must be finite; a
+            tensor is used as given (checking its values would synchronise with the device on every call).
         attn_mask: bool (True = attend) or additive float mask broadcastable to (B, H, Nq, Nk).
         is_causal: causal mask aligned to the end of the keys (query i sees keys up to i + Nk - Nq).
         scale: logit scale; defaults to d^-0.5 where d is the half width.
@@ -120,6 +132,12 @@ class DifferentialAttention(nn.Module):
             raise ValueError(f"embed_dim={embed_dim} must be divisible by 2 * num_heads={2 * num_heads}.")
         if lambda_mode not in ("scalar", "head", "token"):
             raise ValueError(f"lambda_mode={lambda_mode!r}: use 'scalar', 'head' or 'token'.")
+        _check_finite("lambda_init", lambda_init, fix="use e.g. 0.8, or the paper's 0.8 - 0.6 exp(-0.3 layer_idx).")
+        _check_finite("lambda_std", lambda_std, 0.0, fix="use e.g. 0.1, the paper's value.")
+        if not 0.0 < eps < math.inf:
+            raise ValueError(
+                f"eps={eps} must be a finite number > 0 (RMSNorm divides by sqrt(mean(x²) + eps)): use e.g. 1e-6."
+            )
         kdim = embed_dim if kdim is None else kdim
         self.num_heads, self.head_dim = num_heads, embed_dim // (2 * num_heads)
         self.lambda_mode, self.lambda_init, self.clamp_negatives = lambda_mode, lambda_init, clamp_negatives

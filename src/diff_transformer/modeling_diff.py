@@ -36,6 +36,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
     eager_attention_forward,
+    repeat_kv,
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
@@ -113,6 +114,13 @@ class DiffLambdaV2(nn.Module):
         return torch.sigmoid(self.proj(hidden_states.to(self.proj.weight.dtype)))  # (B, N, H)
 
 
+def _output_from_map(weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Eager mode: the output computed from the differential map (B, H, N, L) the layer returns, as Llama's eager
+    attention computes its output from the weights it returns, so `output_attentions` maps are on the gradient path."""
+    value = repeat_kv(value, weights.shape[1] // value.shape[1])  # (B, H, L, dv)
+    return torch.matmul(weights.to(value.dtype), value).transpose(1, 2)  # (B, N, H, dv)
+
+
 class DiffAttention(nn.Module):
     """What both versions share: Llama's four projections (same names, so checkpoints, PEFT targets and TP plans
     carry over), the head geometry and the rotary scaling. `DiffAttentionV1` and `DiffAttentionV2` add the λ module
@@ -172,6 +180,7 @@ class DiffAttentionV2(DiffAttention):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
+        dropout = 0.0 if not self.training else self.attention_dropout
 
         attn_output, attn_weights = attention_interface(
             self,
@@ -179,21 +188,25 @@ class DiffAttentionV2(DiffAttention):
             key_states,
             value_states,
             attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
+            dropout=dropout,
             scaling=self.scaling,
             **kwargs,
         )  # (B, N, 2H, d)
 
         lam = self.diff_lambda(hidden_states)  # (B, N, H)
-        pair = attn_output.view(*input_shape, -1, 2, self.head_dim)  # (B, N, H, 2, d): query heads (2h, 2h+1)
-        attn_output = pair[..., 0, :] - lam.unsqueeze(-1).to(pair.dtype) * pair[..., 1, :]  # (B, N, H, d)
-
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        attn_output = self.o_proj(attn_output)
-
         if attn_weights is not None:  # the differential maps A_2h - λ A_2h+1, (B, H, N, L)
             weights = attn_weights.view(input_shape[0], -1, 2, *attn_weights.shape[2:])  # (B, H, 2, N, L)
             attn_weights = weights[:, :, 0] - lam.transpose(1, 2).unsqueeze(-1).to(weights.dtype) * weights[:, :, 1]
+        if attn_weights is not None and self.config._attn_implementation == "eager" and dropout == 0.0:
+            # Eager returns maps: compute the output from them (as Llama does), so they are on the gradient path.
+            # With dropout, eager drops between its maps and its output, so the backend's output is kept.
+            attn_output = _output_from_map(attn_weights, value_states)  # (B, N, H, d)
+        else:
+            pair = attn_output.view(*input_shape, -1, 2, self.head_dim)  # (B, N, H, 2, d): query heads (2h, 2h+1)
+            attn_output = pair[..., 0, :] - lam.unsqueeze(-1).to(pair.dtype) * pair[..., 1, :]  # (B, N, H, d)
+
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
 
 
@@ -352,8 +365,12 @@ class DiffAttentionV1(DiffAttention):
                 outputs.append(output_c)
                 maps.append(map_c)
 
-        attn_output = outputs[0] - lam.to(outputs[0].dtype) * outputs[1]  # (B, N, H, 2d)
         attn_weights = None if maps[0] is None else maps[0] - lam.to(maps[0].dtype) * maps[1]  # (B, H, N, L)
+        if attn_weights is not None and self.config._attn_implementation == "eager":
+            # Eager returns maps: compute the output from them (as Llama does), so they are on the gradient path.
+            attn_output = _output_from_map(attn_weights, wide_value)  # (B, N, H, 2d)
+        else:
+            attn_output = outputs[0] - lam.to(outputs[0].dtype) * outputs[1]  # (B, N, H, 2d)
         return attn_output, attn_weights
 
 
@@ -547,15 +564,22 @@ class DiffPreTrainedModel(_PreTrainedModelHooks, PreTrainedModel):  # hooks: see
     _supports_flex_attn = True
     _can_compile_fullgraph = True
     _supports_attention_backend = True
-    # V1's λ vectors feed an exp(): they stay fp32 whatever dtype the rest of the model loads in.
-    _keep_in_fp32_modules_strict = ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"]
+    # Set per version in `__init__`, so each names only modules that version has: (_keep_in_fp32_modules, _strict).
+    # V1's λ vectors feed an exp(): they stay fp32 whatever dtype the rest of the model loads in (strict).
     # V2's λ gate is tiny (D x H) and decides how much of each head pair cancels: quantizers (bitsandbytes, ...) skip
-    # it, which also keeps it trainable under QLoRA with `modules_to_save=["diff_lambda"]`.
-    _keep_in_fp32_modules = ["diff_lambda.proj"]
+    # it, which also keeps it trainable under QLoRA with `modules_to_save=["diff_lambda"]`, and fp16 loads keep it fp32.
+    _keep_in_fp32_by_version = {
+        1: ([], ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"]),
+        2: (["diff_lambda.proj"], []),
+    }
     _can_record_outputs = {
         "hidden_states": DiffDecoderLayer,
         "attentions": DiffAttention,
     }
+
+    def __init__(self, config: DiffConfig, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        self._keep_in_fp32_modules, self._keep_in_fp32_modules_strict = self._keep_in_fp32_by_version[config.diff_version]
 
     @torch.no_grad()
     def _init_weights(self, module):
