@@ -13,7 +13,7 @@ Module names follow Llama's so Llama tooling (PEFT target modules, TP plans, con
 
 Only torch, transformers and the sibling custom-code files are imported: this file is copied into saved checkpoints
 as Hub custom code. The one exception is optional: V1's fused Triton kernel (`attn_implementation="diff_triton"`) comes
-from the installed `diff_transformer` package when there is one; without it, "diff_triton" runs as sdpa.
+from the `diff_transformer` package once it is imported (see `_fused_kernels`).
 """
 
 import copy
@@ -47,16 +47,22 @@ from .configuration_diff import DiffConfig
 from .modelcard_diff import TRANSFORMERS_PLACEHOLDER_CARD, diff_model_card
 
 
-# V1's fused kernel ships with the package, not with a checkpoint's custom code: where the package is missing (a model
-# loaded as Hub custom code alone), V1 keeps its standard-backend strategies.
-try:
-    from diff_transformer.kernels import differential_attention_v1 as fused_differential_attention_v1
-    from diff_transformer.kernels import is_available as fused_kernel_available
-except ImportError:
-    fused_differential_attention_v1 = None
+def _fused_kernels():
+    """The package's kernels module (V1's fused kernel), or None. It ships with the package, not with a checkpoint's
+    custom code, and "diff_triton" only exists once `import diff_transformer` registered it, so a model loaded as Hub
+    custom code never imports the package itself: it keeps V1's standard-backend strategies."""
+    if "diff_transformer" not in sys.modules:
+        return None
+    try:
+        from diff_transformer import kernels
+    except ImportError:
+        return None
+    return kernels
 
-    def fused_kernel_available(device) -> bool:
-        return False
+
+def fused_kernel_available(device: torch.device) -> bool:
+    kernels = _fused_kernels()
+    return kernels is not None and kernels.is_available(device)
 
 
 # `transformers.initialization` respects `_is_hf_initialized`, so loaded weights are never overwritten (guarded by
@@ -337,7 +343,7 @@ class DiffAttentionV1(DiffAttention):
 
         if strategy is V1Strategy.FUSED:
             # transformers' sdpa mask is None exactly when plain causal attention over the last N of L keys is right.
-            attn_output = fused_differential_attention_v1(
+            attn_output = _fused_kernels().differential_attention_v1(
                 queries.flatten(1, 2),  # (B, 2H, N, d)
                 keys.flatten(1, 2),  # (B, 2H_kv, L, d)
                 values.flatten(1, 2),  # (B, 2H_kv, L, d)
