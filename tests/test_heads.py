@@ -236,6 +236,10 @@ def test_sequence_classifier_converts_to_v2_with_identical_scores(tmp_path, caps
         got = converted(ids, attention_mask=PADDED_MASK).logits
     assert (expected - got).abs().max() <= 1e-5
     assert torch.equal(expected.argmax(-1), got.argmax(-1))
+    # V1 (paper layout, not exact) takes the head as it is too
+    v1 = convert_to_diff(tmp_path / "src", tmp_path / "v1", diff_version=1, progress=False)
+    v1, info = DiffForSequenceClassification.from_pretrained(v1, output_loading_info=True)
+    assert not any(info.values()) and torch.equal(v1.score.weight, source.score.weight), info
 
 
 @pytest.mark.parametrize("source_class", [LlamaForTokenClassification, LlamaForQuestionAnswering])
