@@ -371,6 +371,9 @@ def test_side_files_card_and_custom_code(tmp_path):
         "AutoConfig": "configuration_diff.DiffConfig",
         "AutoModel": "modeling_diff.DiffModel",
         "AutoModelForCausalLM": "modeling_diff.DiffForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_diff.DiffForSequenceClassification",
+        "AutoModelForTokenClassification": "modeling_diff.DiffForTokenClassification",
+        "AutoModelForQuestionAnswering": "modeling_diff.DiffForQuestionAnswering",
     }
     from huggingface_hub.repocard import metadata_load
 
@@ -672,10 +675,10 @@ def _misplace_in_index(src):
 
 
 BAD_INPUTS = {
-    "mistral": (
-        lambda s: _edit_config(s, model_type="mistral"),
+    "unsupported-family": (
+        lambda s: _edit_config(s, model_type="gemma"),
         {},
-        r"model_type 'mistral'; only 'llama' checkpoints convert",
+        r"model_type 'gemma'; only 'llama', 'mistral', 'qwen2', 'qwen3' checkpoints convert",
     ),
     "already-diff": (lambda s: _edit_config(s, model_type="diff"), {}, r"already a Diff checkpoint"),
     "missing-config": (lambda s: (s / "config.json").unlink(), {}, r"no config\.json in .*save_pretrained"),
@@ -720,10 +723,11 @@ BAD_INPUTS = {
         {},
         r"quantized checkpoint \(bitsandbytes\)",
     ),
-    "classifier": (
-        lambda s: _edit_config(s, architectures=["LlamaForSequenceClassification"]),
+    "base-model-only": (
+        lambda s: _edit_config(s, architectures=["LlamaModel"]),
         {},
-        r"only LlamaForCausalLM",
+        r"holds a LlamaModel checkpoint; only LlamaForCausalLM, LlamaForSequenceClassification, "
+        r"LlamaForTokenClassification, LlamaForQuestionAnswering convert",
     ),
     "index-disagrees": (
         _misplace_in_index,

@@ -84,6 +84,10 @@ def runs(tmp_path_factory):
     tiny_model(1).save_pretrained(root / "models" / "fsdp")  # V1: fp32 λ vectors and per-head subln get sharded too
     tiny_model(1, seed=1).save_pretrained(root / "models" / "v1")
     tiny_model(2, seed=2).save_pretrained(root / "models" / "v2")
+    # Qwen2's biases and Qwen3's q_norm/k_norm (one weight acting on every rank's heads: gradients summed by the plan)
+    tiny_model(1, seed=3, use_qk_norm=True, attention_bias=True, attention_out_bias=False).save_pretrained(
+        root / "models" / "qk"
+    )
     tiny_model(1, num_key_value_heads=1).save_pretrained(root / "models" / "kv1")  # one KV group: cannot split in 2
     save_train_checkpoint(root / "models" / "train", root / "models" / "train.txt")
     launch("dist_suite.py", root / "out", root / "models", timeout=240)
@@ -135,7 +139,7 @@ def test_tensor_parallel_matches_unsharded_model(runs):
         assert "num_key_value_heads=1" in error and "divisible by 2" in error
 
     ids = token_batches(2)[:, :8]
-    for tag in ("v1", "v2"):
+    for tag in ("v1", "v2", "qk"):
         model = DiffForCausalLM.from_pretrained(runs / "models" / tag)
         with torch.no_grad():
             logits = model(ids).logits

@@ -229,6 +229,9 @@ def test_save_reload_equal_and_auto_classes(tmp_path, diff_version):
         "AutoConfig": "configuration_diff.DiffConfig",
         "AutoModel": "modeling_diff.DiffModel",
         "AutoModelForCausalLM": "modeling_diff.DiffForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_diff.DiffForSequenceClassification",
+        "AutoModelForTokenClassification": "modeling_diff.DiffForTokenClassification",
+        "AutoModelForQuestionAnswering": "modeling_diff.DiffForQuestionAnswering",
     }
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(reloaded) is DiffForCausalLM

@@ -1,10 +1,18 @@
 """Differential attention (Diff Transformer V1 and V2) as a Hugging Face transformers model.
 
-Importing the package registers `model_type="diff"` with the Auto classes, so `AutoConfig`, `AutoModel` and
-`AutoModelForCausalLM` resolve Diff checkpoints natively (no `trust_remote_code` needed).
+Importing the package registers `model_type="diff"` with the Auto classes, so `AutoConfig`, `AutoModel`,
+`AutoModelForCausalLM` and the task heads' Auto classes (sequence and token classification, question answering) resolve
+Diff checkpoints natively (no `trust_remote_code` needed).
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
 
 from .backends import register_diff_triton
 from .configuration_diff import DiffConfig
@@ -15,6 +23,9 @@ from .modeling_diff import (
     DiffAttentionV2,
     DiffDecoderLayer,
     DiffForCausalLM,
+    DiffForQuestionAnswering,
+    DiffForSequenceClassification,
+    DiffForTokenClassification,
     DiffModel,
     DiffPreTrainedModel,
 )
@@ -26,12 +37,18 @@ __version__ = "0.1.0"
 AutoConfig.register(DiffConfig.model_type, DiffConfig, exist_ok=True)
 AutoModel.register(DiffConfig, DiffModel, exist_ok=True)
 AutoModelForCausalLM.register(DiffConfig, DiffForCausalLM, exist_ok=True)
+AutoModelForSequenceClassification.register(DiffConfig, DiffForSequenceClassification, exist_ok=True)
+AutoModelForTokenClassification.register(DiffConfig, DiffForTokenClassification, exist_ok=True)
+AutoModelForQuestionAnswering.register(DiffConfig, DiffForQuestionAnswering, exist_ok=True)
 
 # `save_pretrained` copies these classes' source files next to the weights and writes `auto_map`, so saved models
 # also load with `trust_remote_code=True` where this package is not installed.
 DiffConfig.register_for_auto_class("AutoConfig")
 DiffModel.register_for_auto_class("AutoModel")
 DiffForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+DiffForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
+DiffForTokenClassification.register_for_auto_class("AutoModelForTokenClassification")
+DiffForQuestionAnswering.register_for_auto_class("AutoModelForQuestionAnswering")
 
 # attn_implementation="diff_triton": V1's fused Triton kernel on CUDA (sdpa elsewhere).
 register_diff_triton()
@@ -45,6 +62,9 @@ __all__ = [
     "DiffPreTrainedModel",
     "DiffModel",
     "DiffForCausalLM",
+    "DiffForSequenceClassification",
+    "DiffForTokenClassification",
+    "DiffForQuestionAnswering",
     "DiffAttention",
     "DiffAttentionV1",
     "DiffAttentionV2",

@@ -80,9 +80,10 @@ def _convert(args) -> int:
         print("note: diff_version=1 re-pairs the Llama heads and adds fresh λ: not function-preserving; continue pretraining.")
     if args.verify:
         report = verify_conversion(args.src, out)
+        greedy = "" if report["greedy_match"] is None else f", greedy continuations match: {report['greedy_match']}"
         print(
             f"verify (against {report['reference']}, both run in {report['dtype']}): max |Δlogit| = "
-            f"{report['max_abs_logit_diff']:.3g}, greedy continuations match: {report['greedy_match']}"
+            f"{report['max_abs_logit_diff']:.3g}{greedy}"
         )
         if report["expected_exact"] and not report["passed"]:
             return 1
@@ -194,7 +195,9 @@ def main(argv=None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
 
-    convert = commands.add_parser("convert", help="convert a Llama (or DiffLlama) checkpoint into a Diff checkpoint")
+    convert = commands.add_parser(
+        "convert", help="convert a Llama, Mistral, Qwen2, Qwen3 or DiffLlama checkpoint into a Diff checkpoint"
+    )
     convert.add_argument("src", help="source checkpoint directory or Hub model id org/name (hf://name forces a Hub id)")
     convert.add_argument("out", help="output directory")
     convert.add_argument("--diff-version", type=int, choices=(1, 2), default=None, help="2 (default for Llama): exact; 1: paper layout")

@@ -28,6 +28,9 @@ AUTO_MAP = {
     "AutoConfig": "configuration_diff.DiffConfig",
     "AutoModel": "modeling_diff.DiffModel",
     "AutoModelForCausalLM": "modeling_diff.DiffForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_diff.DiffForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_diff.DiffForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_diff.DiffForQuestionAnswering",
 }
 
 # Tensor-parallel rules for λ (not serialised: transformers drops `base_model_tp_plan` from config.json).
@@ -39,6 +42,11 @@ _TP_PLAN_BY_VERSION = {
         "layers.*.self_attn.subln": "replicated_with_grad_allreduce",
     },
     2: {"layers.*.self_attn.diff_lambda.proj": "colwise"},
+}
+# `use_qk_norm`: one d-sized weight acts on every rank's local heads (as in Qwen3's plan).
+_TP_PLAN_QK_NORM = {
+    "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+    "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
 }
 
 
@@ -60,6 +68,12 @@ class DiffConfig(PreTrainedConfig):
             V1 only. `None` uses the paper's depth schedule `0.8 - 0.6 exp(-0.3 layer_idx)`; a float fixes it.
         lambda_std (`float`, defaults to 0.1):
             Standard deviation of the initial V1 re-parameterisation vectors `lambda_{q,k}{1,2}`.
+        attention_out_bias (`bool`, *optional*):
+            Whether `o_proj` has a bias. `None` (default) follows `attention_bias`; Qwen2 has q/k/v biases and none on
+            `o_proj` (`attention_bias=True, attention_out_bias=False`).
+        use_qk_norm (`bool`, defaults to `False`):
+            Qwen3's `q_norm` / `k_norm`: an RMSNorm over each d-wide query and key (sub-)head before RoPE, one weight
+            of size d shared by all heads (V1: by q1, q2, k1 and k2 alike).
         conversion (`dict`, *optional*):
             Provenance of a checkpoint converted from another architecture, written by the converter: `source`,
             `base_model` (Hub id, when known), `source_model_type`, `function_preserving`, `converter` and
@@ -109,6 +123,9 @@ class DiffConfig(PreTrainedConfig):
     diff_version: int = 1
     lambda_init: float | None = None
     lambda_std: float = 0.1
+    # Llama-family variants the converter maps exactly (Qwen2, Qwen3); the defaults are Llama's.
+    attention_out_bias: bool | None = None
+    use_qk_norm: bool = False
     conversion: dict | None = None
 
     def __post_init__(self, **kwargs):
@@ -125,6 +142,8 @@ class DiffConfig(PreTrainedConfig):
         self.validate_values()
         super().__post_init__(**kwargs)
         self.base_model_tp_plan = {**type(self).base_model_tp_plan, **_TP_PLAN_BY_VERSION[self.diff_version]}
+        if self.use_qk_norm:
+            self.base_model_tp_plan.update(_TP_PLAN_QK_NORM)
         # Saved models carry their code (configuration_diff.py, modeling_diff.py, modelcard_diff.py): point every Auto
         # class at it, so a checkpoint loads with trust_remote_code=True where diff_transformer is not installed.
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}

@@ -14,12 +14,12 @@ TRANSFORMERS_PLACEHOLDER_CARD = "This model card has been automatically generate
 
 _CONVERSION_METHODS = {
     ("llama", 2): (
-        "Llama head i became query heads (2i, 2i+1) with identical rows, the λ projection started at zero (λ = 0.5) "
+        "Source head i became query heads (2i, 2i+1) with identical rows, the λ projection started at zero (λ = 0.5) "
         "and `o_proj` was doubled, so at step 0 the model computed exactly what the source computes. Continued "
         "pretraining lets the two queries of each pair diverge."
     ),
     ("llama", 1): (
-        "Pairs of Llama heads became differential heads (each query kept with the key/value head it was trained "
+        "Pairs of source heads became differential heads (each query kept with the key/value head it was trained "
         "with), every weight reused, with fresh λ vectors: continue pretraining before use."
     ),
     ("diffllama", 1): (
@@ -27,6 +27,34 @@ _CONVERSION_METHODS = {
         "DiffLlama's logits."
     ),
 }
+# Llama-shaped sources (mistral, qwen2, qwen3) convert with Llama's maps and get Llama's texts.
+_LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+# Task heads: (pipeline tag, Auto class, example call); anything else is a causal LM.
+_TASKS = {
+    "DiffForSequenceClassification": (
+        "text-classification", "AutoModelForSequenceClassification", 'print(pipe("A sentence to classify."))'
+    ),
+    "DiffForTokenClassification": (
+        "token-classification", "AutoModelForTokenClassification", 'print(pipe("A sentence to tag."))'
+    ),
+    "DiffForQuestionAnswering": (
+        "question-answering",
+        "AutoModelForQuestionAnswering",
+        'print(pipe(question="Who wrote it?", context="It was written by Jane Austen."))',
+    ),
+}
+_CAUSAL_LM = (
+    "text-generation",
+    "AutoModelForCausalLM",
+    'print(pipe("Once upon a time", max_new_tokens=32)[0]["generated_text"])',
+)
+
+
+def _task(config: DiffConfig) -> tuple[str, str, str]:
+    """(pipeline tag, Auto class, example call) of the head `config.architectures` names."""
+    return next((_TASKS[a] for a in config.architectures or [] if a in _TASKS), _CAUSAL_LM)
 
 
 def _card_data(config: DiffConfig):
@@ -40,7 +68,7 @@ def _card_data(config: DiffConfig):
     return ModelCardData(
         base_model=conversion.get("base_model"),
         library_name="transformers",
-        pipeline_tag="text-generation",
+        pipeline_tag=_task(config)[0],
         tags=tags,
         **conversion.get("card_data", {}),
     )
@@ -70,7 +98,7 @@ def _version_texts(config: DiffConfig) -> tuple[str, str, str]:
         "λ = sigmoid(W_λ x): one value per token and per differential head (`diff_lambda.proj`, "
         f"{config.hidden_size} → {config.num_attention_heads}, no bias); no subln."
     )
-    if (config.conversion or {}).get("source_model_type") == "llama":
+    if (config.conversion or {}).get("source_model_type") in _LLAMA_SHAPED:
         lam += " The converter set W_λ = 0, so λ = 0.5 everywhere at step 0."
     return variant, attention, lam
 
@@ -101,7 +129,8 @@ def _provenance(config: DiffConfig) -> str:
         return ""
     base = conversion.get("base_model")
     source = f"[`{base}`](https://huggingface.co/{base})" if base else f"`{conversion.get('source')}`"
-    method = _CONVERSION_METHODS.get((conversion.get("source_model_type"), config.diff_version), "")
+    kind = conversion.get("source_model_type")
+    method = _CONVERSION_METHODS.get(("llama" if kind in _LLAMA_SHAPED else kind, config.diff_version), "")
     exact = "yes" if conversion.get("function_preserving") else "no"
     return (
         f"\n## Conversion\n\nConverted from {source} (`model_type=\"{conversion.get('source_model_type')}\"`) with "
@@ -123,11 +152,13 @@ def diff_model_card(config: DiffConfig, model_id: str | None = None):
     variant, attention, lam = _version_texts(config)
     table = _architecture_table(config, attention)
     provenance = _provenance(config)
+    pipeline_tag, auto_class, example = _task(config)
+    head = (config.architectures or ["DiffForCausalLM"])[0]
     body = f"""
 # {name}
 
 A differential-attention language model: {variant}, in a Llama-style decoder (`model_type="diff"`,
-`DiffForCausalLM`), made with [diff-transformer](https://pypi.org/project/diff-transformer/).
+`{head}`), made with [diff-transformer](https://pypi.org/project/diff-transformer/).
 
 ## Architecture
 
@@ -142,12 +173,12 @@ A differential-attention language model: {variant}, in a Llama-style decoder (`m
 ## Usage
 
 ```python
-from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+from transformers import {auto_class}, AutoTokenizer, pipeline
 
-model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)
+model = {auto_class}.from_pretrained("{name}", trust_remote_code=True)
 tokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)
-generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
-print(generator("Once upon a time", max_new_tokens=32)[0]["generated_text"])
+pipe = pipeline("{pipeline_tag}", model=model, tokenizer=tokenizer)
+{example}
 ```
 
 The checkpoint carries its code (`configuration_diff.py`, `modeling_diff.py`, `modelcard_diff.py`), hence

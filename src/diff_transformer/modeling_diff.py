@@ -27,7 +27,12 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.models.llama.modeling_llama import (
@@ -144,10 +149,15 @@ class DiffAttention(nn.Module):
         self.is_causal = True
 
         hidden, bias = config.hidden_size, config.attention_bias
+        out_bias = bias if config.attention_out_bias is None else config.attention_out_bias  # Qwen2: q/k/v only
         self.q_proj = nn.Linear(hidden, 2 * self.num_heads * self.head_dim, bias=bias)  # 2H query heads of size d
         self.k_proj = nn.Linear(hidden, kv_width, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_width, bias=bias)
-        self.o_proj = nn.Linear(output_width, hidden, bias=bias)
+        self.o_proj = nn.Linear(output_width, hidden, bias=out_bias)
+        # Qwen3: RMSNorm over every d-wide query/key head before RoPE, one weight shared by all heads, so a source
+        # head keeps its normalisation wherever the conversion puts it (V2: both heads of a pair; V1: q1/q2, k1/k2).
+        self.q_norm = DiffRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity()
+        self.k_norm = DiffRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity()
 
 
 class DiffAttentionV2(DiffAttention):
@@ -173,8 +183,8 @@ class DiffAttentionV2(DiffAttention):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, 2H, N, d); H local under TP
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H_kv, N, d)
+        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, 2H, N, d)
+        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, H_kv, N, d)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H_kv, N, d)
 
         cos, sin = position_embeddings
@@ -290,10 +300,10 @@ class DiffAttentionV1(DiffAttention):
         d = self.head_dim
 
         # Head counts come from the tensors, so a tensor-parallel shard works on its local heads.
-        query = self.q_proj(hidden_states).view(B, N, -1, 2, d)  # (B, N, H, 2, d)
+        query = self.q_norm(self.q_proj(hidden_states).view(B, N, -1, 2, d))  # (B, N, H, 2, d)
         H = query.shape[2]
         query = query.permute(0, 3, 2, 1, 4).reshape(B, 2 * H, N, d)  # (B, 2H, N, d): [all q1 | all q2]
-        key = self.k_proj(hidden_states).view(B, N, -1, 2, d)  # (B, N, H_kv, 2, d)
+        key = self.k_norm(self.k_proj(hidden_states).view(B, N, -1, 2, d))  # (B, N, H_kv, 2, d)
         H_kv = key.shape[2]
         key = key.permute(0, 3, 2, 1, 4).reshape(B, 2 * H_kv, N, d)  # (B, 2H_kv, N, d): [all k1 | all k2]
         value = self.v_proj(hidden_states).view(B, N, H_kv, 2, d).permute(0, 3, 2, 1, 4)  # (B, 2, H_kv, N, d)
@@ -514,6 +524,24 @@ class _PreTrainedModelHooks:
         return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
 
 
+class _TaskHeadHooks:
+    """Hooks of the task heads (mixed into `DiffForSequenceClassification` and its siblings)."""
+
+    def __init__(self, config: DiffConfig):
+        # Relies on: transformers' generic heads (`transformers.modeling_layers.GenericFor*`) building their base model
+        # with `AutoModel.from_config(config)`, which looks `type(config)` up in AutoModel's mapping and passes no
+        # `trust_remote_code`. Loaded as Hub custom code, the config is an instance of the class AutoConfig imported
+        # (`transformers_modules.<hash>.configuration_diff.DiffConfig`, not even the class this file imports), which
+        # AutoModel does not know, so the head's constructor was refused. Mapping that class to DiffModel first lets
+        # the generic constructor run as it does for Llama. Guarded by
+        # tests/test_heads.py::test_heads_load_as_remote_code_without_the_package.
+        from transformers import AutoModel
+
+        if type(config) not in AutoModel._model_mapping:
+            AutoModel._model_mapping.register(type(config), DiffModel, exist_ok=True)
+        super().__init__(config)
+
+
 class _WithConfig:
     """`model` as seen through another config: every other attribute is the model's."""
 
@@ -702,10 +730,26 @@ class DiffForCausalLM(_GenerationHooks, DiffPreTrainedModel, GenerationMixin):  
         )
 
 
+# Task heads, as Llama's: transformers' generic heads over `DiffModel` (`self.model`). Sequence classification scores
+# the last token that is not `config.pad_token_id` (left or right padding). Hooks: see "Integration hooks".
+
+
+class DiffForSequenceClassification(_TaskHeadHooks, GenericForSequenceClassification, DiffPreTrainedModel): ...
+
+
+class DiffForTokenClassification(_TaskHeadHooks, GenericForTokenClassification, DiffPreTrainedModel): ...
+
+
+class DiffForQuestionAnswering(_TaskHeadHooks, GenericForQuestionAnswering, DiffPreTrainedModel): ...
+
+
 __all__ = [
     "DiffPreTrainedModel",
     "DiffModel",
     "DiffForCausalLM",
+    "DiffForSequenceClassification",
+    "DiffForTokenClassification",
+    "DiffForQuestionAnswering",
     "DiffAttention",
     "DiffAttentionV1",
     "DiffAttentionV2",

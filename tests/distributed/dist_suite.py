@@ -3,8 +3,8 @@ interpreters (torch + transformers + accelerate) once:
 
     torchrun --nproc_per_node 2 --standalone tests/distributed/dist_suite.py OUT MODELS
 
-MODELS holds the checkpoints fsdp/ (a V1 model), v1/, v2/, kv1/ (for tensor parallelism) and train/ + train.txt (for
-`diff-transformer train`); each engine writes its per-rank records under OUT/<engine>/, exactly as the script run
+MODELS holds the checkpoints fsdp/ (a V1 model), v1/, v2/, qk/, kv1/ (for tensor parallelism) and train/ + train.txt
+(for `diff-transformer train`); each engine writes its per-rank records under OUT/<engine>/, exactly as the script run
 alone would, and `diff-transformer train` writes its usual output to OUT/train/.
 """
 
@@ -28,7 +28,7 @@ def main():
     out, models = sys.argv[1], sys.argv[2]
     ddp_train.main([f"{out}/ddp", "--per-device-batch", "2", "--steps", "3"])
     fsdp_train.main([f"{models}/fsdp", f"{out}/fsdp", "--steps", "3", "--global-batch", "4"])
-    tp_run.main([f"{out}/tp", *(f"{tag}={models}/{tag}" for tag in ("v1", "v2", "kv1"))])
+    tp_run.main([f"{out}/tp", *(f"{tag}={models}/{tag}" for tag in ("v1", "v2", "qk", "kv1"))])
     # The package's own training command, exactly as `torchrun ... -m diff_transformer.cli train ...` runs it.
     status = cli.main(["train", f"{models}/train", "--data", f"{models}/train.txt", "--output", f"{out}/train",
                        "--batch-size", "2", *TRAIN_ARGS])

@@ -21,6 +21,7 @@ from ..configuration_diff import AUTO_MAP
 from ..modelcard_diff import diff_model_card
 from ..safe_output import Staging, check_target
 from .errors import ConversionError, one_line
+from .families import CAUSAL_LM, DIFFLLAMA, FAMILIES, family_of, source_geometry, task_of
 from .layout import IGNORED_SOURCE_TENSORS, Geometry, make_tensor_map
 from .provenance import conversion_provenance
 from .source import SourceCheckpoint, check_float_dtypes, open_source, read_weights_headers
@@ -67,7 +68,7 @@ _DTYPES = {
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # V1's λ vectors feed an exp() and stay float32 whatever `dtype` asks (DiffPreTrainedModel keeps them in fp32 too).
 _FP32_PARAMETERS = re.compile(r"\.diff_lambda\.lambda_[qk][12]$")
-_SOURCE_KINDS = {"llama": "convert_llama_to_diff", "diffllama": "convert_diffllama_to_diff"}
+_SOURCE_KINDS = {**dict.fromkeys(FAMILIES, "convert_llama_to_diff"), "diffllama": "convert_diffllama_to_diff"}
 logger = logging.getLogger(__name__)
 
 
@@ -158,11 +159,11 @@ def convert_to_diff(
     progress: bool = True,
     **kwargs,
 ) -> Path:
-    """Dispatch on SRC's `model_type`: "llama" -> `convert_llama_to_diff` (diff_version defaults to 2),
-    "diffllama" -> `convert_diffllama_to_diff` (diff_version 1)."""
+    """Dispatch on SRC's `model_type`: "llama", "mistral", "qwen2", "qwen3" -> `convert_llama_to_diff` (diff_version
+    defaults to 2), "diffllama" -> `convert_diffllama_to_diff` (diff_version 1)."""
     source = open_source(src, revision=kwargs.get("revision"), token=kwargs.get("token"))
     model_type = source.model_type
-    if model_type == "llama":
+    if model_type in FAMILIES:
         version = 2 if diff_version is None else diff_version
         return convert_llama_to_diff(
             source.path if source.repo_id is None else src, out, version, dtype, overwrite, progress, **kwargs
@@ -220,18 +221,19 @@ def _model_type_error(source: SourceCheckpoint, expected: str | None) -> Convers
         return ConversionError(
             f"{where} has model_type {model_type!r}, but this converter expects {expected!r}: use {_SOURCE_KINDS[model_type]}."
         )
-    accepted = (
-        "'llama'" if expected == "llama" else "'diffllama'" if expected == "diffllama" else "'llama' or 'diffllama'"
-    )
+    llama_family = ", ".join(repr(name) for name in FAMILIES)
+    accepted = {"llama": llama_family, "diffllama": "'diffllama'"}.get(expected, f"{llama_family} or 'diffllama'")
     return ConversionError(
-        f"{where} has model_type {model_type!r}; only {accepted} checkpoints convert: pick a LlamaForCausalLM checkpoint "
-        "(Llama-architecture models report model_type 'llama' in config.json)."
+        f"{where} has model_type {model_type!r}; only {accepted} checkpoints convert: pick a checkpoint of one of "
+        "these families (config.json's model_type says which)."
     )
 
 
 def _source_config(source: SourceCheckpoint, source_kind: str):
+    """SRC's parsed config, family and task. `source_kind` "llama" accepts every Llama-shaped family (`FAMILIES`)."""
     where = source.repo_id or str(source.path)
-    if source.model_type != source_kind:
+    family = family_of(source.model_type)
+    if family is None or (family is DIFFLLAMA) != (source_kind == "diffllama"):
         raise _model_type_error(source, expected=source_kind)
     if source.config.get("quantization_config"):
         method = (
@@ -242,24 +244,18 @@ def _source_config(source: SourceCheckpoint, source_kind: str):
         raise ConversionError(
             f"{where} is a quantized checkpoint ({method}): convert the unquantized (float) weights instead."
         )
-    architectures = source.config.get("architectures") or []
-    wanted = "LlamaForCausalLM" if source_kind == "llama" else "DiffLlamaForCausalLM"
-    if architectures and wanted not in architectures:
-        raise ConversionError(
-            f"{where} holds a {', '.join(map(str, architectures))} checkpoint; only {wanted} (with its lm_head) converts: "
-            "pick the causal-LM checkpoint."
-        )
-    if source_kind == "llama":
-        from transformers import LlamaConfig as config_class
-    else:
-        from transformers import DiffLlamaConfig as config_class
+    task = task_of(family, source.config.get("architectures") or [], where)
+    import transformers
+
+    config_class = getattr(transformers, family.config_class)
     try:
         config = config_class.from_dict(dict(source.config))
     except Exception as exc:
         raise ConversionError(
             f"config.json of {where} is not a valid {config_class.__name__} ({one_line(exc)}): fix or re-download it."
         ) from exc
-    return config
+    family.check_supported(config, where)
+    return config, family, task
 
 
 def _diff_config(
@@ -270,10 +266,19 @@ def _diff_config(
     out_dtype: torch.dtype,
     lambda_std: float,
     where: str,
+    task=CAUSAL_LM,
 ):
     from ..configuration_diff import DiffConfig
 
     fields = {name: getattr(source_config, name) for name in _COPIED_FIELDS if hasattr(source_config, name)}
+    # What the family hard-codes or configures (conversion/families.py); o_proj's bias is written only where it
+    # differs from q/k/v's (Qwen2), so Llama conversions keep the config they always had.
+    out_bias = None if geometry.out_bias == geometry.attention_bias else geometry.out_bias
+    fields.update(attention_bias=geometry.attention_bias, attention_out_bias=out_bias, mlp_bias=geometry.mlp_bias)
+    fields.update(use_qk_norm=geometry.qk_norm)
+    if task is not CAUSAL_LM:  # the head's labels
+        fields.update(id2label=source_config.id2label, label2id=source_config.label2id)
+        fields.update(problem_type=getattr(source_config, "problem_type", None))
     if source_kind == "diffllama":
         fields["mlp_bias"] = False
         lambda_std = getattr(source_config, "lambda_std_dev", None)
@@ -298,7 +303,7 @@ def _diff_config(
         raise ConversionError(
             f"{where} cannot be expressed as a Diff V{diff_version} config ({one_line(exc)}): fix config.json{hint}."
         ) from exc
-    config.architectures = ["DiffForCausalLM"]
+    config.architectures = [task.diff_class]
     config.auto_map = dict(AUTO_MAP)
     return config
 
@@ -311,18 +316,20 @@ def _validate_tensors(source: SourceCheckpoint, geometry: Geometry, source_kind:
     where = source.repo_id or str(source.path)
     expected, optional = geometry.expected_source_tensors(source_kind)
     for name, info in source.tensors.items():
-        if name in expected:
-            if info.shape != expected[name]:
+        if geometry.canonical(name) in expected:
+            if info.shape != expected[geometry.canonical(name)]:
                 raise ConversionError(
                     f"tensor {name} in {info.shard.name} has shape {list(info.shape)}, but config.json implies "
-                    f"{list(expected[name])}: config.json does not describe these weights; fix it or re-download the checkpoint."
+                    f"{list(expected[geometry.canonical(name)])}: config.json does not describe these weights; fix "
+                    "it or re-download the checkpoint."
                 )
         elif not IGNORED_SOURCE_TENSORS.match(name):
             raise ConversionError(
-                f"unexpected tensor {name} in {info.shard.name} of {where}: not part of a {source_kind} causal LM with this "
-                "config (unsupported feature or wrong model); convert a plain checkpoint."
+                f"unexpected tensor {name} in {info.shard.name} of {where}: not part of a {source.model_type} model "
+                "with this config (unsupported feature or wrong model); convert a plain checkpoint."
             )
-    missing = [name for name in expected if name not in source.tensors and name not in optional]
+    present = {geometry.canonical(name) for name in source.tensors}
+    missing = [name for name in expected if name not in present and name not in optional]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ConversionError(
@@ -332,11 +339,12 @@ def _validate_tensors(source: SourceCheckpoint, geometry: Geometry, source_kind:
 
 
 def _check_output_against_model(config, writer: ShardWriter) -> None:
-    """The written state dict must be exactly what `DiffForCausalLM(config)` expects (names and shapes)."""
-    from ..modeling_diff import DiffForCausalLM
+    """The written state dict must be exactly what `DiffForCausalLM(config)` (or the task head's class) expects
+    (names and shapes)."""
+    from .. import modeling_diff
 
     with torch.device("meta"):
-        model = DiffForCausalLM(config)
+        model = getattr(modeling_diff, config.architectures[0])(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if config.tie_word_embeddings and "lm_head.weight" not in writer.shapes:
         expected.pop("lm_head.weight", None)
@@ -345,8 +353,8 @@ def _check_output_against_model(config, writer: ShardWriter) -> None:
         extra = sorted(set(writer.shapes) - set(expected))
         wrong = sorted(n for n in set(expected) & set(writer.shapes) if expected[n] != writer.shapes[n])
         raise ConversionError(
-            f"internal error: converted tensors do not match DiffForCausalLM (missing {missing[:3]}, unexpected {extra[:3]}, "
-            f"wrong shapes {wrong[:3]}); please report this bug."
+            f"internal error: converted tensors do not match {type(model).__name__} (missing {missing[:3]}, "
+            f"unexpected {extra[:3]}, wrong shapes {wrong[:3]}); please report this bug."
         )
 
 
@@ -411,19 +419,19 @@ def _convert(
 def _plan(source: SourceCheckpoint, source_kind: str, diff_version: int, target_dtype, lambda_std: float, seed: int):
     """Validate SRC (config, then every tensor header) and return the Diff config and the tensor map."""
     where = source.repo_id or str(source.path)
-    source_config = _source_config(source, source_kind)
-    geometry = Geometry.from_config(source_config)
+    source_config, family, task = _source_config(source, source_kind)
+    geometry = source_geometry(family, task, source_config)
     tensor_map = make_tensor_map(source_kind, diff_version, geometry, lambda_std=lambda_std, seed=seed)
     config_dtype = source.config.get("dtype") or source.config.get("torch_dtype")
     config_dtype = _DTYPES.get(str(config_dtype).removeprefix("torch.")) if config_dtype else None
     out_dtype = target_dtype or config_dtype or torch.float32
     # Built once before any weights are downloaded or read, so that an unsupported config is refused early.
-    config = _diff_config(source_config, source_kind, diff_version, geometry, out_dtype, lambda_std, where)
+    config = _diff_config(source_config, source_kind, diff_version, geometry, out_dtype, lambda_std, where, task)
     read_weights_headers(source)
     _validate_tensors(source, geometry, source_kind)
     if target_dtype is None and config_dtype is None:  # the config did not say: record what the shards store
-        stored = _SAFETENSORS_DTYPES[source.tensors["model.embed_tokens.weight"].dtype]
-        config = _diff_config(source_config, source_kind, diff_version, geometry, stored, lambda_std, where)
+        stored = _SAFETENSORS_DTYPES[source.tensors[geometry.prefix + "embed_tokens.weight"].dtype]
+        config = _diff_config(source_config, source_kind, diff_version, geometry, stored, lambda_std, where, task)
     return config, tensor_map
 
 

@@ -43,6 +43,13 @@ class Geometry:
     attention_bias: bool
     mlp_bias: bool
     tie_word_embeddings: bool
+    # Llama-family variants (conversion/families.py sets them): o_proj's bias (Qwen2: none while q/k/v have one),
+    # q_norm/k_norm (Qwen3), the head on top of the decoder and the prefix the source stores the decoder under
+    # (`transformer.` for Llama's and Qwen's question-answering heads).
+    attention_out_bias: bool | None = None
+    qk_norm: bool = False
+    head: tuple[tuple[str, tuple[int, ...]], ...] | None = None
+    prefix: str = "model."
 
     @classmethod
     def from_config(cls, config) -> Geometry:
@@ -62,18 +69,29 @@ class Geometry:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         )
 
+    @property
+    def out_bias(self) -> bool:
+        return self.attention_bias if self.attention_out_bias is None else self.attention_out_bias
+
+    def canonical(self, name: str) -> str:
+        """A source tensor's name with the decoder under `model.`, as Diff models (and the maps below) name it."""
+        if self.prefix != "model." and name.startswith(self.prefix):
+            return "model." + name[len(self.prefix) :]
+        return name
+
     def expected_source_tensors(self, source_kind: str) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-        """(required name -> shape, optional names) of a `LlamaForCausalLM` / `DiffLlamaForCausalLM` checkpoint."""
+        """(required name -> shape, optional names) of a `LlamaForCausalLM` / `DiffLlamaForCausalLM` checkpoint (or
+        of a Llama-family model with `self.head` on top), under the canonical names (see `canonical`)."""
         D, I, V, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
         H, H_kv = self.num_heads, self.num_kv_heads
-        expected: dict[str, tuple[int, ...]] = {
-            "model.embed_tokens.weight": (V, D),
-            "model.norm.weight": (D,),
-            "lm_head.weight": (V, D),
-        }
+        expected: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
         optional: set[str] = set()
-        if self.tie_word_embeddings:
-            optional.add("lm_head.weight")
+        if self.head is not None:
+            expected.update(self.head)
+        else:
+            expected["lm_head.weight"] = (V, D)
+            if self.tie_word_embeddings:
+                optional.add("lm_head.weight")
         mlp_bias = self.mlp_bias and source_kind == "llama"  # DiffLlama's MLP never has biases
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
@@ -87,7 +105,11 @@ class Geometry:
                 expected[p + "self_attn.q_proj.bias"] = (H * d,)
                 expected[p + "self_attn.k_proj.bias"] = (H_kv * d,)
                 expected[p + "self_attn.v_proj.bias"] = (H_kv * d,)
+            if self.out_bias:
                 expected[p + "self_attn.o_proj.bias"] = (D,)
+            if self.qk_norm:
+                expected[p + "self_attn.q_norm.weight"] = (d,)
+                expected[p + "self_attn.k_norm.weight"] = (d,)
             expected[p + "mlp.gate_proj.weight"] = (I, D)
             expected[p + "mlp.up_proj.weight"] = (I, D)
             expected[p + "mlp.down_proj.weight"] = (D, I)
@@ -173,6 +195,7 @@ class TensorMap:
         self.geometry = geometry
 
     def __call__(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        name = self.geometry.canonical(name)
         match = _ATTN.match(name)
         if match is None:
             yield name, tensor
