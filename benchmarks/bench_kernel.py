@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Fused Diff Transformer V1 attention (diff_transformer.kernels) against PyTorch SDPA on a GPU, bf16.
 
-Same attention width on both sides: Llama with 32 query heads x d=64 over 8 KV heads, V1 with H=16 differential
-heads (32 query maps) over H_kv=4 groups whose 2d-wide V is 8 heads x 64, i.e. identical q, k, v tensors
-(B, 32, N, 64), (B, 8, L, 64), (B, 8, L, 64). V1 does 1.5x Llama's attention FLOPs (its PV products are 2d wide).
+Same attention width on both sides: Llama with 32 query heads x d over 8 KV heads (d = 64, --head-dim), V1 with H=16
+differential heads (32 query maps) over H_kv=4 groups whose 2d-wide V is 8 heads x d, i.e. identical q, k, v tensors
+(B, 32, N, d), (B, 8, L, d), (B, 8, L, d). V1's forward does 1.5x Llama's attention FLOPs (its PV products are 2d
+wide); its backward the same as Llama's (dO Vᵀ is shared by the two maps).
 
 * prefill, causal, N = L: forward and forward+backward
     llama_sdpa      F.scaled_dot_product_attention(enable_gqa=True), flash backend
@@ -14,10 +15,13 @@ heads (32 query maps) over H_kv=4 groups whose 2d-wide V is 8 heads x 64, i.e. i
 Times are medians of triton.testing.do_bench (L2 flushed between runs); ratios are against llama_sdpa of the same
 shape in the same run.
 
-    python benchmarks/bench_kernel.py [--batch 1,2] [--length 4096] [--decode-batch 1,32] [--sweep] [--out FILE]
+    python benchmarks/bench_kernel.py [--batch 1,2] [--length 4096] [--decode-batch 1,32] [--head-dim 64] [--sweep]
+                                      [--out FILE]
+    python benchmarks/bench_kernel.py --registers [--head-dim 64]     # no GPU needed
 
 --sweep first times a few launch configurations per kernel on the prefill/decode shapes and keeps the fastest
-(printed, to copy into CUDA_CONFIGS of src/diff_transformer/kernels/diff_attention_v1.py).
+(printed, to copy into CUDA_CONFIGS of src/diff_transformer/kernels/diff_attention_v1.py). --registers compiles the
+same candidates for sm_90 on any machine and prints registers and spills per thread.
 """
 
 from __future__ import annotations
@@ -27,21 +31,28 @@ import json
 import sys
 from pathlib import Path
 
-
 _REPO = Path(__file__).resolve().parent.parent
 if (_REPO / "src" / "diff_transformer").is_dir():
     sys.path.insert(0, str(_REPO / "src"))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-
-HEADS, KV_HEADS, D = 32, 8, 64  # Llama; V1: H = 16, H_kv = 4 on the same tensors
-SWEEP = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); decode ignores BLOCK_M
-    "fwd": [(128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3), (128, 64, 8, 2), (64, 128, 8, 3)],
-    "bwd_dkdv": [(64, 64, 8, 3), (16, 64, 4, 2), (32, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2)],
-    "bwd_dq": [(128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3), (64, 64, 4, 2)],
-    "decode": [(16, 64, 4, 3), (16, 128, 4, 3), (16, 64, 8, 4), (16, 32, 4, 4)],
+HEADS, KV_HEADS = 32, 8  # Llama; V1: H = 16, H_kv = 4 on the same tensors
+D = 64  # head dim, --head-dim
+SWEEP = {  # candidates per head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages); decode ignores BLOCK_M
+    64: {
+        "fwd": [(128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3), (128, 64, 8, 2), (64, 128, 8, 3)],
+        "bwd_dkdv": [(32, 64, 8, 2), (64, 32, 8, 2), (32, 32, 8, 2), (64, 64, 8, 3), (16, 32, 4, 2)],
+        "bwd_dq": [(128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3), (64, 64, 4, 2)],
+        "decode": [(16, 64, 4, 3), (16, 128, 4, 3), (16, 64, 8, 4), (16, 32, 4, 4)],
+    },
+    128: {
+        "fwd": [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (128, 32, 8, 2)],
+        "bwd_dkdv": [(32, 32, 8, 2), (64, 32, 8, 2), (16, 32, 4, 2), (32, 64, 8, 2)],
+        "bwd_dq": [(32, 32, 4, 2), (64, 32, 8, 2), (128, 32, 8, 2)],
+        "decode": [(16, 64, 8, 2), (16, 32, 4, 2), (16, 32, 8, 3)],
+    },
 }
 
 
@@ -119,10 +130,10 @@ def sweep(batch, length):
     lam = torch.tensor(0.8, device="cuda", requires_grad=True)
     out = v1_fused(q, k, v, lam, True)
     grad = torch.randn_like(out)
-    for kind, candidates in SWEEP.items():
+    for kind, candidates in SWEEP[D].items():
         times = {}
         for config in candidates:
-            op.CUDA_CONFIGS[kind][64] = config
+            op.CUDA_CONFIGS[kind][D] = config
             try:
                 if kind == "fwd":
                     times[config] = timed(lambda: v1_fused(q, k, v, lam, True), backward=False)
@@ -137,9 +148,35 @@ def sweep(batch, length):
         for config, ms in sorted(times.items(), key=lambda item: item[1]):
             print(f"  {kind} {config}: {ms:.3f} ms", flush=True)
         best[kind] = min(times, key=times.get)
-        op.CUDA_CONFIGS[kind][64] = best[kind]
+        op.CUDA_CONFIGS[kind][D] = best[kind]
         print(f"{kind}: best {best[kind]}", flush=True)
     return best
+
+
+def register_report():
+    """Registers, spill stack and shared memory per thread of every sweep candidate, compiled for sm_90 (H100)."""
+    from diff_transformer.kernels import _offline
+
+    base = dict(CAUSAL=True, MASK_KIND=0, VARLEN=False, HEAD_DIM=D, BLOCK_D=D, DOT_PREC="tf32")
+    kernels = {
+        "fwd": ("_fwd_kernel", dict(SAVE_O2=True)),
+        "bwd_dkdv": ("_bwd_dkdv_kernel", dict(ATOMIC_DQ=False)),
+        "bwd_dq": ("_bwd_dq_kernel", {}),
+        "decode": ("_decode_split_kernel", dict(BLOCK_R=16)),
+    }
+    print(f"| kernel (d={D}) | BLOCK_M, BLOCK_N, warps, stages | registers | spill stack bytes | shared bytes |")
+    print("|---|---|---|---|---|")
+    for kind, candidates in SWEEP[D].items():
+        name, extra = kernels[kind]
+        for block_m, block_n, warps, stages in candidates:
+            constexprs = dict(base, BLOCK_N=block_n, **extra)
+            if kind == "decode":
+                constexprs.pop("VARLEN")
+            else:
+                constexprs["BLOCK_M"] = block_m
+            usage = _offline.resource_usage(_offline.compile_kernel(name, constexprs, warps, stages))
+            print(f"| {kind} | {block_m}, {block_n}, {warps}, {stages} | {usage['registers']} | "
+                  f"{usage['stack_bytes']} | {usage['shared_bytes']} |", flush=True)
 
 
 def main(argv=None):
@@ -147,9 +184,16 @@ def main(argv=None):
     parser.add_argument("--batch", default="1,2", help="prefill batch sizes")
     parser.add_argument("--length", type=int, default=4096, help="prefill length N = L and decode cache length L")
     parser.add_argument("--decode-batch", default="1,32")
+    parser.add_argument("--head-dim", type=int, choices=sorted(SWEEP), default=64)
     parser.add_argument("--sweep", action="store_true", help="tune the launch configurations first")
+    parser.add_argument("--registers", action="store_true",
+                        help="no GPU needed: compile the --sweep candidates for sm_90 and report registers/spills")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    global D
+    D = args.head_dim
+    if args.registers:
+        return register_report()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     from diff_transformer import kernels
@@ -163,10 +207,11 @@ def main(argv=None):
     print(f"# {device}, torch {torch.__version__}", flush=True)
     if args.sweep:
         results["sweep"] = {k: list(v) for k, v in sweep(1, args.length).items()}
-    results["configs"] = {k: list(v[64]) for k, v in op.CUDA_CONFIGS.items()}
+    results["configs"] = {k: list(v[D]) for k, v in op.CUDA_CONFIGS.items()}
     lam = torch.tensor(0.8, device="cuda", requires_grad=True)
 
-    print("\n| prefill B x N | pass | llama_sdpa ms | v1_sdpa_model ms (x) | v1_fused ms (x) | v1_fused atomic dQ ms (x) |")
+    print("\n| prefill B x N | pass | llama_sdpa ms | v1_sdpa_model ms (x) | v1_fused ms (x) "
+          "| v1_fused atomic dQ ms (x) |")
     print("|---|---|---|---|---|---|")
     for B in map(int, args.batch.split(",")):
         q, k, v = inputs(B, args.length, args.length, grad=True)

@@ -9,8 +9,7 @@ import torch
 
 from .diff_attention_v1 import differential_attention_v1, select_path, triton_available
 
-
-__all__ = ["differential_attention_v1", "select_path", "triton_available", "is_available"]
+__all__ = ["differential_attention_v1", "is_available", "select_path", "triton_available"]
 
 
 def is_available(device: torch.device | str | None = None) -> bool:

@@ -1,4 +1,5 @@
-"""Triton kernels of Diff Transformer V1 attention; the torch side (validation, launch, autograd) is diff_attention_v1.py.
+"""Triton kernels of Diff Transformer V1 attention; the torch side (validation, launch, autograd) is in
+diff_attention_v1.py.
 
 Layouts (component-major, as `_forward_v1` of modeling_diff.py builds them):
     query (B, 2H, N, d)      [q1 of heads 0..H-1 | q2 of heads 0..H-1]
@@ -21,7 +22,6 @@ reductions go through the builtin tl.reduce with the standard combine functions,
 import triton
 import triton.language as tl
 
-
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -36,11 +36,12 @@ def _row_sum(x):
 
 
 @triton.jit
-def _masked_scores(z, rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml,
+def _masked_scores(z, rows, local_rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml,
                    CAUSAL: tl.constexpr, BOUNDS: tl.constexpr, MASK_KIND: tl.constexpr):
     """Applies key bounds + causality (only where BOUNDS: tiles the caller knows to be partly masked) and the user
-    mask (every tile) to scores z (R, C) of query rows (R,) and key columns (C,). mask_ptr points at the mask of this
-    batch entry and head. (The mask tile is reloaded per map: an L1/L2 hit, cheaper than keeping it in registers.)"""
+    mask (every tile) to scores z (R, C) of query rows (R,) and key columns (C,). mask_ptr points at the mask row of
+    the tile's first query (int64 offset, once), local_rows = rows - that row (int32 offsets in the tile). The mask
+    tile is reloaded per map: an L1/L2 hit, cheaper than keeping it in registers."""
     if BOUNDS:
         ok = cols[None, :] < n_k
         if CAUSAL:
@@ -48,7 +49,7 @@ def _masked_scores(z, rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, str
         z = tl.where(ok, z, float("-inf"))
     if MASK_KIND != 0:
         in_range = (rows[:, None] < n_q) & (cols[None, :] < n_k)
-        ptrs = mask_ptr + rows[:, None].to(tl.int64) * stride_mn + cols[None, :] * stride_ml
+        ptrs = mask_ptr + local_rows[:, None] * stride_mn + cols[None, :] * stride_ml
         if MASK_KIND == 1:  # boolean, True = attend
             z = tl.where(tl.load(ptrs, mask=in_range, other=0) != 0, z, float("-inf"))
         else:  # additive, natural-log units
@@ -75,6 +76,13 @@ def _load_rows(base, rows, stride, n_rows, offs_d, BOUNDS: tl.constexpr, HEAD_DI
 
 
 @triton.jit
+def _lse(m, l):
+    """log2-sum-exp2 of a row from its running max and sum; +inf for a row with nothing to attend, so that the
+    backward's exp2(z - lse) is 0 there."""
+    return tl.where(l == 0.0, float("inf"), m + tl.log2(tl.where(l == 0.0, 1.0, l)))
+
+
+@triton.jit
 def _online_softmax_step(z, m, l):
     """One FlashAttention online-softmax update; rows that saw only -inf so far keep m = -inf, p = 0."""
     m_new = tl.maximum(m, _row_max(z))
@@ -88,7 +96,7 @@ def _online_softmax_step(z, m, l):
 @triton.jit
 def _fwd_inner(acc1a, acc1b, acc2a, acc2b, m1, l1, m2, l2, q1, q2,
                k1_base, k2_base, va_base, vb_base, stride_kn, stride_vn, mask_ptr, stride_mn, stride_ml,
-               rows, n_q, n_k, causal_off, qk_scale, lo, hi,
+               rows, local_rows, n_q, n_k, causal_off, qk_scale, lo, hi,
                CAUSAL: tl.constexpr, BOUNDS: tl.constexpr, MASK_KIND: tl.constexpr,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
@@ -102,14 +110,14 @@ def _fwd_inner(acc1a, acc1b, acc2a, acc2b, m1, l1, m2, l2, q1, q2,
         vb = _load_rows(vb_base, cols, stride_vn, n_k, offs_d, BOUNDS, HEAD_DIM, BLOCK_D)
         # One map after the other, so only one score tile is live at a time.
         z1 = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC) * qk_scale
-        z1 = _masked_scores(z1, rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml,
+        z1 = _masked_scores(z1, rows, local_rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml,
                             CAUSAL, BOUNDS, MASK_KIND)
         p1, alpha1, m1, l1 = _online_softmax_step(z1, m1, l1)
         p1 = p1.to(va.dtype)
         acc1a = tl.dot(p1, va, acc1a * alpha1[:, None], input_precision=DOT_PREC)
         acc1b = tl.dot(p1, vb, acc1b * alpha1[:, None], input_precision=DOT_PREC)
         z2 = tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) * qk_scale
-        z2 = _masked_scores(z2, rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml,
+        z2 = _masked_scores(z2, rows, local_rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml,
                             CAUSAL, BOUNDS, MASK_KIND)
         p2, alpha2, m2, l2 = _online_softmax_step(z2, m2, l2)
         p2 = p2.to(va.dtype)
@@ -168,7 +176,7 @@ def _fwd_kernel(Q, K, V, Lam, Out, O2, Lse1, Lse2, Mask, CuSeqlens,
     k2_base = k_base + (H_KV + g) * stride_kh
     va_base = v_base + g * stride_vh
     vb_base = v_base + (H_KV + g) * stride_vh
-    mask_ptr = Mask + batch * stride_mb + h * stride_mh
+    mask_ptr = Mask + batch * stride_mb + h * stride_mh + m0.to(tl.int64) * stride_mn
 
     m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
     m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -191,19 +199,19 @@ def _fwd_kernel(Q, K, V, Lam, Out, O2, Lse1, Lse2, Mask, CuSeqlens,
     # Tiles before `full` need no causal/bounds test; the rest (diagonal and tail) do.
     acc1a, acc1b, acc2a, acc2b, m1, l1, m2, l2 = _fwd_inner(
         acc1a, acc1b, acc2a, acc2b, m1, l1, m2, l2, q1, q2, k1_base, k2_base, va_base, vb_base, stride_kn, stride_vn,
-        mask_ptr, stride_mn, stride_ml, rows, n_q, n_k, causal_off, qk_scale, 0, full,
+        mask_ptr, stride_mn, stride_ml, rows, tl.arange(0, BLOCK_M), n_q, n_k, causal_off, qk_scale, 0, full,
         CAUSAL, False, MASK_KIND, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC)
     acc1a, acc1b, acc2a, acc2b, m1, l1, m2, l2 = _fwd_inner(
         acc1a, acc1b, acc2a, acc2b, m1, l1, m2, l2, q1, q2, k1_base, k2_base, va_base, vb_base, stride_kn, stride_vn,
-        mask_ptr, stride_mn, stride_ml, rows, n_q, n_k, causal_off, qk_scale, full, hi,
+        mask_ptr, stride_mn, stride_ml, rows, tl.arange(0, BLOCK_M), n_q, n_k, causal_off, qk_scale, full, hi,
         CAUSAL, True, MASK_KIND, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC)
 
     _store_output(acc1a, acc1b, acc2a, acc2b, l1, l2, Lam, Out + batch * stride_ob + start * stride_on + h * stride_oh,
                   O2 + batch * stride_ob + start * stride_on + h * stride_oh, rows, stride_on, n_q, SAVE_O2,
                   HEAD_DIM, BLOCK_D)
     lse_off = batch * stride_lb + h * stride_lh + start + rows
-    tl.store(Lse1 + lse_off, tl.where(l1 == 0.0, float("inf"), m1 + tl.log2(tl.where(l1 == 0.0, 1.0, l1))), mask=rows < n_q)
-    tl.store(Lse2 + lse_off, tl.where(l2 == 0.0, float("inf"), m2 + tl.log2(tl.where(l2 == 0.0, 1.0, l2))), mask=rows < n_q)
+    tl.store(Lse1 + lse_off, _lse(m1, l1), mask=rows < n_q)
+    tl.store(Lse2 + lse_off, _lse(m2, l2), mask=rows < n_q)
 
 
 @triton.jit
@@ -308,10 +316,11 @@ def _decode_split_kernel(Q, K, V, Mask, PartAcc, PartML,
     tl.store(PartML + 3 * plane + ml_off, l2)
     acc_ptrs = PartAcc + ml_off[:, None].to(tl.int64) * (2 * BLOCK_D) + offs_d[None, :]
     acc_plane = plane.to(tl.int64) * (2 * BLOCK_D)
-    tl.store(acc_ptrs, acc1a)
-    tl.store(acc_ptrs + BLOCK_D, acc1b)
-    tl.store(acc_ptrs + acc_plane, acc2a)
-    tl.store(acc_ptrs + acc_plane + BLOCK_D, acc2b)
+    acc_ok = q_ok  # only the real rows (often 1-4 of 16) and columns travel through the scratch
+    tl.store(acc_ptrs, acc1a, mask=acc_ok)
+    tl.store(acc_ptrs + BLOCK_D, acc1b, mask=acc_ok)
+    tl.store(acc_ptrs + acc_plane, acc2a, mask=acc_ok)
+    tl.store(acc_ptrs + acc_plane + BLOCK_D, acc2b, mask=acc_ok)
 
 
 @triton.jit
@@ -328,11 +337,15 @@ def _decode_combine_kernel(PartAcc, PartML, Lam, Out, O2, Lse1, Lse2,
     group = H // H_KV
     r = tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
+    head = g * group + r // N
+    n = r % N
+    row_ok = r < group * N
+    ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     plane = tl.num_programs(0) * num_splits * BLOCK_R
     acc_plane = plane.to(tl.int64) * (2 * BLOCK_D)
     mx1 = tl.full([BLOCK_R], float("-inf"), tl.float32)
     mx2 = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for s in range(0, num_splits):
+    for s in range(num_splits):
         ml_off = (pid_bg * num_splits + s) * BLOCK_R + r
         mx1 = tl.maximum(mx1, tl.load(PartML + ml_off))
         mx2 = tl.maximum(mx2, tl.load(PartML + 2 * plane + ml_off))
@@ -344,36 +357,32 @@ def _decode_combine_kernel(PartAcc, PartML, Lam, Out, O2, Lse1, Lse2,
     acc1b = tl.full([BLOCK_R, BLOCK_D], 0.0, tl.float32)
     acc2a = tl.full([BLOCK_R, BLOCK_D], 0.0, tl.float32)
     acc2b = tl.full([BLOCK_R, BLOCK_D], 0.0, tl.float32)
-    for s in range(0, num_splits):
+    for s in range(num_splits):
         ml_off = (pid_bg * num_splits + s) * BLOCK_R + r
         w1 = tl.exp2(tl.load(PartML + ml_off) - mx1_safe)
         w2 = tl.exp2(tl.load(PartML + 2 * plane + ml_off) - mx2_safe)
         l1 += w1 * tl.load(PartML + plane + ml_off)
         l2 += w2 * tl.load(PartML + 3 * plane + ml_off)
         acc_ptrs = PartAcc + ml_off[:, None].to(tl.int64) * (2 * BLOCK_D) + offs_d[None, :]
-        acc1a += w1[:, None] * tl.load(acc_ptrs)
-        acc1b += w1[:, None] * tl.load(acc_ptrs + BLOCK_D)
-        acc2a += w2[:, None] * tl.load(acc_ptrs + acc_plane)
-        acc2b += w2[:, None] * tl.load(acc_ptrs + acc_plane + BLOCK_D)
+        acc1a += w1[:, None] * tl.load(acc_ptrs, mask=ok, other=0.0)
+        acc1b += w1[:, None] * tl.load(acc_ptrs + BLOCK_D, mask=ok, other=0.0)
+        acc2a += w2[:, None] * tl.load(acc_ptrs + acc_plane, mask=ok, other=0.0)
+        acc2b += w2[:, None] * tl.load(acc_ptrs + acc_plane + BLOCK_D, mask=ok, other=0.0)
 
-    head = g * group + r // N
-    n = r % N
-    row_ok = r < group * N
     lam = tl.load(Lam).to(tl.float32)
     inv1 = (1.0 / tl.where(l1 == 0.0, 1.0, l1))[:, None]  # empty rows have acc = 0
     inv2 = (1.0 / tl.where(l2 == 0.0, 1.0, l2))[:, None]  # empty rows have acc = 0
     o2a = acc2a * inv2
     o2b = acc2b * inv2
     out_off = b * stride_ob + n[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :]
-    ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     tl.store(Out + out_off, (acc1a * inv1 - lam * o2a).to(Out.dtype.element_ty), mask=ok)
     tl.store(Out + out_off + HEAD_DIM, (acc1b * inv1 - lam * o2b).to(Out.dtype.element_ty), mask=ok)
     if SAVE_O2:
         tl.store(O2 + out_off, o2a.to(O2.dtype.element_ty), mask=ok)
         tl.store(O2 + out_off + HEAD_DIM, o2b.to(O2.dtype.element_ty), mask=ok)
     lse_off = b * stride_lb + head * stride_lh + n
-    tl.store(Lse1 + lse_off, tl.where(l1 == 0.0, float("inf"), mx1 + tl.log2(tl.where(l1 == 0.0, 1.0, l1))), mask=row_ok)
-    tl.store(Lse2 + lse_off, tl.where(l2 == 0.0, float("inf"), mx2 + tl.log2(tl.where(l2 == 0.0, 1.0, l2))), mask=row_ok)
+    tl.store(Lse1 + lse_off, _lse(mx1, l1), mask=row_ok)
+    tl.store(Lse2 + lse_off, _lse(mx2, l2), mask=row_ok)
 
 
 # -------------------------------------------------------------------------------------------------------- backward
@@ -443,13 +452,14 @@ def _bwd_dkdv_inner(dk1, dk2, dva, dvb, k1, k2, va, vb, cols, key_bias,
         dp = tl.dot(vb, tl.trans(do_b), dp, input_precision=DOT_PREC)
         # One map after the other, so fewer (BLOCK_N, BLOCK_M) tiles are live at a time.
         z1 = tl.dot(k1, tl.trans(q1), input_precision=DOT_PREC) * qk_scale + key_bias[:, None]
-        z1 = _masked_scores_t(z1, rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml,
+        tile_mask = mask_ptr + tl.cast(start_m, tl.int64) * stride_mn
+        z1 = _masked_scores_t(z1, rows, offs_m, cols, n_q, n_k, causal_off, tile_mask, stride_mn, stride_ml,
                               CAUSAL, BOUNDS, MASK_KIND)
         p1 = tl.exp2(z1 - lse1[None, :])
         dz1 = (p1 * (dp - delta1[None, :])).to(q1.dtype)
         dk1 = tl.dot(dz1, q1, dk1, input_precision=DOT_PREC)
         z2 = tl.dot(k2, tl.trans(q2), input_precision=DOT_PREC) * qk_scale + key_bias[:, None]
-        z2 = _masked_scores_t(z2, rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml,
+        z2 = _masked_scores_t(z2, rows, offs_m, cols, n_q, n_k, causal_off, tile_mask, stride_mn, stride_ml,
                               CAUSAL, BOUNDS, MASK_KIND)
         lam_p2 = lam * tl.exp2(z2 - lse2[None, :])
         dz2 = (-lam_p2 * (dp - delta2[None, :])).to(q2.dtype)
@@ -468,7 +478,7 @@ def _bwd_dkdv_inner(dk1, dk2, dva, dvb, k1, k2, va, vb, cols, key_bias,
 
 
 @triton.jit
-def _masked_scores_t(z, rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml,
+def _masked_scores_t(z, rows, local_rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml,
                      CAUSAL: tl.constexpr, BOUNDS: tl.constexpr, MASK_KIND: tl.constexpr):
     """_masked_scores for a transposed tile z (keys, queries)."""
     if BOUNDS:
@@ -478,7 +488,7 @@ def _masked_scores_t(z, rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, s
         z = tl.where(ok, z, float("-inf"))
     if MASK_KIND != 0:
         in_range = (rows[None, :] < n_q) & (cols[:, None] < n_k)
-        ptrs = mask_ptr + rows[None, :].to(tl.int64) * stride_mn + cols[:, None] * stride_ml
+        ptrs = mask_ptr + local_rows[None, :] * stride_mn + cols[:, None] * stride_ml
         if MASK_KIND == 1:
             z = tl.where(tl.load(ptrs, mask=in_range, other=0) != 0, z, float("-inf"))
         else:
@@ -538,7 +548,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lam, Lse1, Lse2, Delta1, Delta2, Mask, CuSeqle
     # -inf on keys past the end of a ragged last tile: they must get p = 0 in every range (the middle one skips the
     # bounds test, and a zero key would otherwise get exp2(0 - lse), unbounded).
     key_bias = tl.where(cols < n_k, 0.0, float("-inf"))
-    for hh in range(0, group):
+    for hh in range(group):
         h = (g * group + hh).to(tl.int64)
         q_base = Q + batch * stride_qb + start * stride_qn
         do_base = DO + batch * stride_db + start * stride_dn + h * stride_dh
@@ -575,7 +585,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lam, Lse1, Lse2, Delta1, Delta2, Mask, CuSeqle
 
 
 @triton.jit
-def _bwd_dq_inner(dq1, dq2, q1, q2, do_a, do_b, lse1, lse2, delta1, delta2, rows,
+def _bwd_dq_inner(dq1, dq2, q1, q2, do_a, do_b, lse1, lse2, delta1, delta2, rows, local_rows,
                   k1_base, k2_base, va_base, vb_base, stride_kn, stride_vn, mask_ptr, stride_mn, stride_ml,
                   lam, n_q, n_k, causal_off, qk_scale, lo, hi,
                   CAUSAL: tl.constexpr, BOUNDS: tl.constexpr, MASK_KIND: tl.constexpr,
@@ -591,12 +601,12 @@ def _bwd_dq_inner(dq1, dq2, q1, q2, do_a, do_b, lse1, lse2, delta1, delta2, rows
         dp = tl.dot(do_a, tl.trans(va), input_precision=DOT_PREC)
         dp = tl.dot(do_b, tl.trans(vb), dp, input_precision=DOT_PREC)
         z1 = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC) * qk_scale
-        z1 = _masked_scores(z1, rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml,
+        z1 = _masked_scores(z1, rows, local_rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml,
                             CAUSAL, BOUNDS, MASK_KIND)
         dz1 = (tl.exp2(z1 - lse1[:, None]) * (dp - delta1[:, None])).to(k1.dtype)
         dq1 = tl.dot(dz1, k1, dq1, input_precision=DOT_PREC)
         z2 = tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) * qk_scale
-        z2 = _masked_scores(z2, rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml,
+        z2 = _masked_scores(z2, rows, local_rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml,
                             CAUSAL, BOUNDS, MASK_KIND)
         dz2 = (-lam * tl.exp2(z2 - lse2[:, None]) * (dp - delta2[:, None])).to(k2.dtype)
         dq2 = tl.dot(dz2, k2, dq2, input_precision=DOT_PREC)
@@ -646,7 +656,7 @@ def _bwd_dq_kernel(Q, K, V, DO, Lam, Lse1, Lse2, Delta1, Delta2, Mask, CuSeqlens
     k2_base = k_base + (H_KV + g) * stride_kh
     va_base = v_base + g * stride_vh
     vb_base = v_base + (H_KV + g) * stride_vh
-    mask_ptr = Mask + batch * stride_mb + h * stride_mh
+    mask_ptr = Mask + batch * stride_mb + h * stride_mh + m0.to(tl.int64) * stride_mn
     dq1 = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     dq2 = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
 
@@ -658,11 +668,11 @@ def _bwd_dq_kernel(Q, K, V, DO, Lam, Lse1, Lse2, Delta1, Delta2, Mask, CuSeqlens
         hi = n_k
         full = n_k
     full = full // BLOCK_N * BLOCK_N
-    dq1, dq2 = _bwd_dq_inner(dq1, dq2, q1, q2, do_a, do_b, lse1, lse2, delta1, delta2, rows,
+    dq1, dq2 = _bwd_dq_inner(dq1, dq2, q1, q2, do_a, do_b, lse1, lse2, delta1, delta2, rows, tl.arange(0, BLOCK_M),
                              k1_base, k2_base, va_base, vb_base, stride_kn, stride_vn, mask_ptr, stride_mn, stride_ml,
                              lam, n_q, n_k, causal_off, qk_scale, 0, full,
                              CAUSAL, False, MASK_KIND, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC)
-    dq1, dq2 = _bwd_dq_inner(dq1, dq2, q1, q2, do_a, do_b, lse1, lse2, delta1, delta2, rows,
+    dq1, dq2 = _bwd_dq_inner(dq1, dq2, q1, q2, do_a, do_b, lse1, lse2, delta1, delta2, rows, tl.arange(0, BLOCK_M),
                              k1_base, k2_base, va_base, vb_base, stride_kn, stride_vn, mask_ptr, stride_mn, stride_ml,
                              lam, n_q, n_k, causal_off, qk_scale, full, hi,
                              CAUSAL, True, MASK_KIND, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC)

@@ -2,10 +2,22 @@
 
     out_h = (softmax(q1_h k1_gᵀ·s + mask) - λ softmax(q2_h k2_gᵀ·s + mask)) [v_g,a | v_g,b]      g = h // (H / H_kv)
 
-Prefill/training: FlashAttention-2 forward (one program per query tile and head; each K/V tile is loaded once and
-feeds both maps' online softmaxes), FA2 backward with recomputation. Decoding (a few queries against a cache):
-flash-decoding, one program per (batch, KV group, key split) running all query heads of the group, so each cached
-K/V byte is read once, then a small combine kernel. The design notes are in docs/design.md.
+Forward (prefill/training): FlashAttention-2, one program per (query tile, head); each K/V tile is loaded once and
+feeds both maps' online softmaxes (m, l, acc for each map, acc 2d wide); it writes out = acc1/l1 - λ acc2/l2, the
+log-sum-exps of both maps and O2 = A2 V (the backward needs rowsum(dO ∘ O_c) of each map, and only their λ-combination
+is returned).
+Backward: dP = dO Vᵀ is shared by the maps (same V), so one step costs 10 tile matmuls, as FA2 on 2H heads of size d.
+  * a preprocess kernel: δ1 = rowsum(dO ∘ O1), δ2 = rowsum(dO ∘ O2), and dλ = -Σ δ2;
+  * dK/dV kernel, one program per (key tile, KV group), looping over the group's heads and the query tiles: dK1, dK2,
+    dV halves accumulate in registers, so GQA needs no atomics and no (B, H, L, d) expansion;
+  * dQ kernel, one program per (query tile, head), recomputing the scores: 14 tile matmuls per step instead of the 10
+    of accumulating dQ with fp32 atomics from the dK/dV kernel (atomic_dq=True, also implemented), but it is
+    deterministic, needs no fp32 dQ buffer and no atomic traffic (one atomic add per element per key tile, which
+    grows with L), and its programs outnumber the dK/dV ones, which evens out the causal imbalance. ATOMIC_DQ picks the
+    default; measure both with benchmarks/bench_kernel.py.
+Decoding (a few queries against a cache): flash-decoding, one program per (batch, KV group, key split) running every
+query head of the group as rows of one tile, so each cached K/V byte is read once, then a combine kernel that also
+writes the log-sum-exps (the backward works after either forward).
 
 CUDA tensors run compiled kernels; CPU tensors run the same kernels under the Triton interpreter (slow: for tests and
 debugging only, the model's CPU path stays on PyTorch).
@@ -22,7 +34,6 @@ from typing import Literal
 
 import torch
 
-
 _LOG2E = 1.4426950408889634
 
 # Decoding kernel when cu_seqlens is None and N <= _DECODE_MAX_QUERIES and (H / H_kv)·N <= _DECODE_MAX_ROWS.
@@ -30,30 +41,32 @@ _DECODE_MAX_QUERIES = 16
 _DECODE_MAX_ROWS = 64
 
 # Launch configurations on GPU: kernel -> {BLOCK_D: (BLOCK_M, BLOCK_N, num_warps, num_stages)}; "decode" ignores
-# BLOCK_M. A tuning knob (benchmarks/bench_kernel.py --sweep edits it); the values were measured on an H100 with
-# d = 64 (benchmarks/bench_kernel.py), the d = 128 ones are the same shapes halved for register pressure.
+# BLOCK_M. A tuning knob: `benchmarks/bench_kernel.py --sweep` times candidates on a GPU, `--registers` compiles them
+# for sm_90 without one and reports registers/spills. These were chosen from that register report (few or no spills
+# at 255 registers per thread), not yet from GPU timings.
 CUDA_CONFIGS: dict[str, dict[int, tuple[int, int, int, int]]] = {
-    "fwd": {64: (128, 64, 8, 3), 128: (64, 64, 4, 2), 256: (32, 32, 4, 1)},
-    "bwd_dkdv": {64: (64, 64, 8, 3), 128: (32, 64, 8, 2), 256: (16, 32, 4, 1)},
-    "bwd_dq": {64: (128, 64, 8, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 1)},
-    "decode": {64: (16, 64, 4, 3), 128: (16, 64, 4, 2), 256: (16, 32, 4, 1)},
+    "fwd": {64: (128, 64, 8, 3), 128: (64, 32, 8, 2), 256: (32, 32, 8, 1)},
+    "bwd_dkdv": {64: (32, 64, 8, 2), 128: (32, 32, 8, 2), 256: (16, 32, 8, 1)},
+    "bwd_dq": {64: (128, 64, 8, 2), 128: (32, 32, 4, 2), 256: (32, 32, 8, 1)},
+    "decode": {64: (16, 64, 4, 3), 128: (16, 64, 8, 2), 256: (16, 32, 8, 1)},
 }
-# fp32 (full-precision dots, a checking mode rather than a fast one): small tiles keep shared memory and compile time low.
+# fp32 (full-precision dots, a checking mode rather than a fast one): small tiles keep shared memory and compile
+# time low.
 _CUDA_FP32_CONFIG = (32, 32, 4, 1)
 # Under the interpreter small tiles are fastest and make tiny test shapes span several tiles.
 _INTERPRETER_CONFIG = (16, 16, 1, 1)
-_PREPROCESS_BLOCK_M = 64
 
 # Backward dQ: False (default) runs a separate dQ kernel that recomputes the scores (deterministic); True adds dQ
-# from the dK/dV kernel with fp32 atomics (4 fewer tile matmuls per tile pair, run-to-run differences in the last bits).
+# from the dK/dV kernel with fp32 atomics (4 fewer tile matmuls per tile pair, run-to-run differences in the last
+# bits).
 ATOMIC_DQ = False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_available() -> bool:
     """True when triton imports (CPU tensors can then run the kernels under the Triton interpreter, for tests)."""
     try:
-        import triton  # noqa: F401
+        import triton
         import triton.language  # noqa: F401
     except Exception:  # ImportError, or a broken install raising anything else at import time
         return False
@@ -83,10 +96,10 @@ def _kernels(device: torch.device):
 
 
 def _block_d(head_dim: int) -> int:
-    return max(16, triton_next_power_of_2(head_dim))
+    return max(16, _next_power_of_2(head_dim))
 
 
-def triton_next_power_of_2(n: int) -> int:
+def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
@@ -151,7 +164,7 @@ def _forward(p: _Problem, query, key, value, lam, path: str, save_o2: bool):
     if path == "decode":
         _, block_n, num_warps, num_stages = _config("decode", p.device, p.block_d, p.dtype)
         rows = (p.H // p.H_kv) * p.N
-        block_r = max(16, triton_next_power_of_2(rows))
+        block_r = max(16, _next_power_of_2(rows))
         n_blocks = _cdiv(p.L, block_n)
         if p.device.type == "cuda":  # ~2 programs per SM, at least 2 key tiles per program
             splits = max(1, min(_cdiv(2 * _sm_count(p.device), p.B * p.H_kv), _cdiv(n_blocks, 2)))
@@ -192,7 +205,7 @@ def _backward(p: _Problem, query, key, value, lam, out, o2, lse1, lse2, grad_out
     small = p.device.type != "cuda"
     delta1 = torch.empty_like(lse1)  # (B, H, N): rowsum(dO ∘ O1)
     delta2 = torch.empty_like(lse1)  # (B, H, N): rowsum(dO ∘ O2)
-    block = _INTERPRETER_CONFIG[0] if small else _PREPROCESS_BLOCK_M
+    block = _INTERPRETER_CONFIG[0] if small else max(16, 4096 // p.block_d)  # 4096 elements of each row tile
     kernels._bwd_preprocess_kernel[(_cdiv(p.N, block), p.B * p.H)](
         out, o2, grad_out, lam, delta1, delta2, *out.stride()[:3], *grad_out.stride()[:3], *lse1.stride()[:2],
         p.H, p.N, BLOCK_M=block, HEAD_DIM=p.d, BLOCK_D=p.block_d,
@@ -268,7 +281,7 @@ def differential_attention_v1(
     key:   (B, 2H_kv, L, d) = [k1 | k2] of the KV groups; H must be a multiple of H_kv (query head h uses group
            h // (H / H_kv)).
     value: (B, 2H_kv, L, d) = [first d-wide half of V_g | second half], i.e. what the KV cache stores.
-    lam:   λ, one-element tensor (0-d fp32 in the model); differentiable.
+    lam:   λ, a one-element tensor (0-d fp32 in the model; differentiable) or a number.
     scaling: softmax scale (d**-0.5 in the model).
     causal: query i is position L - N + i (the queries are the last N of L keys: a cache or a chunked prefill)
            and sees keys j <= L - N + i. With an attention_mask both apply (the mask must encode causality itself
@@ -276,14 +289,17 @@ def differential_attention_v1(
            the key tiles past the diagonal.
     attention_mask: None, or the mask transformers builds for sdpa (`masking_utils.sdpa_mask`): boolean, True = attend,
            or additive float; shape (B or 1, 1 or H, N, >= L) (extra key columns are ignored). A query row that
-           attends nothing (left padding) gives 0 and zero gradients.
+           attends nothing (left padding) gives 0 and zero gradients; so does a row whose additive mask is
+           finfo(float32).min everywhere (it overflows to -inf on the kernel's log2 scale; eager would average V).
     cu_seqlens: packed variable-length batch (flash-attn style): B == 1, N == L = cu_seqlens[-1], int32 offsets
            (S + 1,) on the device; attention stays within each sequence (causal inside it when causal=True).
-           max_seqlen (longest sequence) avoids a device-to-host read.
+           max_seqlen (at least the longest sequence; computed when None, a device-to-host read) sizes the grid.
     path: "auto" uses the decoding kernel for a few queries (see select_path), "prefill"/"decode" force one.
     atomic_dq: backward dQ by fp32 atomics instead of a separate recompute kernel; None uses ATOMIC_DQ.
     Autograd: gradients for query, key, value and lam, whichever path ran the forward.
     """
+    if not isinstance(lam, torch.Tensor):
+        lam = torch.tensor(float(lam))
     if not triton_available():
         raise RuntimeError("differential_attention_v1 needs triton (pip install triton); check "
                            "diff_transformer.kernels.is_available() before calling it")
@@ -366,3 +382,6 @@ def _validate(query, key, value, lam, attention_mask, cu_seqlens, path):
             fail(f"cu_seqlens must be 1-D (number of sequences + 1,); got shape {tuple(cu_seqlens.shape)}")
         if path == "decode":
             fail("path='decode' does not take cu_seqlens; use 'auto' or 'prefill'")
+    if path == "decode" and (H // H_kv) * N > 2 * _DECODE_MAX_ROWS:
+        fail(f"path='decode' runs at most {2 * _DECODE_MAX_ROWS} query rows per KV group ((H / H_kv)·N = "
+             f"{(H // H_kv) * N}); use 'auto' or 'prefill'")
