@@ -20,6 +20,7 @@ import torch
 from ..configuration_diff import AUTO_MAP
 from ..modelcard_diff import diff_model_card
 from ..safe_output import Staging, check_target
+from .dtypes import cast_dtype, from_safetensors_code, parse_dtype
 from .errors import ConversionError, one_line
 from .families import CAUSAL_LM, DIFFLLAMA, FAMILIES, family_of, source_geometry, task_of
 from .layout import IGNORED_SOURCE_TENSORS, Geometry, make_tensor_map
@@ -55,17 +56,6 @@ _NOT_COPIED = re.compile(
     r"(^config\.json$|^README\.md$|\.safetensors$|\.index\.json$|\.(bin|pth|pt|ckpt|pkl|h5|msgpack|onnx|gguf|py|pyc)$|^\.)",
     re.IGNORECASE,
 )
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # V1's λ vectors feed an exp() and stay float32 whatever `dtype` asks (DiffPreTrainedModel keeps them in fp32 too).
 _FP32_PARAMETERS = re.compile(r"\.diff_lambda\.lambda_[qk][12]$")
 _SOURCE_KINDS = {**dict.fromkeys(FAMILIES, "convert_llama_to_diff"), "diffllama": "convert_diffllama_to_diff"}
@@ -177,20 +167,6 @@ def convert_to_diff(
     raise _model_type_error(source, expected=None)
 
 
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
-        return dtype
-    if isinstance(dtype, str):
-        key = dtype.strip().lower().removeprefix("torch.")
-        if key in ("auto", "none", ""):
-            return None
-        if key in _DTYPES:
-            return _DTYPES[key]
-    raise ConversionError(
-        f"dtype={dtype!r} is not supported: use float32, float16 or bfloat16 (or None to keep the stored dtypes)."
-    )
-
-
 def parse_size(size: int | str | None) -> int | None:
     """Bytes from an int or a string like "5GB" (10^9), "500MiB" (2^20 each), "2000000"."""
     if size is None:
@@ -263,7 +239,6 @@ def _diff_config(
     source_kind: str,
     diff_version: int,
     geometry: Geometry,
-    out_dtype: torch.dtype,
     lambda_std: float,
     where: str,
     task=CAUSAL_LM,
@@ -296,7 +271,6 @@ def _diff_config(
             diff_version=diff_version,
             lambda_init=None,  # V1: the paper's depth schedule (also DiffLlama's)
             lambda_std=float(lambda_std),
-            dtype=_dtype_name(out_dtype),
         )
     except Exception as exc:
         hint = " or use diff_version=2" if diff_version == 1 and source_kind == "llama" else ""
@@ -306,10 +280,6 @@ def _diff_config(
     config.architectures = [task.diff_class]
     config.auto_map = dict(AUTO_MAP)
     return config
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _validate_tensors(source: SourceCheckpoint, geometry: Geometry, source_kind: str) -> None:
@@ -422,17 +392,22 @@ def _plan(source: SourceCheckpoint, source_kind: str, diff_version: int, target_
     source_config, family, task = _source_config(source, source_kind)
     geometry = source_geometry(family, task, source_config)
     tensor_map = make_tensor_map(source_kind, diff_version, geometry, lambda_std=lambda_std, seed=seed)
-    config_dtype = source.config.get("dtype") or source.config.get("torch_dtype")
-    config_dtype = _DTYPES.get(str(config_dtype).removeprefix("torch.")) if config_dtype else None
-    out_dtype = target_dtype or config_dtype or torch.float32
-    # Built once before any weights are downloaded or read, so that an unsupported config is refused early.
-    config = _diff_config(source_config, source_kind, diff_version, geometry, out_dtype, lambda_std, where, task)
+    # Built before any weights are downloaded or read, so that an unsupported config is refused early.
+    config = _diff_config(source_config, source_kind, diff_version, geometry, lambda_std, where, task)
     read_weights_headers(source)
     _validate_tensors(source, geometry, source_kind)
-    if target_dtype is None and config_dtype is None:  # the config did not say: record what the shards store
-        stored = _SAFETENSORS_DTYPES[source.tensors[geometry.prefix + "embed_tokens.weight"].dtype]
-        config = _diff_config(source_config, source_kind, diff_version, geometry, stored, lambda_std, where, task)
+    config.dtype = target_dtype or _declared_dtype(source) or _stored_dtype(source, geometry)
     return config, tensor_map
+
+
+def _declared_dtype(source: SourceCheckpoint) -> torch.dtype | None:
+    declared = source.config.get("dtype") or source.config.get("torch_dtype")
+    return cast_dtype(str(declared)) if declared else None
+
+
+def _stored_dtype(source: SourceCheckpoint, geometry: Geometry) -> torch.dtype:
+    """What the shards store (checked to be float): what the config records when SRC's config does not say."""
+    return from_safetensors_code(source.tensors[geometry.prefix + "embed_tokens.weight"].dtype)
 
 
 def _write(source, config, tensor_map, tmp: Path, name: str, target_dtype, max_shard_bytes, progress: bool) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .convert import _SAFETENSORS_DTYPES, parse_dtype
+from .dtypes import dtype_name, from_safetensors_code, parse_dtype
 from .errors import ConversionError
 from .families import CAUSAL_LM, family_of, task_of
 from .source import find_shards, load_config, read_headers, resolve_source
@@ -87,7 +87,7 @@ def verify_conversion(
             for name, param in reference.named_parameters():
                 if param.is_floating_point() and not _UNCAST_SOURCE_PARAMETERS.search(name):
                     param.copy_(param.to(cast).to(param.dtype))
-        reference_name = f"the source with its weights cast to {_dtype_name(cast)} as in OUT"
+        reference_name = f"the source with its weights cast to {dtype_name(cast)} as in OUT"
 
     vocab = min(reference.config.vocab_size, converted.config.vocab_size)
     generator = torch.Generator().manual_seed(seed)
@@ -126,7 +126,7 @@ def verify_conversion(
         "num_sequences": num_sequences,
         "seq_len": seq_len,
         "max_new_tokens": max_new_tokens,
-        "dtype": str(torch_dtype).removeprefix("torch."),
+        "dtype": dtype_name(torch_dtype),
     }
 
 
@@ -162,11 +162,7 @@ def _stored_dtype(path: Path) -> torch.dtype | None:
     """The dtype a checkpoint stores its embedding matrix in (every weight the converter casts has it)."""
     headers = read_headers(path, find_shards(path))
     info = headers.get("model.embed_tokens.weight") or headers.get("transformer.embed_tokens.weight")
-    return _SAFETENSORS_DTYPES.get(info.dtype) if info is not None else None
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return from_safetensors_code(info.dtype) if info is not None else None
 
 
 __all__ = ["verify_conversion"]

@@ -9,24 +9,11 @@ from pathlib import Path
 
 import torch
 
+from .dtypes import SAFETENSORS_CODES
 from .errors import ConversionError
+from .source import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 
 
-INDEX_NAME = "model.safetensors.index.json"
-
-
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 _HEADER_BYTES_PER_TENSOR = 192  # a header entry is ~120 bytes for the longest Llama tensor names
 
 
@@ -47,7 +34,6 @@ class ShardWriter:
         self._pending_bytes = 0  # bytes written to the open shard
         self._written: list[tuple[Path, list[str]]] = []
         self.shapes: dict[str, tuple[int, ...]] = {}
-        self.dtypes: dict[str, torch.dtype] = {}
         self.total_bytes = 0
         self.total_parameters = 0
 
@@ -56,7 +42,7 @@ class ShardWriter:
         if name in self.shapes:
             raise ConversionError(f"internal error: output tensor {name} produced twice; please report this bug.")
         dtype = dtype or tensor.dtype
-        if dtype not in _SAFETENSORS_DTYPES:
+        if dtype not in SAFETENSORS_CODES:
             raise ConversionError(f"tensor {name} has dtype {dtype}, which safetensors cannot store.")
         shape = tuple(getattr(tensor, "stored_shape", tensor.shape))  # see layout.stored_as
         size = tensor.numel() * dtype.itemsize
@@ -69,13 +55,12 @@ class ShardWriter:
         except OSError as exc:
             raise self._write_error(exc) from exc
         self._entries[name] = {
-            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "dtype": SAFETENSORS_CODES[dtype],
             "shape": list(shape),
             "data_offsets": [self._pending_bytes, self._pending_bytes + size],
         }
         self._pending_bytes += size
         self.shapes[name] = shape
-        self.dtypes[name] = dtype
         self.total_bytes += size
         self.total_parameters += tensor.numel()
 
@@ -137,7 +122,7 @@ class ShardWriter:
         if count == 0:
             raise ConversionError("internal error: no tensors were written; please report this bug.")
         names = (
-            ["model.safetensors"]
+            [SAFETENSORS_SINGLE]
             if count == 1
             else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
         )
@@ -150,8 +135,8 @@ class ShardWriter:
                 "metadata": {"total_size": self.total_bytes, "total_parameters": self.total_parameters},
                 "weight_map": dict(sorted(weight_map.items())),
             }
-            (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+            (self.directory / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         return names
 
 
-__all__ = ["INDEX_NAME", "ShardWriter"]
+__all__ = ["ShardWriter"]

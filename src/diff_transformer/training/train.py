@@ -25,6 +25,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, Trainer, TrainingArguments, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from ..conversion.source import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 from ..errors import UserError
 from ..loading import check_diff_checkpoint, load_causal_lm, read_json, resolve_model
 from ..safe_output import check_target
@@ -170,7 +171,7 @@ def load_config(args):
 
 
 _RUN_FILES = ("trainer_state.json", "runs")  # what Trainer writes into every run's output directory
-_MODEL_FILES = ("config.json", "adapter_config.json", "model.safetensors", "model.safetensors.index.json")
+_MODEL_FILES = ("config.json", "adapter_config.json", SAFETENSORS_SINGLE, SAFETENSORS_INDEX)
 
 
 def check_output(args) -> Path:
