@@ -10,7 +10,7 @@ import torch
 
 from .dtypes import dtype_name, from_safetensors_code, parse_dtype
 from .errors import ConversionError
-from .families import CAUSAL_LM, family_of, task_of
+from .families import CAUSAL_LM, Family, Task, family_of, task_of
 from .source import find_shards, load_config, read_headers, resolve_source
 
 
@@ -48,86 +48,107 @@ def verify_conversion(
     for Llama -> V1, which is not function-preserving), `passed` (expected_exact and both checks hold, else None
     when not expected exact), `reference` (what the converted model was compared with), plus the settings used.
     """
-    import transformers
-
-    from .. import modeling_diff
-
     if num_sequences < 1 or seq_len < 2 or max_new_tokens < 0:
         raise ConversionError("verify_conversion needs num_sequences >= 1, seq_len >= 2 and max_new_tokens >= 0.")
     torch_dtype = parse_dtype(dtype) or torch.float32
     src_path, _ = resolve_source(src, revision=revision, token=token)
     out_path = Path(out).expanduser()
-    if not out_path.is_dir():
-        raise ConversionError(f"OUT {out_path} is not a directory: convert first, then verify.")
-    src_config = load_config(src_path)
-    source_type = src_config.get("model_type")
-    out_config = load_config(out_path)
-    if out_config.get("model_type") != "diff":
-        raise ConversionError(f"OUT {out_path} is not a Diff checkpoint (model_type {out_config.get('model_type')!r}).")
-    family = family_of(source_type)
-    if family is None:
-        raise ConversionError(
-            f"SRC {src_path} has model_type {source_type!r}: only the families the converter reads can be verified."
-        )
-    task = task_of(family, src_config.get("architectures") or [], str(src_path))
-    source_class = getattr(transformers, family.prefix + task.suffix)
-    diff_class = getattr(modeling_diff, task.diff_class)
-    diff_version = int(out_config.get("diff_version", 1))
-    expected_exact = source_type == "diffllama" or diff_version == 2
-
-    try:
-        reference = source_class.from_pretrained(src_path, dtype=torch_dtype).eval()
-        converted = diff_class.from_pretrained(out_path, dtype=torch_dtype).eval()
-    except Exception as exc:
-        raise ConversionError(f"loading the checkpoints failed ({' '.join(str(exc).split())[:300]}).") from exc
-    reference_name = "the source"
-    cast = _stored_dtype(out_path)
-    if cast is not None and cast != _stored_dtype(src_path):
-        with torch.no_grad():
-            for name, param in reference.named_parameters():
-                if param.is_floating_point() and not _UNCAST_SOURCE_PARAMETERS.search(name):
-                    param.copy_(param.to(cast).to(param.dtype))
-        reference_name = f"the source with its weights cast to {dtype_name(cast)} as in OUT"
+    family, task, diff_version = _check_pair(src_path, out_path)
+    expected_exact = family.model_type == "diffllama" or diff_version == 2
+    reference, converted = _load_pair(src_path, out_path, family, task, torch_dtype)
+    reference_name = _cast_like_output(reference, src_path, out_path)
 
     vocab = min(reference.config.vocab_size, converted.config.vocab_size)
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab, (num_sequences, seq_len), generator=generator)
-    if task is not CAUSAL_LM:
+    if task is CAUSAL_LM:
+        with torch.no_grad():
+            max_diff = (reference(input_ids).logits.float() - converted(input_ids).logits.float()).abs().max().item()
+        prompts = input_ids[:, : max(1, seq_len // 2)]
+        greedy_match = _same_greedy_continuations(reference, converted, prompts, max_new_tokens)
+    else:  # a task head: its outputs on a padded batch, nothing to generate
         per_token = task.suffix != "ForSequenceClassification"
         max_diff = _head_difference(reference, converted, input_ids, per_token)
-        greedy_match = None
-        max_new_tokens = 0
-    else:
-        with torch.no_grad():
-            ref_logits = reference(input_ids).logits.float()
-            new_logits = converted(input_ids).logits.float()
-        max_diff = (ref_logits - new_logits).abs().max().item()
-        greedy_match = True
-
-    prompt = input_ids[:, : max(1, seq_len // 2)]
-    if max_new_tokens:
-        for row in prompt:
-            row = row.unsqueeze(0)
-            kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, pad_token_id=0)
-            with torch.no_grad():
-                ref_tokens = reference.generate(row, attention_mask=torch.ones_like(row), **kwargs)
-                new_tokens = converted.generate(row, attention_mask=torch.ones_like(row), **kwargs)
-            greedy_match = greedy_match and torch.equal(ref_tokens, new_tokens)
+        greedy_match, max_new_tokens = None, 0
     passed = (max_diff <= atol and greedy_match is not False) if expected_exact else None
     return {
         "max_abs_logit_diff": max_diff,
-        "greedy_match": None if greedy_match is None else bool(greedy_match),
+        "greedy_match": greedy_match,
         "expected_exact": expected_exact,
         "passed": passed,
         "atol": atol,
         "reference": reference_name,
-        "source_model_type": source_type,
+        "source_model_type": family.model_type,
         "diff_version": diff_version,
         "num_sequences": num_sequences,
         "seq_len": seq_len,
         "max_new_tokens": max_new_tokens,
         "dtype": dtype_name(torch_dtype),
     }
+
+
+def _check_pair(src_path: Path, out_path: Path) -> tuple[Family, Task, int]:
+    """SRC's family and task, and OUT's diff_version, once SRC is a source the converter reads and OUT a Diff
+    checkpoint."""
+    if not out_path.is_dir():
+        raise ConversionError(f"OUT {out_path} is not a directory: convert first, then verify.")
+    src_config = load_config(src_path)
+    source_type = src_config.get("model_type")
+    out_config = load_config(out_path)
+    out_type = out_config.get("model_type")
+    if out_type != "diff":
+        raise ConversionError(f"OUT {out_path} is not a Diff checkpoint (model_type {out_type!r}).")
+    family = family_of(source_type)
+    if family is None:
+        raise ConversionError(
+            f"SRC {src_path} has model_type {source_type!r}: only the families the converter reads can be verified."
+        )
+    task = task_of(family, src_config.get("architectures") or [], str(src_path))
+    return family, task, int(out_config.get("diff_version", 1))
+
+
+def _load_pair(src_path: Path, out_path: Path, family: Family, task: Task, dtype: torch.dtype):
+    """The source model and the converted one (transformers' and this package's class for the task), in `dtype`,
+    in eval mode."""
+    import transformers
+
+    from .. import modeling_diff
+
+    source_class = getattr(transformers, family.prefix + task.suffix)
+    diff_class = getattr(modeling_diff, task.diff_class)
+    try:
+        reference = source_class.from_pretrained(src_path, dtype=dtype).eval()
+        converted = diff_class.from_pretrained(out_path, dtype=dtype).eval()
+    except Exception as exc:
+        raise ConversionError(f"loading the checkpoints failed ({' '.join(str(exc).split())[:300]}).") from exc
+    return reference, converted
+
+
+def _cast_like_output(reference, src_path: Path, out_path: Path) -> str:
+    """When OUT stores another dtype than SRC, round `reference`'s weights through it as the converter did; returns
+    what the converted model is then compared with."""
+    cast = _stored_dtype(out_path)
+    if cast is None or cast == _stored_dtype(src_path):
+        return "the source"
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if param.is_floating_point() and not _UNCAST_SOURCE_PARAMETERS.search(name):
+                param.copy_(param.to(cast).to(param.dtype))
+    return f"the source with its weights cast to {dtype_name(cast)} as in OUT"
+
+
+def _same_greedy_continuations(reference, converted, prompts: torch.Tensor, max_new_tokens: int) -> bool:
+    """Whether both models continue every prompt (one at a time, no padding) with the same greedy tokens."""
+    if max_new_tokens == 0:
+        return True
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, pad_token_id=0)
+    for row in prompts.split(1):  # (1, L)
+        with torch.no_grad():
+            ref_tokens = reference.generate(row, attention_mask=torch.ones_like(row), **kwargs)
+            new_tokens = converted.generate(row, attention_mask=torch.ones_like(row), **kwargs)
+        if not torch.equal(ref_tokens, new_tokens):
+            return False
+    return True
 
 
 def _head_difference(reference, converted, input_ids: torch.Tensor, per_token: bool) -> float:
