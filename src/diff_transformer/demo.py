@@ -17,6 +17,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -130,6 +131,51 @@ def demo_output(output, mark: str, overwrite: bool = False):
         staging.install()
 
 
+@dataclass
+class _Loaded:
+    """A model of the demo with its tokenizer, its held-out perplexity and the logits behind it."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    perplexity: float
+    logits: list[torch.Tensor]
+
+
+class _Log:
+    """What a demo run prints (to `file`, default stdout) and the figures and checks it records."""
+
+    def __init__(self, figures: dict, file=None):
+        self.figures, self.file = figures, file
+
+    def say(self, text: str = "") -> None:
+        print(text, file=self.file or sys.stdout, flush=True)
+
+    def fail(self, error: Exception) -> int:
+        print(f"error: {error}", file=self.file or sys.stderr, flush=True)
+        self.figures.update(ok=False, error=str(error))
+        return 2
+
+    def check(self, name: str, ok: bool) -> bool:
+        self.figures.setdefault("checks", {})[name] = bool(ok)
+        return ok
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' warnings and progress bars off for the demo's own output, restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, progress_bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if progress_bars:
+            hf_logging.enable_progress_bar()
+
+
 def run_demo(
     output_dir: str | os.PathLike | None = None,
     prompt: str = DEFAULT_PROMPT,
@@ -144,208 +190,201 @@ def run_demo(
     stderr); fills `results` (if given) with the figures. Returns 0 when every check holds, 1 when one fails, 2 when
     the conversion cannot run (e.g. `output_dir` is a non-empty directory that this demo did not write, or changed
     since, and `overwrite` is not set)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from .conversion import convert_llama_to_diff, verify_conversion
-    from .modeling_diff import DiffForCausalLM
-
-    out_file = file or sys.stdout
-    figures = results if results is not None else {}
+    log = _Log(results if results is not None else {}, file)
     t0 = time.perf_counter()
-
-    def say(text: str = "") -> None:
-        print(text, file=out_file, flush=True)
-
-    def fail(error: Exception) -> int:
-        print(f"error: {error}", file=file or sys.stderr, flush=True)
-        figures.update(ok=False, error=str(error))
-        return 2
-
-    def check(name: str, ok: bool) -> bool:
-        figures.setdefault("checks", {})[name] = bool(ok)
-        return ok
-
-    verbosity, progress_bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    tmp = None
-    try:
+    with _quiet_transformers(), contextlib.ExitStack() as cleanup:
         if output_dir is None:
             tmp = Path(tempfile.mkdtemp(prefix="diff-demo-"))
-            out, replace = tmp / "tiny-diff-v2", False
+            cleanup.callback(shutil.rmtree, tmp, ignore_errors=True)
+            out, replace, keep = tmp / "tiny-diff-v2", False, False
         else:
             try:
                 out, replace = check_demo_output(output_dir, DEMO_MARK, overwrite)
             except UserError as exc:
-                return fail(exc)
+                return log.fail(exc)
+            keep = True
         with shipped_assets() as (src, heldout_path):
-            say(
-                "diff-transformer demo: a trained Llama checkpoint -> Diff Transformer V2 (function-preserving), offline"
-            )
-            say()
-            # 1. The source checkpoint.
-            t = time.perf_counter()
-            tokenizer = AutoTokenizer.from_pretrained(src)
-            source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+            title = "a trained Llama checkpoint -> Diff Transformer V2 (function-preserving), offline"
+            log.say(f"diff-transformer demo: {title}")
+            log.say()
             heldout_text = heldout_path.read_text(encoding="utf-8")
-            n_src = sum(p.numel() for p in source.parameters())
-            cfg = source.config
-            figures.update(
-                source_dir=str(src), source_bytes=_dir_size(src), source_parameters=n_src, vocab_size=len(tokenizer)
-            )
-            say(f"[1] source: {src}")
-            say(
-                f"    {type(source).__name__}: {n_src:,} parameters, {cfg.num_hidden_layers} layers, hidden "
-                f"{cfg.hidden_size}, {cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads; "
-                f"{figures['source_bytes'] / 1e6:.2f} MB on disk"
-            )
-            say(
-                f"    tokenizer: byte-level BPE, {len(tokenizer)} entries (bos {tokenizer.bos_token!r}, "
-                f"eos {tokenizer.eos_token!r}, pad {tokenizer.pad_token!r}), chat template: "
-                f"{'yes' if tokenizer.chat_template else 'no'}"
-            )
-            src_ppl, src_logits = heldout_perplexity(
-                source, tokenizer, heldout_text, max_tokens=DEMO_EVAL_TOKENS, return_logits=True
-            )
-            n_eval = min(
-                DEMO_EVAL_TOKENS, len(tokenizer(heldout_text, add_special_tokens=False, verbose=False).input_ids)
-            )
-            figures.update(source_perplexity=src_ppl, eval_tokens=n_eval)
-            say(
-                f"    held-out perplexity (first {n_eval:,} tokens of the last chapters of four Austen novels, "
-                f"unseen in training): {src_ppl:.4f}  (uniform: {len(tokenizer)})"
-            )
-            figures["time_load_source_s"] = time.perf_counter() - t
-            say(f"    ({figures['time_load_source_s']:.1f} s)")
-
-            # 2. Conversion.
-            t = time.perf_counter()
+            source = _load_source(log, src, heldout_text)
             try:
-                convert_llama_to_diff(src, out, diff_version=2, progress=False, overwrite=replace)
+                _convert_into(log, src, out, replace, keep)
             except UserError as exc:
-                return fail(exc)
-            if tmp is None:
-                write_manifest(out, DEMO_MARK)  # what lets a later run replace this directory without --overwrite
-            figures.update(output_dir=str(out), output_bytes=_dir_size(out), time_convert_s=time.perf_counter() - t)
-            say()
-            say(
-                f"[2] converted with convert_llama_to_diff(diff_version=2) -> {out if tmp is None else 'a temporary directory'}"
-                f" ({figures['output_bytes'] / 1e6:.2f} MB, {figures['time_convert_s']:.1f} s)"
-            )
+                return log.fail(exc)
+            _verify(log, src, out)
+            converted = _load_converted(log, out, source, heldout_text)
+            _generate(log, prompt, max_new_tokens, source, converted)
+        return _summary(log, t0, out if keep else None)
 
-            # 3. verify_conversion: random token sequences, logits and greedy continuations.
-            t = time.perf_counter()
-            report = verify_conversion(src, out)
-            figures.update(
-                verify_max_abs_logit_diff=report["max_abs_logit_diff"],
-                verify_greedy_match=report["greedy_match"],
-                time_verify_s=time.perf_counter() - t,
-            )
-            say()
-            say(
-                f"[3] verify_conversion ({report['num_sequences']} random sequences of {report['seq_len']} tokens, "
-                f"{report['dtype']}): max |Δlogit| = {report['max_abs_logit_diff']:.2e} (tolerance {LOGIT_ATOL:g}), "
-                f"greedy continuations identical: {report['greedy_match']}  ({figures['time_verify_s']:.1f} s)"
-            )
-            check("verify_logits", report["max_abs_logit_diff"] <= LOGIT_ATOL)
-            check("verify_greedy", report["greedy_match"])
 
-            # 4. The converted checkpoint through the Auto classes, on real text.
-            t = time.perf_counter()
-            converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-            out_tokenizer = AutoTokenizer.from_pretrained(out)
-            n_out = sum(p.numel() for p in converted.parameters())
-            ccfg = converted.config
-            figures.update(
-                converted_class=type(converted).__name__, converted_parameters=n_out, diff_version=ccfg.diff_version
-            )
-            say()
-            say(
-                f"[4] AutoModelForCausalLM.from_pretrained(converted) -> {type(converted).__name__} "
-                f"(diff_version={ccfg.diff_version}): {n_out:,} parameters, {ccfg.num_attention_heads} differential "
-                f"heads = {2 * ccfg.num_attention_heads} query heads over {ccfg.num_key_value_heads} KV heads; "
-                f"tokenizer copied: {out_tokenizer.get_vocab() == tokenizer.get_vocab()}"
-            )
-            check("converted_class", isinstance(converted, DiffForCausalLM) and ccfg.diff_version == 2)
-            check(
-                "tokenizer_copied",
-                out_tokenizer.get_vocab() == tokenizer.get_vocab()
-                and out_tokenizer.chat_template == tokenizer.chat_template,
-            )
-            out_ppl, out_logits = heldout_perplexity(
-                converted, out_tokenizer, heldout_text, max_tokens=DEMO_EVAL_TOKENS, return_logits=True
-            )
-            text_diff = max((a - b).abs().max().item() for a, b in zip(src_logits, out_logits))
-            figures.update(converted_perplexity=out_ppl, heldout_max_abs_logit_diff=text_diff)
-            say(
-                f"    held-out perplexity: source {src_ppl:.4f}, converted {out_ppl:.4f} "
-                f"(relative difference {abs(out_ppl - src_ppl) / src_ppl:.1e}); max |Δlogit| on that text {text_diff:.2e}"
-            )
-            check("perplexity_equal", abs(out_ppl - src_ppl) <= PPL_RTOL * src_ppl)
-            check("heldout_logits", text_diff <= LOGIT_ATOL)
-            figures["time_converted_eval_s"] = time.perf_counter() - t
+def _load_source(log: _Log, src: Path, heldout_text: str) -> _Loaded:
+    """[1] The source checkpoint, its tokenizer and its held-out perplexity."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            # 5. Generation with both models.
-            t = time.perf_counter()
-            inputs = tokenizer(prompt, return_tensors="pt")
-            kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, "num_beams": 1}
-            with torch.no_grad():
-                src_tokens = source.generate(**inputs, **kwargs)
-                t_src = time.perf_counter() - t
-                out_tokens = converted.generate(**inputs, **kwargs)
-            t_out = time.perf_counter() - t - t_src
-            new = slice(inputs.input_ids.shape[1], None)
-            src_text = tokenizer.decode(src_tokens[0, new], skip_special_tokens=True)
-            out_text = out_tokenizer.decode(out_tokens[0, new], skip_special_tokens=True)
-            same = torch.equal(src_tokens, out_tokens)
-            figures.update(
-                prompt=prompt,
-                source_generation=src_text,
-                converted_generation=out_text,
-                generated_tokens=int(src_tokens.shape[1] - inputs.input_ids.shape[1]),
-                generations_identical=same,
-                time_generate_source_s=t_src,
-                time_generate_converted_s=t_out,
-            )
-            settings = ", ".join(
-                f"{k}={v}"
-                for k, v in converted.generation_config.to_diff_dict().items()
-                if k in ("repetition_penalty", "no_repeat_ngram_size")
-            )
-            say()
-            say(
-                f"[5] greedy continuation of {prompt!r} ({max_new_tokens} new tokens at most"
-                f"{', ' + settings if settings else ''}, from generation_config.json):"
-            )
-            say(f"    Llama ({t_src:.2f} s): " + _indent(prompt + src_text))
-            say(f"    Diff  ({t_out:.2f} s): " + _indent(prompt + out_text))
-            say(f"    token-identical: {same}")
-            check("generations_identical", same)
+    t = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    n_src = sum(p.numel() for p in model.parameters())
+    cfg = model.config
+    figures = log.figures
+    figures.update(
+        source_dir=str(src), source_bytes=_dir_size(src), source_parameters=n_src, vocab_size=len(tokenizer)
+    )
+    log.say(f"[1] source: {src}")
+    log.say(
+        f"    {type(model).__name__}: {n_src:,} parameters, {cfg.num_hidden_layers} layers, hidden "
+        f"{cfg.hidden_size}, {cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads; "
+        f"{figures['source_bytes'] / 1e6:.2f} MB on disk"
+    )
+    log.say(
+        f"    tokenizer: byte-level BPE, {len(tokenizer)} entries (bos {tokenizer.bos_token!r}, "
+        f"eos {tokenizer.eos_token!r}, pad {tokenizer.pad_token!r}), chat template: "
+        f"{'yes' if tokenizer.chat_template else 'no'}"
+    )
+    ppl, logits = heldout_perplexity(model, tokenizer, heldout_text, max_tokens=DEMO_EVAL_TOKENS, return_logits=True)
+    n_eval = min(DEMO_EVAL_TOKENS, len(tokenizer(heldout_text, add_special_tokens=False, verbose=False).input_ids))
+    figures.update(source_perplexity=ppl, eval_tokens=n_eval)
+    log.say(
+        f"    held-out perplexity (first {n_eval:,} tokens of the last chapters of four Austen novels, "
+        f"unseen in training): {ppl:.4f}  (uniform: {len(tokenizer)})"
+    )
+    figures["time_load_source_s"] = time.perf_counter() - t
+    log.say(f"    ({figures['time_load_source_s']:.1f} s)")
+    return _Loaded(model, tokenizer, ppl, logits)
 
-        ok = all(figures["checks"].values())
-        figures["ok"] = ok
-        figures["time_total_s"] = time.perf_counter() - t0
-        say()
-        failed = [name for name, passed in figures["checks"].items() if not passed]
-        say(
-            f"{'PASS' if ok else 'FAIL'}: "
-            + (
-                "the converted Diff V2 model computes the same function as the source Llama"
-                if ok
-                else "checks failed: " + ", ".join(failed)
-            )
-            + f"  (total {figures['time_total_s']:.1f} s)"
-        )
-        if tmp is None:
-            say(f"converted checkpoint kept at {out}")
-        return 0 if ok else 1
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if progress_bars:
-            hf_logging.enable_progress_bar()
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+
+def _convert_into(log: _Log, src: Path, out: Path, replace: bool, keep: bool) -> None:
+    """[2] convert_llama_to_diff into `out`; a kept output gets the manifest that lets a later run replace it."""
+    from .conversion import convert_llama_to_diff
+
+    t = time.perf_counter()
+    convert_llama_to_diff(src, out, diff_version=2, progress=False, overwrite=replace)
+    if keep:
+        write_manifest(out, DEMO_MARK)  # what lets a later run replace this directory without --overwrite
+    figures = log.figures
+    figures.update(output_dir=str(out), output_bytes=_dir_size(out), time_convert_s=time.perf_counter() - t)
+    log.say()
+    log.say(
+        f"[2] converted with convert_llama_to_diff(diff_version=2) -> {out if keep else 'a temporary directory'}"
+        f" ({figures['output_bytes'] / 1e6:.2f} MB, {figures['time_convert_s']:.1f} s)"
+    )
+
+
+def _verify(log: _Log, src: Path, out: Path) -> None:
+    """[3] verify_conversion: random token sequences, logits and greedy continuations."""
+    from .conversion import verify_conversion
+
+    t = time.perf_counter()
+    report = verify_conversion(src, out)
+    log.figures.update(
+        verify_max_abs_logit_diff=report["max_abs_logit_diff"],
+        verify_greedy_match=report["greedy_match"],
+        time_verify_s=time.perf_counter() - t,
+    )
+    log.say()
+    log.say(
+        f"[3] verify_conversion ({report['num_sequences']} random sequences of {report['seq_len']} tokens, "
+        f"{report['dtype']}): max |Δlogit| = {report['max_abs_logit_diff']:.2e} (tolerance {LOGIT_ATOL:g}), "
+        f"greedy continuations identical: {report['greedy_match']}  ({log.figures['time_verify_s']:.1f} s)"
+    )
+    log.check("verify_logits", report["max_abs_logit_diff"] <= LOGIT_ATOL)
+    log.check("verify_greedy", report["greedy_match"])
+
+
+def _load_converted(log: _Log, out: Path, source: _Loaded, heldout_text: str) -> _Loaded:
+    """[4] The converted checkpoint through the Auto classes, on the source's held-out text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .modeling_diff import DiffForCausalLM
+
+    t = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    n_out = sum(p.numel() for p in model.parameters())
+    cfg = model.config
+    log.figures.update(converted_class=type(model).__name__, converted_parameters=n_out, diff_version=cfg.diff_version)
+    same_vocab = tokenizer.get_vocab() == source.tokenizer.get_vocab()
+    log.say()
+    log.say(
+        f"[4] AutoModelForCausalLM.from_pretrained(converted) -> {type(model).__name__} "
+        f"(diff_version={cfg.diff_version}): {n_out:,} parameters, {cfg.num_attention_heads} differential "
+        f"heads = {2 * cfg.num_attention_heads} query heads over {cfg.num_key_value_heads} KV heads; "
+        f"tokenizer copied: {same_vocab}"
+    )
+    log.check("converted_class", isinstance(model, DiffForCausalLM) and cfg.diff_version == 2)
+    log.check("tokenizer_copied", same_vocab and tokenizer.chat_template == source.tokenizer.chat_template)
+    ppl, logits = heldout_perplexity(model, tokenizer, heldout_text, max_tokens=DEMO_EVAL_TOKENS, return_logits=True)
+    src_ppl = source.perplexity
+    text_diff = max((a - b).abs().max().item() for a, b in zip(source.logits, logits, strict=False))
+    log.figures.update(converted_perplexity=ppl, heldout_max_abs_logit_diff=text_diff)
+    log.say(
+        f"    held-out perplexity: source {src_ppl:.4f}, converted {ppl:.4f} "
+        f"(relative difference {abs(ppl - src_ppl) / src_ppl:.1e}); max |Δlogit| on that text {text_diff:.2e}"
+    )
+    log.check("perplexity_equal", abs(ppl - src_ppl) <= PPL_RTOL * src_ppl)
+    log.check("heldout_logits", text_diff <= LOGIT_ATOL)
+    log.figures["time_converted_eval_s"] = time.perf_counter() - t
+    return _Loaded(model, tokenizer, ppl, logits)
+
+
+def _generate(log: _Log, prompt: str, max_new_tokens: int, source: _Loaded, converted: _Loaded) -> None:
+    """[5] Greedy continuations of `prompt` by both models, which must be token-identical."""
+    t = time.perf_counter()
+    inputs = source.tokenizer(prompt, return_tensors="pt")
+    kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, "num_beams": 1}
+    with torch.no_grad():
+        src_tokens = source.model.generate(**inputs, **kwargs)
+        t_src = time.perf_counter() - t
+        out_tokens = converted.model.generate(**inputs, **kwargs)
+    t_out = time.perf_counter() - t - t_src
+    new = slice(inputs.input_ids.shape[1], None)
+    src_text = source.tokenizer.decode(src_tokens[0, new], skip_special_tokens=True)
+    out_text = converted.tokenizer.decode(out_tokens[0, new], skip_special_tokens=True)
+    same = torch.equal(src_tokens, out_tokens)
+    log.figures.update(
+        prompt=prompt,
+        source_generation=src_text,
+        converted_generation=out_text,
+        generated_tokens=int(src_tokens.shape[1] - inputs.input_ids.shape[1]),
+        generations_identical=same,
+        time_generate_source_s=t_src,
+        time_generate_converted_s=t_out,
+    )
+    settings = ", ".join(
+        f"{k}={v}"
+        for k, v in converted.model.generation_config.to_diff_dict().items()
+        if k in ("repetition_penalty", "no_repeat_ngram_size")
+    )
+    log.say()
+    log.say(
+        f"[5] greedy continuation of {prompt!r} ({max_new_tokens} new tokens at most"
+        f"{', ' + settings if settings else ''}, from generation_config.json):"
+    )
+    log.say(f"    Llama ({t_src:.2f} s): " + _indent(prompt + src_text))
+    log.say(f"    Diff  ({t_out:.2f} s): " + _indent(prompt + out_text))
+    log.say(f"    token-identical: {same}")
+    log.check("generations_identical", same)
+
+
+def _summary(log: _Log, t0: float, kept: Path | None) -> int:
+    """PASS or FAIL with the failed checks; the exit code."""
+    figures = log.figures
+    ok = all(figures["checks"].values())
+    figures["ok"] = ok
+    figures["time_total_s"] = time.perf_counter() - t0
+    failed = [name for name, passed in figures["checks"].items() if not passed]
+    verdict = (
+        "the converted Diff V2 model computes the same function as the source Llama"
+        if ok
+        else "checks failed: " + ", ".join(failed)
+    )
+    log.say()
+    log.say(f"{'PASS' if ok else 'FAIL'}: {verdict}  (total {figures['time_total_s']:.1f} s)")
+    if kept is not None:
+        log.say(f"converted checkpoint kept at {kept}")
+    return 0 if ok else 1
 
 
 __all__ = [
