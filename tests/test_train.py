@@ -61,7 +61,7 @@ def train(workdir, version, output, *extra):
 
 def trainer_for(workdir, version, output, *extra):
     argv = [str(workdir / f"v{version}"), "--data", str(workdir / "text.txt"), "--output", str(output), *QUIET, *extra]
-    return build_trainer(parse_train_args(argv))
+    return build_trainer(parse_train_args(argv)).trainer
 
 
 def history(output):
@@ -245,7 +245,9 @@ def test_grad_accumulation_matches_a_larger_batch(workdir, tmp_path):
         argv = [str(workdir / "v2"), "--data", str(tmp_path / "two.txt"), "--output", str(tmp_path / f"b{batch}"), *QUIET]
         argv += ["--batch-size", str(batch), "--grad-accum", str(accum), "--max-steps", "1", "--eval-fraction", "0"]
         argv += ["--max-grad-norm", "0", "--logging-steps", "1", "--seed", "3"]
-        trainer = build_trainer(parse_train_args(argv))
+        run = build_trainer(parse_train_args(argv))
+        assert run.resume is None and run.block_size == BLOCK
+        trainer = run.trainer
         assert len(trainer.train_dataset) == 2
         record = RecordGrads()
         trainer.add_callback(record)

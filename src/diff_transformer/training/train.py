@@ -20,6 +20,7 @@ import shutil
 import sys
 import zipfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, Trainer, TrainingArguments, set_seed
@@ -327,8 +328,17 @@ def training_arguments(args, has_eval: bool, resuming: bool) -> TrainingArgument
     )
 
 
-def build_trainer(args) -> CausalLMTrainer:
-    """Everything `run` needs, without training: the Trainer (model, data, callbacks) for `args`."""
+class PreparedRun(NamedTuple):
+    """What `build_trainer` prepares for `run`."""
+
+    trainer: CausalLMTrainer
+    resume: str | None  # the checkpoint to resume from; None: start
+    block_size: int
+
+
+def build_trainer(args) -> PreparedRun:
+    """Everything `run` needs, without training: the Trainer (model, data, callbacks) for `args`, the checkpoint it
+    resumes from and the block size."""
     config = load_config(args)
     block_size = check_args(args, config)
     check_output(args)
@@ -368,13 +378,11 @@ def build_trainer(args) -> CausalLMTrainer:
     )
     # First in line, so the λ values it adds to a log reach TensorBoard and the progress bar in the same call.
     trainer.callback_handler.callbacks.insert(0, LambdaLoggingCallback(model))
-    trainer.resume_checkpoint = resume
-    trainer.block_size = block_size
-    return trainer
+    return PreparedRun(trainer, resume, block_size)
 
 
 def run(args) -> int:
-    trainer = build_trainer(args)
+    trainer, resume, block_size = build_trainer(args)
     main = trainer.is_world_process_zero()
     model, train_data, eval_data = trainer.model, trainer.train_dataset, trainer.eval_dataset
     if main:
@@ -383,14 +391,14 @@ def run(args) -> int:
         world = trainer.args.world_size
         print(
             f"model: {type(model).__name__} from {args.model}, {n_params:,} parameters ({n_train:,} trainable)\n"
-            f"data: {len(train_data):,} training blocks of {trainer.block_size} tokens"
+            f"data: {len(train_data):,} training blocks of {block_size} tokens"
             + (f", {len(eval_data):,} held out" if eval_data is not None else ", no evaluation")
             + f"; {args.batch_size} x {args.grad_accum} accumulation x {world} process(es) = "
             f"{args.batch_size * args.grad_accum * world} blocks per step"
-            + (f"\nresuming from {trainer.resume_checkpoint}" if trainer.resume_checkpoint else ""),
+            + (f"\nresuming from {resume}" if resume else ""),
             flush=True,
         )
-    result = trainer.train(resume_from_checkpoint=trainer.resume_checkpoint)
+    result = trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(args.output)  # model (or LoRA adapter) + tokenizer, main process only
     trainer.save_metrics("train", result.metrics)
     metrics = trainer.evaluate() if eval_data is not None else {}
