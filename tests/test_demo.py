@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from diff_transformer.demo import DEFAULT_PROMPT, DEMO_EVAL_TOKENS, run_demo, shipped_assets
+from diff_transformer import cli
+from diff_transformer.demo import DEFAULT_PROMPT, DEMO_EVAL_TOKENS, DEMO_MARK, run_demo, shipped_assets
+from diff_transformer.safe_output import wrote_this
 
 
 def test_shipped_assets_are_complete():
@@ -57,7 +59,8 @@ def test_shipped_tokenizer_round_trips_english():
 
 
 @pytest.mark.slow
-def test_run_demo_end_to_end(tmp_path):
+def test_run_demo_end_to_end(tmp_path, capsys):
+    """The suite's one full demo: `run_demo` with its figures, then `diff-transformer demo` over its output."""
     out = tmp_path / "tiny-diff-v2"
     buffer = io.StringIO()
     results = {}
@@ -99,8 +102,12 @@ def test_run_demo_end_to_end(tmp_path):
     assert config["model_type"] == "diff" and config["diff_version"] == 2
     assert (out / "tokenizer.json").exists() and (out / "chat_template.jinja").exists()
 
-    # Running again into the same directory replaces the previous demo output...
-    assert run_demo(out, max_new_tokens=4, file=io.StringIO()) == 0
+    # Running again into the same directory (as `diff-transformer demo`) replaces the previous demo output...
+    capsys.readouterr()
+    assert cli.main(["demo", "--output", str(out), "--prompt", "Mr. Darcy"]) == 0
+    printed = capsys.readouterr().out
+    assert "greedy continuation of 'Mr. Darcy'" in printed and "PASS" in printed
+    assert (out / "config.json").exists() and wrote_this(out, DEMO_MARK)
     # ... but not once something in it changed, unless told to.
     (out / "generation_config.json").write_text("{}")
     buffer = io.StringIO()
