@@ -243,8 +243,14 @@ def test_revision_pins_commits_and_branches(hub, revisions, isolated, ids):
     # Without the package (remote code; transformers fetches the code at the same revision).
     assert torch.equal(torch.tensor(remote(isolated, "pinned")["logits"]), logits(models[revisions["first"]], ids))
     assert torch.equal(torch.tensor(remote(isolated, "dev")["logits"]), logits(models["dev"], ids))
+
+
+@pytest.mark.canary
+def test_unknown_revision_and_repo_keep_transformers_messages(hub, revisions):
+    """Canary for the OSError wording of transformers' `from_pretrained` (through huggingface_hub) for an unknown
+    branch and an unknown repo, which users of a Diff checkpoint see as they are."""
     with pytest.raises(OSError, match="not-a-branch is not a valid git identifier"):
-        AutoModelForCausalLM.from_pretrained(repo, revision="not-a-branch")
+        AutoModelForCausalLM.from_pretrained(revisions["repo"], revision="not-a-branch")
     with pytest.raises(OSError, match="no-such-repo is not a local folder and is not a valid model identifier"):
         AutoModelForCausalLM.from_pretrained(f"{hub.user}/no-such-repo")
 
@@ -294,7 +300,10 @@ def test_peft_adapter_round_trip(hub, adapters, pushed, ids, diff_version):
 # ---- safety ----
 
 
+@pytest.mark.canary
 def test_no_code_files_without_package_fails_with_a_clear_message(isolated, bare, ids):
+    """Canary for transformers' message when auto_map names a code file the repo lacks (and for its trust_remote_code
+    refusal coming first); the native load with the package is this package's behaviour."""
     # auto_map points at configuration_diff.py, which the repo lacks: transformers names the missing file.
     message = isolated["no code"]["error"]
     assert "does not appear to have a file named configuration_diff.py" in message, message
@@ -306,7 +315,10 @@ def test_no_code_files_without_package_fails_with_a_clear_message(isolated, bare
     assert torch.equal(logits(pulled, ids), logits(bare["model"], ids))
 
 
+@pytest.mark.canary
 def test_trust_remote_code_false_is_refused_with_transformers_message(isolated, pushed):
+    """Canary for the wording of transformers' refusal of custom code without trust_remote_code=True, which README.md
+    quotes."""
     message = isolated["untrusted"]["error"]
     assert message.startswith("ValueError: ")
     assert f"The repository {pushed[2][1]} contains custom code which must be executed" in message

@@ -81,7 +81,10 @@ def test_targets_are_llamas(diff_version, make_config):
     assert diff == expected
 
 
+@pytest.mark.canary
 def test_defaults_registered_on_construction_and_on_request():
+    """Canary for PEFT's internal `peft.utils.constants.TRANSFORMERS_MODELS_TO_*` tables (keyed by model_type, with a
+    "llama" entry), into which `register_peft_defaults` copies Llama's defaults for "diff"."""
     from peft.utils import constants
 
     tables = [t for name, t in vars(constants).items() if name.startswith("TRANSFORMERS_MODELS_TO_") and "llama" in t]

@@ -106,10 +106,12 @@ def test_text_generation_pipeline_matches_generate(models, references, name):
 # ---- transformers serve ----
 
 
+@pytest.mark.canary
 def test_plain_transformers_serve_cannot_load_custom_code_models(models):
     """Why `diff-transformer serve` exists: transformers 5.23's server resolves `getattr(transformers,
     config.architectures[0])`, so `transformers serve --trust-remote-code` fails on any custom-code checkpoint.
-    When this starts failing, transformers fixed it and the plain command works too (update the README)."""
+    Canary for transformers' `ModelManager.load_model_and_processor`: when this starts failing, transformers fixed it
+    and the plain command works too (update the README)."""
     from transformers.cli.serving import model_manager
 
     assert not hasattr(model_manager.transformers, "DiffForCausalLM")  # nothing in this process patched it

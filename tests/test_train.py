@@ -568,6 +568,22 @@ def test_resume_of_a_tied_model_reports_no_missing_lm_head(workdir, tmp_path, mo
     assert "lm_head.weight" not in final  # still tied: saved once, as the embedding
 
 
+@pytest.mark.canary
+def test_trainer_warns_about_missing_keys_on_resume(monkeypatch):
+    """Canary for transformers' `Trainer._issue_warnings_after_load` and its "missing keys" warning, which
+    `CausalLMTrainer` silences for a tied lm_head: if the wording changes, the test above can no longer fail."""
+    from types import SimpleNamespace
+
+    import transformers.trainer
+
+    warnings = []
+    monkeypatch.setattr(transformers.trainer.logger, "warning", lambda message, *a, **k: warnings.append(str(message)))
+    trainer = SimpleNamespace(model=SimpleNamespace(_keys_to_ignore_on_save=None))
+    load_result = SimpleNamespace(missing_keys=["lm_head.weight"], unexpected_keys=[])
+    transformers.Trainer._issue_warnings_after_load(trainer, load_result)
+    assert len(warnings) == 1 and "missing keys" in warnings[0] and "lm_head.weight" in warnings[0]
+
+
 def test_bitsandbytes_kernel_notice_is_hidden_outside_4bit(caplog):
     import logging
 
