@@ -395,6 +395,7 @@ def test_side_files_card_and_custom_code(tmp_path):
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directories left
 
 
+@pytest.mark.slow  # test_card.py::test_card_usage_snippet_runs_without_the_package loads a conversion that way too
 def test_loads_as_remote_code_without_the_package(tmp_path):
     src = make_llama(tmp_path / "llama")
     out = convert_llama_to_diff(src, tmp_path / "diff", progress=False)

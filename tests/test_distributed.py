@@ -29,6 +29,10 @@ from dist_suite import TRAIN_ARGS  # noqa: E402
 from diff_transformer import DiffForCausalLM, cli  # noqa: E402
 
 
+# One 2-process torchrun launch for the module (minutes on a loaded 2-core machine): the full run only.
+pytestmark = pytest.mark.slow
+
+
 def launch(script, *args, nproc=2, timeout=120):
     """Run a script of tests/distributed under torchrun with NPROC processes (a free port via --standalone)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

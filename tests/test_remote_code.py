@@ -67,7 +67,8 @@ def test_remote_code_from_local_directory(tmp_path, diff_version):
     check(report, model, ids)
 
 
-@pytest.mark.parametrize("version", [1, 2])
+# Loading from the cache does not depend on the version (test_remote_code_from_local_directory runs both): V1 is slow.
+@pytest.mark.parametrize("version", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_remote_code_from_offline_hub_cache(tmp_path, version):
     """The repo sits in the HF cache exactly as snapshot_download leaves it; HF_HUB_OFFLINE=1 forbids the network."""
     model = tiny_model(version)

@@ -277,6 +277,7 @@ def test_gradient_checkpointing_changes_nothing_but_memory(workdir, tmp_path):
         torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.slow  # two torchrun launches; test_distributed.py runs `train` under torchrun too (also slow)
 @pytest.mark.parametrize("version, extra", [(2, []), (1, ["--diff-only-steps", "1"])], ids=["v2", "v1-diff-only"])
 def test_torchrun_ddp_equals_one_process_with_the_global_batch(workdir, tmp_path, version, extra):
     """The unchanged command under torchrun: 2 processes x 1 block = 1 process x 2 blocks (loss, λ, weights). With
@@ -436,6 +437,7 @@ def test_qlora_cli_trains_4bit_base_with_lora_and_lambda(workdir, tmp_path):
     assert lam.dtype == torch.float32 and not torch.equal(lam, base.model.layers[0].self_attn.diff_lambda.proj.weight)
 
 
+@pytest.mark.slow  # test_peft.py::test_qlora_4bit checks the same repacking (an evaluation, then a gradient step)
 def test_qlora_cli_keeps_learning_after_evaluations(workdir, tmp_path):
     """Evaluations between QLoRA steps on CPU: bitsandbytes repacks 4-bit layers for inference on the first forward in
     eval mode without gradients, and its repacked kernel has no autograd. The model keeps the differentiable kernel,
