@@ -437,7 +437,6 @@ def test_qlora_cli_trains_4bit_base_with_lora_and_lambda(workdir, tmp_path):
     assert lam.dtype == torch.float32 and not torch.equal(lam, base.model.layers[0].self_attn.diff_lambda.proj.weight)
 
 
-@pytest.mark.slow  # test_peft.py::test_qlora_4bit checks the same repacking (an evaluation, then a gradient step)
 def test_qlora_cli_keeps_learning_after_evaluations(workdir, tmp_path):
     """Evaluations between QLoRA steps on CPU: bitsandbytes repacks 4-bit layers for inference on the first forward in
     eval mode without gradients, and its repacked kernel has no autograd. The model keeps the differentiable kernel,
