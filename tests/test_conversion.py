@@ -3,9 +3,6 @@
 import hashlib
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -397,22 +394,24 @@ def test_side_files_card_and_custom_code(tmp_path):
 
 @pytest.mark.slow  # test_card.py::test_card_usage_snippet_runs_without_the_package loads a conversion that way too
 def test_loads_as_remote_code_without_the_package(tmp_path):
+    """The copied code files alone (diff_transformer cannot be imported in the child) give the native model's logits."""
+    from _subprocess import run_json
+
     src = make_llama(tmp_path / "llama")
     out = convert_llama_to_diff(src, tmp_path / "diff", progress=False)
     script = (
-        "import sys, torch\n"
+        "import json, sys, torch\n"
         "from transformers import AutoModelForCausalLM\n"
-        f"m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)\n"
-        "assert 'diff_transformer' not in sys.modules, 'package was imported'\n"
-        "assert type(m).__module__.startswith('transformers_modules'), type(m).__module__\n"
-        "print(m(torch.tensor([[3, 4, 5]])).logits.shape)\n"
+        "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "logits = m(torch.tensor([[3, 4, 5]])).logits\n"
+        "print(json.dumps({'module': type(m).__module__, 'logits': logits.tolist()}))\n"
     )
-    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"torch.Size([1, 3, {VOCAB}])" in result.stdout
+    report = run_json(script, out, env={"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"})
+    assert report["module"].startswith("transformers_modules"), report["module"]
+    with torch.no_grad():
+        expected = DiffForCausalLM.from_pretrained(out)(torch.tensor([[3, 4, 5]])).logits
+    assert expected.shape == (1, 3, VOCAB)
+    torch.testing.assert_close(torch.tensor(report["logits"]), expected, rtol=0, atol=1e-6)
 
 
 def test_hub_id_from_offline_cache(tmp_path, monkeypatch):
