@@ -340,9 +340,9 @@ def test_streaming_holds_about_one_shard(tmp_path, monkeypatch):
 
     from diff_transformer.conversion import writer as writer_module
 
-    sizes = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4)
-    src = make_llama(tmp_path / "llama", max_shard_size="8MB", num_hidden_layers=3, **sizes)  # 71 MB in 8 shards
-    shards = [p.stat().st_size for p in src.glob("*.safetensors")]
+    sizes = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_attention_heads=8)
+    src = make_llama(tmp_path / "llama", max_shard_size="8MB", num_hidden_layers=3, num_key_value_heads=4, **sizes)
+    shards = [p.stat().st_size for p in src.glob("*.safetensors")]  # 71 MB in 8, the largest one embedding (17 MB)
     convert_llama_to_diff(make_llama(tmp_path / "small"), tmp_path / "warm-up", progress=False)  # lazy imports
     process = psutil.Process()
     peak = 0
@@ -394,7 +394,7 @@ def test_side_files_card_and_custom_code(tmp_path):
 
 @pytest.mark.slow  # test_card.py::test_card_usage_snippet_runs_without_the_package loads a conversion that way too
 def test_loads_as_remote_code_without_the_package(tmp_path):
-    """The copied code files alone (diff_transformer cannot be imported in the child) give the native model's logits."""
+    """The copied code files alone (diff_transformer cannot be imported in the child) give the native logits."""
     from _subprocess import run_json
 
     src = make_llama(tmp_path / "llama")
