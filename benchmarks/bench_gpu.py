@@ -314,14 +314,16 @@ def applicable_backends(name: str, backends: list[str]) -> list[str]:
     return [b for b in backends if b != "diff_triton" or name == "v1"]  # the fused kernel is V1's
 
 
-def kernels_status() -> str | None:
-    """None when `diff_triton` is registered, else why not."""
+def kernels_status(device: torch.device) -> str | None:
+    """None when `diff_triton` is registered and runs the fused kernel on `device`, else why not."""
     try:
-        importlib.import_module("diff_transformer.kernels")
+        kernels = importlib.import_module("diff_transformer.kernels")
     except ImportError as e:
         return f"unavailable: diff_transformer.kernels does not import ({one_line(e)})"
     if "diff_triton" not in ALL_ATTENTION_FUNCTIONS.valid_keys():
         return "unavailable: 'diff_triton' is not registered with transformers' attention interface"
+    if not kernels.is_available(device):
+        return f"unavailable: the fused kernel needs a CUDA device and triton; on {device.type} 'diff_triton' runs as sdpa"
     return None
 
 
@@ -339,7 +341,7 @@ def probe(model, backend: str, dev: Device, smoke: bool, vocab: int) -> str | No
     if backend == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         return "not installed (the flash_attn package does not import)"
     if backend == "diff_triton":
-        reason = kernels_status()
+        reason = kernels_status(dev.device)
         if reason:
             return reason
     try:
