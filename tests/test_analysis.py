@@ -1,0 +1,194 @@
+"""diff_transformer.analysis: maps against eager `output_attentions`, λ against the λ modules, metrics by hand."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import (
+    DiffLlamaConfig,
+    DiffLlamaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+from diff_transformer.analysis import (
+    attention_maps,
+    entropy,
+    lambda_per_layer,
+    layer_metrics,
+    negative_fraction,
+    noise_mass,
+    span_mass,
+)
+
+
+def batch():
+    torch.manual_seed(1)
+    ids = torch.randint(3, 97, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    return ids, mask
+
+
+def eager_reference(model, ids, mask):
+    """What eager attention returns with output_attentions=True, the model switched to eager and back."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            return model(ids, attention_mask=mask, output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation(before)
+
+
+def assert_rows_sum_to_one(maps, mask):
+    valid = mask.bool()  # query rows that are not padding
+    sums = maps.sum(-1).permute(0, 2, 1)[valid]  # (rows, H)
+    torch.testing.assert_close(sums, torch.ones_like(sums), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_differential_maps_equal_eager_output_attentions(diff_version, backend):
+    model = tiny_model(diff_version, attn_implementation=backend)
+    ids, mask = batch()
+    entries = attention_maps(model, ids, mask)
+    reference = eager_reference(model, ids, mask)
+    assert len(entries) == model.config.num_hidden_layers == len(reference)
+    H = model.config.num_attention_heads
+    for entry, expected in zip(entries, reference):
+        assert entry.first.shape == entry.second.shape == entry.differential.shape == (2, H, 10, 10)
+        assert entry.lam.shape == (() if diff_version == 1 else (2, H, 10))
+        rows = mask.bool()  # padding query rows see no key: not compared
+        got, want = entry.differential.permute(0, 2, 1, 3)[rows], expected.permute(0, 2, 1, 3)[rows]
+        torch.testing.assert_close(got, want.float(), atol=2e-6, rtol=1e-5)
+        assert_rows_sum_to_one(entry.first, mask)
+        assert_rows_sum_to_one(entry.second, mask)
+        assert not entry.first[1, :, :, :3].any()  # padding keys get no weight
+        assert not entry.first.triu(1).any()  # causal
+        # The two maps are different softmaxes (q1 k1 vs q2 k2, or query heads 2h vs 2h+1).
+        assert (entry.first - entry.second).abs().max() > 1e-3
+
+
+def test_lambda_matches_the_lambda_modules(diff_version):
+    model = tiny_model(diff_version)
+    ids, mask = batch()
+    outputs, handles = [], []
+    for layer in model.model.layers:
+        handles.append(layer.self_attn.diff_lambda.register_forward_hook(lambda m, a, out: outputs.append(out)))
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+    for handle in handles:
+        handle.remove()
+    entries = attention_maps(model, ids, mask)
+    for entry, expected in zip(entries, outputs):
+        if diff_version == 1:
+            assert entry.lam.dim() == 0
+            assert entry.lam.item() == expected.item()
+        else:
+            torch.testing.assert_close(entry.lam, expected.transpose(1, 2))  # (B, N, H) -> (B, H, N)
+    per_layer = lambda_per_layer(entries)
+    assert per_layer.shape == (2, 4)
+    if diff_version == 1:
+        assert torch.equal(per_layer[:, 0], torch.stack([o for o in outputs]))
+    else:
+        valid = mask.bool()
+        torch.testing.assert_close(per_layer[0], outputs[0][valid].mean(0))
+
+
+def test_forward_unchanged_afterwards(diff_version):
+    model = tiny_model(diff_version, attn_implementation="sdpa")
+    ids, mask = batch()
+    with torch.no_grad():
+        before = model(ids, attention_mask=mask).logits
+    attention_maps(model, ids, mask)
+    with torch.no_grad():
+        after = model(ids, attention_mask=mask).logits
+    assert torch.equal(before, after)
+    assert model.config._attn_implementation == "sdpa"
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+
+def test_remote_code_model(tmp_path, diff_version):
+    model = tiny_model(diff_version)
+    model.save_pretrained(tmp_path)
+    # The checkpoint's own custom code (a transformers_modules class), not the package's class that Auto prefers here.
+    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"]
+    remote_class = get_class_from_dynamic_module(auto_map, tmp_path)
+    remote = remote_class.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    assert type(remote).__module__.startswith("transformers_modules.")
+    ids, mask = batch()
+    entries = attention_maps(remote, ids, mask)
+    expected = attention_maps(model, ids, mask)
+    for got, want in zip(entries, expected):
+        torch.testing.assert_close(got.differential, want.differential)
+        if diff_version == 1:
+            torch.testing.assert_close(got.lam, want.lam)
+        else:  # padding positions' hidden states depend on the backend's fully-masked rows: valid tokens only
+            torch.testing.assert_close(got.lam.transpose(1, 2)[mask.bool()], want.lam.transpose(1, 2)[mask.bool()])
+    assert remote.config._attn_implementation == "sdpa"
+
+
+def test_llama_maps_and_metrics():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=0,
+    )
+    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+    ids, mask = batch()
+    entries = attention_maps(model, ids, mask)
+    reference = eager_reference(model, ids, mask)
+    rows = mask.bool()
+    for entry, expected in zip(entries, reference):
+        assert entry.second is None and entry.lam is None and entry.differential is entry.first
+        torch.testing.assert_close(entry.first.permute(0, 2, 1, 3)[rows], expected.permute(0, 2, 1, 3)[rows])
+    metrics = layer_metrics(entries, span=(4, 6))
+    assert torch.all(metrics["negative_fraction"] == 0)
+    assert torch.isnan(metrics["lambda"]).all()
+    torch.testing.assert_close(metrics["answer"] + metrics["noise"], torch.ones(2, 4))  # softmax: answer + noise = 1
+    assert torch.all(metrics["entropy"] > 0) and torch.all(metrics["entropy"] <= math.log(10) + 1e-6)
+
+
+def test_diffllama_maps_and_lambda():
+    torch.manual_seed(0)
+    config = DiffLlamaConfig(
+        vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=0, lambda_std_dev=0.3,
+    )
+    model = DiffLlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+    ids, mask = batch()
+    entries = attention_maps(model, ids, mask)
+    reference = eager_reference(model, ids, mask)  # DiffLlama's eager returns its raw softmax maps, H heads
+    rows = mask.bool()
+    for layer, entry, expected in zip(model.model.layers, entries, reference):
+        both = torch.cat([entry.first, entry.second], dim=1)  # (B, H, N, L): A1 heads, then A2 heads
+        torch.testing.assert_close(both.permute(0, 2, 1, 3)[rows], expected.permute(0, 2, 1, 3)[rows])
+        attn = layer.self_attn
+        lam = math.exp((attn.lambda_q1 * attn.lambda_k1).sum().item()) - math.exp(
+            (attn.lambda_q2 * attn.lambda_k2).sum().item()
+        ) + attn.lambda_init
+        assert entry.lam.item() == pytest.approx(lam, rel=1e-6)
+        torch.testing.assert_close(entry.differential, entry.first - lam * entry.second)
+    metrics = layer_metrics(entries, span=(4, 6))
+    assert metrics["entropy"].shape == metrics["answer"].shape == (2, 2)
+    torch.testing.assert_close(metrics["lambda"][:, 0], torch.stack([e.lam for e in entries]))
+    assert ((metrics["negative_fraction"] >= 0) & (metrics["negative_fraction"] <= 1)).all()
+
+
+def test_span_mass_and_metrics_on_a_hand_computed_map():
+    # One head, two queries, three keys; query 0 sees key 0 only, query 1 sees all three.
+    weights = torch.tensor([[[[1.0, 0.0, 0.0], [0.5, 0.7, -0.2]]]])  # (B=1, H=1, N=2, L=3)
+    mask = torch.tensor([[[True, False, False], [True, True, True]]])  # (B, N, L)
+    # Row 1, span = keys 1..2: (0.7 - 0.2) / (0.5 + 0.7 + 0.2) = 0.5 / 1.4; noise: 0.5 / 1.4.
+    assert span_mass(weights, mask, (1, 3)).item() == pytest.approx(0.5 / 1.4)
+    assert noise_mass(weights, mask, (1, 3)).item() == pytest.approx(0.5 / 1.4)
+    # Both rows, span = key 0: row 0 gives 1, row 1 gives 0.5 / 1.4; averaged.
+    assert span_mass(weights, mask, (0, 1), queries=None).item() == pytest.approx((1 + 0.5 / 1.4) / 2)
+    # Entropy of |w| / Σ|w|: row 0 is 0, row 1 is that of (0.5, 0.7, 0.2) / 1.4.
+    p = [0.5 / 1.4, 0.7 / 1.4, 0.2 / 1.4]
+    assert entropy(weights, mask).item() == pytest.approx(-sum(x * math.log(x) for x in p) / 2)
+    # One negative among the four allowed entries.
+    assert negative_fraction(weights, mask).item() == pytest.approx(0.25)
