@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -192,3 +193,75 @@ def test_span_mass_and_metrics_on_a_hand_computed_map():
     assert entropy(weights, mask).item() == pytest.approx(-sum(x * math.log(x) for x in p) / 2)
     # One negative among the four allowed entries.
     assert negative_fraction(weights, mask).item() == pytest.approx(0.25)
+
+
+def _refused(capsys, argv, *words):
+    from diff_transformer import cli
+
+    capsys.readouterr()
+    assert cli.main([str(a) for a in argv]) == 2, argv
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    for word in words:
+        assert str(word) in err, (word, err)
+
+
+def test_inspect_writes_png_and_json(tmp_path, capsys, diff_version):
+    from diff_transformer import cli
+
+    model = tiny_model(diff_version)
+    model.save_pretrained(tmp_path / "model")
+    out, maps = tmp_path / "fig.png", tmp_path / "maps.json"
+    argv = ["inspect", tmp_path / "model", "5 17 42 8 9 30", "--layer", 1, "--head", 3, "--out", out, "--json", maps]
+    assert cli.main([str(a) for a in argv]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads(maps.read_text())
+    entry = attention_maps(model, torch.tensor([[5, 17, 42, 8, 9, 30]]))[1]
+    assert report["kind"] == f"diff-v{diff_version}" and report["tokens"] == ["5", "17", "42", "8", "9", "30"]
+    torch.testing.assert_close(torch.tensor(report["differential"]), entry.differential[0, 3])
+    torch.testing.assert_close(torch.tensor(report["second"]), entry.second[0, 3])
+    assert torch.tensor(report["metrics"]["entropy"]).shape == (2, 4)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+
+
+def test_inspect_on_the_shipped_llama(tmp_path):
+    import diff_transformer
+    from diff_transformer import cli
+
+    TINY_LLAMA = os.path.join(os.path.dirname(diff_transformer.__file__), "assets", "tiny-llama")
+
+    out, maps = tmp_path / "llama.png", tmp_path / "llama.json"
+    assert cli.main(["inspect", str(TINY_LLAMA), "It is a truth", "--out", str(out), "--json", str(maps)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    report = json.loads(maps.read_text())
+    assert report["kind"] == "llama" and report["second"] is None and report["lambda"] is None
+    assert all(v is None for row in report["metrics"]["lambda"] for v in row)
+    rows = torch.tensor(report["first"]).sum(-1)
+    torch.testing.assert_close(rows, torch.ones_like(rows))
+
+
+def test_inspect_errors_are_one_line(tmp_path, capsys):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    model = tiny_model(2)
+    model.save_pretrained(tmp_path / "model")
+    m = tmp_path / "model"
+    out = tmp_path / "fig.png"
+    _refused(capsys, ["inspect", m, "5 6", "--layer", 2, "--out", out], "--layer 2", "layers 0 to 1")
+    _refused(capsys, ["inspect", m, "5 6", "--head", 4, "--out", out], "--head 4", "heads 0 to 3")
+    _refused(capsys, ["inspect", m, "5 6", "--head", -1, "--out", out], "--head -1")
+    _refused(capsys, ["inspect", m, "hello", "--out", out], "has no tokenizer", "token ids")
+    _refused(capsys, ["inspect", m, "5 97", "--out", out], "out of range", "0 to 96")
+    _refused(capsys, ["inspect", m, "5 6", "--out", tmp_path / "fig.txt"], "--out", ".png")
+    _refused(capsys, ["inspect", m, "5 6", "--out", tmp_path / "missing" / "fig.png"], "does not exist")
+    _refused(capsys, ["inspect", m, "5 6", "--out", out, "--json", tmp_path / "maps.txt"], "--json", ".json")
+    _refused(capsys, ["inspect", tmp_path / "nothing", "5 6", "--out", out], "nothing")
+    assert not out.exists()
+    out.write_bytes(b"mine")
+    _refused(capsys, ["inspect", m, "5 6", "--out", out], "already exists", "--overwrite")
+    assert out.read_bytes() == b"mine"  # the user's file is untouched
+    config = MistralConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1)
+    MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
+    _refused(capsys, ["inspect", tmp_path / "mistral", "5 6", "--out", tmp_path / "m.png"], "model_type='mistral'",
+             "convert")
