@@ -265,3 +265,25 @@ def test_inspect_errors_are_one_line(tmp_path, capsys):
     MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
     _refused(capsys, ["inspect", tmp_path / "mistral", "5 6", "--out", tmp_path / "m.png"], "model_type='mistral'",
              "convert")
+
+
+def test_head_figure_and_metric_grid(diff_version):
+    from diff_transformer.plotting import head_figure, metric_grid
+
+    model = tiny_model(diff_version)
+    ids, mask = batch()
+    entries = attention_maps(model, ids, mask)
+    figure = head_figure(entries, layer=1, head=2, tokens=[str(i) for i in ids[1].tolist()], batch=1)
+    axes = figure.get_axes()
+    maps = [ax for ax in axes if ax.get_images()]
+    assert len(maps) == 3  # A1, A2, differential (and their colorbars)
+    # The padded sequence's maps are shown for its 7 real tokens only.
+    assert maps[0].get_images()[0].get_array().shape == (7, 7)
+    differential = maps[2].get_images()[0]
+    low, high = differential.norm.vmin, differential.norm.vmax
+    assert low == -high and differential.norm.vcenter == 0  # diverging, centred at 0
+    torch.testing.assert_close(torch.tensor(differential.get_array()), entries[1].differential[1, 2][3:, 3:])
+    grid = metric_grid(layer_metrics(entries)["entropy"], "entropy")
+    cells = [text.get_text() for text in grid.get_axes()[0].texts]
+    expected = layer_metrics(entries)["entropy"]
+    assert cells == [f"{v:.2f}" for v in expected.flatten().tolist()]

@@ -97,10 +97,13 @@ def metric_grid(values, name: str, title: str | None = None):
     fig = Figure(figsize=(1.2 + 0.7 * heads, 1.0 + 0.45 * layers), layout="constrained")
     ax = fig.subplots()
     image = ax.imshow(values.numpy(), cmap="magma", aspect="auto", interpolation="nearest")
+    low, high = image.get_clim()
+    middle = (low + high) / 2
     for i in range(layers):
         for j in range(heads):
             value = values[i, j].item()
-            ax.text(j, i, "–" if value != value else f"{value:.2f}", ha="center", va="center", fontsize=7, color="w")
+            color = "black" if value == value and value > middle else "white"  # readable on magma's bright end
+            ax.text(j, i, "–" if value != value else f"{value:.2f}", ha="center", va="center", fontsize=7, color=color)
     ax.set_xticks(range(heads))
     ax.set_yticks(range(layers))
     ax.set_xlabel("head")
