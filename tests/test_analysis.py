@@ -287,3 +287,15 @@ def test_head_figure_and_metric_grid(diff_version):
     cells = [text.get_text() for text in grid.get_axes()[0].texts]
     expected = layer_metrics(entries)["entropy"]
     assert cells == [f"{v:.2f}" for v in expected.flatten().tolist()]
+
+
+def test_qk_norm_and_base_model(diff_version):
+    """Qwen3-converted models normalise every d-wide query/key head; a base DiffModel has no LM head."""
+    model = tiny_model(diff_version, attn_implementation="sdpa", use_qk_norm=True)
+    ids, mask = batch()
+    reference = eager_reference(model, ids, mask)
+    rows = mask.bool()
+    for source in (model, model.model):
+        for entry, expected in zip(attention_maps(source, ids, mask), reference):
+            got, want = entry.differential.permute(0, 2, 1, 3)[rows], expected.permute(0, 2, 1, 3)[rows]
+            torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
