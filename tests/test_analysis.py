@@ -464,3 +464,14 @@ def test_inspect_span_and_grid(tmp_path):
     torch.testing.assert_close(torch.tensor(report["metrics"]["answer"]), expected)
     noise = torch.stack([noise_mass(e.differential, e.mask, (1, 3)) for e in entries])
     torch.testing.assert_close(torch.tensor(report["metrics"]["noise"]), noise)
+
+
+def test_chosen_layers_only():
+    model = tiny_model(2, num_hidden_layers=3)
+    ids, mask = batch()
+    every = attention_maps(model, ids, mask)
+    chosen = attention_maps(model, ids, mask, layers=[-1])
+    assert len(chosen) == 1
+    torch.testing.assert_close(chosen[0].differential, every[2].differential)
+    with pytest.raises(ValueError, match="layer 3 is out of range"):
+        attention_maps(model, ids, mask, layers=[3])

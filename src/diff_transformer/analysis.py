@@ -148,11 +148,15 @@ def _layer_maps(kind: str, module, hidden_states, position_embeddings, allowed) 
 
 
 @torch.no_grad()
-def attention_maps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[LayerMaps]:
-    """One `LayerMaps` per decoder layer of `model` for a prompt without cache (see the module docstring).
+def attention_maps(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, layers: list[int] | None = None
+) -> list[LayerMaps]:
+    """One `LayerMaps` per decoder layer of `model` (or per index in `layers`) for a prompt without cache (see the
+    module docstring).
 
     The model runs one ordinary forward (its backend unchanged, no cache); hooks only read each attention module's
-    inputs, and are removed afterwards.
+    inputs, and are removed afterwards. Each layer holds three fp32 (B, H, N, N) maps, so for long prompts on large
+    models pick the `layers` you need. λ at left-padding positions is what the model computed there.
     """
     kind = model_kind(model)
     if input_ids.dim() != 2:
@@ -162,11 +166,19 @@ def attention_maps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     def capture(index):
         def hook(module, args, kwargs):
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            captured[index] = (module, hidden, kwargs["position_embeddings"])
+            position_embeddings = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
+            captured[index] = (module, hidden, position_embeddings)
 
         return hook
 
-    for index, layer in enumerate(_layers(model)):
+    all_layers = _layers(model)
+    chosen = range(len(all_layers)) if layers is None else layers
+    for index in chosen:
+        if not -len(all_layers) <= index < len(all_layers):
+            raise ValueError(f"layer {index} is out of range: the model has layers 0 to {len(all_layers) - 1}.")
+    for index, layer in enumerate(all_layers):
+        if index not in chosen and index - len(all_layers) not in chosen:
+            continue
         handles.append(layer.self_attn.register_forward_pre_hook(capture(index), with_kwargs=True))
     try:
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
