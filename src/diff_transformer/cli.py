@@ -55,25 +55,15 @@ def _scratch_models(args, out: Path, shown: Path | None) -> int:
         model.save_pretrained(path)
         reloaded = AutoModelForCausalLM.from_pretrained(path).eval()
         start = time.perf_counter()
-        generated = reloaded.generate(
-            prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False
-        )
+        generated = reloaded.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)
         seconds = time.perf_counter() - start
         with torch.no_grad():
             same = torch.equal(model(prompt).logits, reloaded(prompt).logits)
         params = sum(p.numel() for p in reloaded.parameters())
-        where = (
-            shown / path.name
-            if shown is not None
-            else "a temporary directory (removed at exit; --output keeps it)"
-        )
+        where = shown / path.name if shown is not None else "a temporary directory (removed at exit; --output keeps it)"
         print(f"Diff V{version}: {params / 1e6:.2f}M params, saved to {where}")
-        print(
-            f"  reloaded as {type(reloaded).__name__} via AutoModelForCausalLM; logits identical after reload: {same}"
-        )
-        print(
-            f"  greedy tokens: {generated[0, prompt.shape[1] :].tolist()} ({16 / seconds:.0f} tokens/s)"
-        )
+        print(f"  reloaded as {type(reloaded).__name__} via AutoModelForCausalLM; logits identical after reload: {same}")
+        print(f"  greedy tokens: {generated[0, prompt.shape[1]:].tolist()} ({16 / seconds:.0f} tokens/s)")
         if not same:
             return 1
     return 0
@@ -83,25 +73,14 @@ def _convert(args) -> int:
     from diff_transformer.conversion import convert_to_diff, verify_conversion
 
     out = convert_to_diff(
-        args.src,
-        args.out,
-        diff_version=args.diff_version,
-        dtype=args.dtype,
-        overwrite=args.overwrite,
-        progress=not args.quiet,
+        args.src, args.out, diff_version=args.diff_version, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet
     )
     print(f"wrote {out}")
     if args.diff_version == 1:
-        print(
-            "note: diff_version=1 re-pairs the Llama heads and adds fresh λ: not function-preserving; continue pretraining."
-        )
+        print("note: diff_version=1 re-pairs the Llama heads and adds fresh λ: not function-preserving; continue pretraining.")
     if args.verify:
         report = verify_conversion(args.src, out)
-        greedy = (
-            ""
-            if report["greedy_match"] is None
-            else f", greedy continuations match: {report['greedy_match']}"
-        )
+        greedy = "" if report["greedy_match"] is None else f", greedy continuations match: {report['greedy_match']}"
         print(
             f"verify (against {report['reference']}, both run in {report['dtype']}): max |Δlogit| = "
             f"{report['max_abs_logit_diff']:.3g}{greedy}"
@@ -115,18 +94,12 @@ def _generate(args) -> int:
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
-    from diff_transformer.loading import (
-        check_diff_checkpoint,
-        load_causal_lm,
-        resolve_model,
-    )
+    from diff_transformer.loading import check_diff_checkpoint, load_causal_lm, resolve_model
 
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} must be at least 1.")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise UserError(
-            f"--temperature {args.temperature} must be a number >= 0 (0 = greedy)."
-        )
+        raise UserError(f"--temperature {args.temperature} must be a number >= 0 (0 = greedy).")
     # Everything about the inputs is checked before the weights load.
     location, local = resolve_model(args.model)
     if local is not None:
@@ -143,58 +116,37 @@ def _generate(args) -> int:
                 f"MODEL {args.model} has no tokenizer, so PROMPT must be space-separated token ids like '5 6 7', not "
                 f"{args.prompt!r}: pass token ids, or save a tokenizer with the model."
             ) from None
-        inputs = {
-            "input_ids": torch.tensor([ids]),
-            "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
-        }
+        inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
     if not ids:
         raise UserError("PROMPT is empty: pass some text (or token ids).")
     try:
         vocab = AutoConfig.from_pretrained(location).get_text_config().vocab_size
     except Exception as exc:
-        raise UserError(
-            f"cannot read the config of MODEL {args.model} ({' '.join(str(exc).split())[:200]})."
-        ) from None
+        raise UserError(f"cannot read the config of MODEL {args.model} ({' '.join(str(exc).split())[:200]}).") from None
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
-        raise UserError(
-            f"token id {bad[0]} in PROMPT is out of range for MODEL {args.model}: use ids from 0 to {vocab - 1}."
-        )
+        raise UserError(f"token id {bad[0]} in PROMPT is out of range for MODEL {args.model}: use ids from 0 to {vocab - 1}.")
     model = load_causal_lm(args.model).eval()
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
     if args.temperature > 0:
         kwargs["temperature"] = args.temperature
     output = model.generate(**inputs, **kwargs)[0, inputs["input_ids"].shape[1] :]
-    print(
-        tokenizer.decode(output, skip_special_tokens=True)
-        if tokenizer is not None
-        else " ".join(map(str, output.tolist()))
-    )
+    print(tokenizer.decode(output, skip_special_tokens=True) if tokenizer is not None else " ".join(map(str, output.tolist())))
     return 0
 
 
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "spiece.model",
-)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
 def _tokenizer(auto_tokenizer, location: str, local: Path | None, shown: str):
     """The model's tokenizer; None when it has none (prompts are then token ids)."""
-    has_files = local is not None and any(
-        (local / name).is_file() for name in _TOKENIZER_FILES
-    )
+    has_files = local is not None and any((local / name).is_file() for name in _TOKENIZER_FILES)
     try:
         return auto_tokenizer.from_pretrained(location)
     except Exception as exc:  # transformers raises OSError, ValueError, TypeError... for a missing or broken tokenizer
         if has_files:
             message = " ".join(str(exc).split())[:200]
-            raise UserError(
-                f"the tokenizer files of MODEL {shown} cannot be loaded ({message}): restore them."
-            ) from None
+            raise UserError(f"the tokenizer files of MODEL {shown} cannot be loaded ({message}): restore them.") from None
         return None
 
 
@@ -203,19 +155,13 @@ def _output_file(path: str, option: str, overwrite: bool, suffixes=None) -> Path
     out = Path(path)
     if suffixes is not None and out.suffix.lower().lstrip(".") not in suffixes:
         choices = ", ".join(f".{suffix}" for suffix in sorted(suffixes))
-        raise UserError(
-            f"{option} {path} needs a file suffix it can be written as: one of {choices}."
-        )
+        raise UserError(f"{option} {path} needs a file suffix it can be written as: one of {choices}.")
     if not out.parent.is_dir():
-        raise UserError(
-            f"{option} {path}: directory {out.parent} does not exist; create it first."
-        )
+        raise UserError(f"{option} {path}: directory {out.parent} does not exist; create it first.")
     if out.is_dir():
         raise UserError(f"{option} {path} is a directory: give a file name.")
     if out.exists() and not overwrite:
-        raise UserError(
-            f"{option} {path} already exists: pass --overwrite to replace it, or choose another name."
-        )
+        raise UserError(f"{option} {path} already exists: pass --overwrite to replace it, or choose another name.")
     return out
 
 
@@ -223,17 +169,13 @@ def _write_atomically(out: Path, write) -> None:
     """`write(temporary path)` next to OUT, then rename it onto OUT: a failed write leaves nothing half-written."""
     import os
 
-    fd, tmp = tempfile.mkstemp(
-        dir=out.parent, prefix=f".{out.name}.", suffix=out.suffix
-    )
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=out.suffix)
     os.close(fd)
     try:
         write(tmp)
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(
-            tmp, 0o666 & ~umask
-        )  # mkstemp makes it private: the permissions of any file the user creates
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private: the permissions of any file the user creates
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -254,25 +196,13 @@ def _inspect(args) -> int:
     Figure, _ = _matplotlib()  # before anything loads: a missing matplotlib is one line
     figure_types = set(Figure().canvas.get_supported_filetypes())
     out = _output_file(args.out, "--out", args.overwrite, suffixes=figure_types)
-    json_out = (
-        _output_file(args.json, "--json", args.overwrite, suffixes={"json"})
-        if args.json
-        else None
-    )
-    grid_out = (
-        _output_file(args.grid, "--grid", args.overwrite, suffixes=figure_types)
-        if args.grid
-        else None
-    )
+    json_out = _output_file(args.json, "--json", args.overwrite, suffixes={"json"}) if args.json else None
+    grid_out = _output_file(args.grid, "--grid", args.overwrite, suffixes=figure_types) if args.grid else None
     named = [path.resolve() for path in (out, json_out, grid_out) if path is not None]
     if len(set(named)) < len(named):
-        raise UserError(
-            "--out, --json and --grid name the same file: give each a different name."
-        )
+        raise UserError("--out, --json and --grid name the same file: give each a different name.")
     if args.metric in ("answer", "noise") and args.grid and not args.span:
-        raise UserError(
-            f"--metric {args.metric} needs --span START:STOP (the answer's token positions)."
-        )
+        raise UserError(f"--metric {args.metric} needs --span START:STOP (the answer's token positions).")
     location, local = resolve_model(args.model)
     from transformers import AutoConfig, AutoTokenizer
 
@@ -295,30 +225,20 @@ def _inspect(args) -> int:
     try:
         config = AutoConfig.from_pretrained(location)
     except Exception as exc:
-        raise UserError(
-            f"cannot read the config of MODEL {args.model} ({' '.join(str(exc).split())[:200]})."
-        ) from None
+        raise UserError(f"cannot read the config of MODEL {args.model} ({' '.join(str(exc).split())[:200]}).") from None
     try:
         kind = model_kind(SimpleNamespace(config=config))
     except ValueError as error:
         raise UserError(f"MODEL {args.model}: {error}") from None
     layers = config.num_hidden_layers
-    heads = config.num_attention_heads // (
-        2 if kind == "diffllama" else 1
-    )  # DiffLlama pairs head h with h + H/2
+    heads = config.num_attention_heads // (2 if kind == "diffllama" else 1)  # DiffLlama pairs head h with h + H/2
     if not 0 <= args.layer < layers:
-        raise UserError(
-            f"--layer {args.layer} is out of range: MODEL {args.model} has layers 0 to {layers - 1}."
-        )
+        raise UserError(f"--layer {args.layer} is out of range: MODEL {args.model} has layers 0 to {layers - 1}.")
     if not 0 <= args.head < heads:
-        raise UserError(
-            f"--head {args.head} is out of range: MODEL {args.model} has heads 0 to {heads - 1} per layer."
-        )
+        raise UserError(f"--head {args.head} is out of range: MODEL {args.model} has heads 0 to {heads - 1} per layer.")
     vocab = config.vocab_size
     if not ((0 <= ids) & (ids < vocab)).all():
-        raise UserError(
-            f"a token id in TEXT is out of range for MODEL {args.model}: use ids from 0 to {vocab - 1}."
-        )
+        raise UserError(f"a token id in TEXT is out of range for MODEL {args.model}: use ids from 0 to {vocab - 1}.")
     span = None
     if args.span:
         try:
@@ -331,22 +251,13 @@ def _inspect(args) -> int:
             )
     model = load_causal_lm(args.model).eval()
     entries = attention_maps(model, ids)
-    metrics = layer_metrics(
-        entries, span=span
-    )  # (layers, heads) each; answer/noise at the last position
+    metrics = layer_metrics(entries, span=span)  # (layers, heads) each; answer/noise at the last position
     if tokenizer is not None:
-        tokens = [
-            tokenizer.decode([i]) for i in ids[0].tolist()
-        ]  # readable pieces, not byte-level symbols
+        tokens = [tokenizer.decode([i]) for i in ids[0].tolist()]  # readable pieces, not byte-level symbols
     else:
         tokens = [str(i) for i in ids[0].tolist()]
 
-    name = {
-        "diff-v1": "Diff V1",
-        "diff-v2": "Diff V2",
-        "diffllama": "DiffLlama",
-        "llama": "Llama",
-    }[kind]
+    name = {"diff-v1": "Diff V1", "diff-v2": "Diff V2", "diffllama": "DiffLlama", "llama": "Llama"}[kind]
     title = f"{name}: {Path(str(args.model)).name}, {ids.shape[1]} tokens"
     figure = head_figure(entries, args.layer, args.head, tokens=tokens, title=title)
     _write_atomically(out, lambda path: figure.savefig(path, dpi=args.dpi))
@@ -354,20 +265,14 @@ def _inspect(args) -> int:
     if grid_out is not None:
         from diff_transformer.plotting import metric_grid
 
-        grid = metric_grid(
-            metrics[args.metric], args.metric, title=f"{title}: {args.metric}"
-        )
+        grid = metric_grid(metrics[args.metric], args.metric, title=f"{title}: {args.metric}")
         _write_atomically(grid_out, lambda path: grid.savefig(path, dpi=args.dpi))
         print(f"wrote {grid_out} ({args.metric}, layers x heads)")
     if json_out is not None:
         entry = entries[args.layer]
 
         def plain(tensor):  # NaN (Llama's λ) as null
-            return (
-                None
-                if tensor is None
-                else [[None if v != v else v for v in row] for row in tensor.tolist()]
-            )
+            return None if tensor is None else [[None if v != v else v for v in row] for row in tensor.tolist()]
 
         report = {
             "model": str(args.model),
@@ -377,22 +282,12 @@ def _inspect(args) -> int:
             "head": args.head,
             "span": None if span is None else list(span),
             "first": plain(entry.first[0, args.head]),
-            "second": plain(
-                None if entry.second is None else entry.second[0, args.head]
-            ),
+            "second": plain(None if entry.second is None else entry.second[0, args.head]),
             "differential": plain(entry.differential[0, args.head]),
-            "lambda": None
-            if entry.lam is None
-            else (
-                entry.lam if entry.lam.dim() == 0 else entry.lam[0, args.head]
-            ).tolist(),
-            "metrics": {
-                key: plain(value) for key, value in metrics.items()
-            },  # (layers, heads) each
+            "lambda": None if entry.lam is None else (entry.lam if entry.lam.dim() == 0 else entry.lam[0, args.head]).tolist(),
+            "metrics": {key: plain(value) for key, value in metrics.items()},  # (layers, heads) each
         }
-        _write_atomically(
-            json_out, lambda path: Path(path).write_text(json.dumps(report))
-        )
+        _write_atomically(json_out, lambda path: Path(path).write_text(json.dumps(report)))
         print(f"wrote {json_out}")
     return 0
 
@@ -432,53 +327,24 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="diff-transformer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser(
-        "demo",
-        help="offline demo: convert the shipped tiny Llama to Diff V2, verify, generate",
-    )
-    demo.add_argument(
-        "--output",
-        help="where to write the converted model (default: a temporary directory)",
-    )
+    demo = commands.add_parser("demo", help="offline demo: convert the shipped tiny Llama to Diff V2, verify, generate")
+    demo.add_argument("--output", help="where to write the converted model (default: a temporary directory)")
     demo.add_argument("--prompt", help="English prompt to continue")
+    demo.add_argument("--scratch", action="store_true", help="instead: build, save, reload random Diff V1/V2 models")
     demo.add_argument(
-        "--scratch",
-        action="store_true",
-        help="instead: build, save, reload random Diff V1/V2 models",
-    )
-    demo.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace a non-empty --output that is not an unchanged earlier demo output",
+        "--overwrite", action="store_true", help="replace a non-empty --output that is not an unchanged earlier demo output"
     )
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
 
     convert = commands.add_parser(
-        "convert",
-        help="convert a Llama, Mistral, Qwen2, Qwen3 or DiffLlama checkpoint into a Diff checkpoint",
+        "convert", help="convert a Llama, Mistral, Qwen2, Qwen3 or DiffLlama checkpoint into a Diff checkpoint"
     )
-    convert.add_argument(
-        "src",
-        help="source checkpoint directory or Hub model id org/name (hf://name forces a Hub id)",
-    )
+    convert.add_argument("src", help="source checkpoint directory or Hub model id org/name (hf://name forces a Hub id)")
     convert.add_argument("out", help="output directory")
-    convert.add_argument(
-        "--diff-version",
-        type=int,
-        choices=(1, 2),
-        default=None,
-        help="2 (default for Llama): exact; 1: paper layout",
-    )
-    convert.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        default=None,
-        help="cast weights (default: keep)",
-    )
-    convert.add_argument(
-        "--overwrite", action="store_true", help="replace a non-empty OUT"
-    )
+    convert.add_argument("--diff-version", type=int, choices=(1, 2), default=None, help="2 (default for Llama): exact; 1: paper layout")
+    convert.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="cast weights (default: keep)")
+    convert.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     convert.add_argument(
         "--verify",
         action="store_true",
@@ -487,51 +353,24 @@ def main(argv=None) -> int:
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
     convert.set_defaults(func=_convert)
 
-    generate = commands.add_parser(
-        "generate", help="generate text with a saved Diff model"
-    )
-    generate.add_argument(
-        "model", help="model directory or Hub id org/name (hf://name forces a Hub id)"
-    )
-    generate.add_argument(
-        "prompt",
-        help="text (or space-separated token ids if the model has no tokenizer)",
-    )
+    generate = commands.add_parser("generate", help="generate text with a saved Diff model")
+    generate.add_argument("model", help="model directory or Hub id org/name (hf://name forces a Hub id)")
+    generate.add_argument("prompt", help="text (or space-separated token ids if the model has no tokenizer)")
     generate.add_argument("--max-new-tokens", type=int, default=32)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     generate.set_defaults(func=_generate)
 
     inspect = commands.add_parser(
-        "inspect",
-        help="plot one head's attention maps (A1, A2, A1 - λA2, λ per layer) of a Diff, DiffLlama or Llama",
+        "inspect", help="plot one head's attention maps (A1, A2, A1 - λA2, λ per layer) of a Diff, DiffLlama or Llama"
     )
-    inspect.add_argument(
-        "model", help="model directory or Hub id org/name (hf://name forces a Hub id)"
-    )
-    inspect.add_argument(
-        "text", help="text (or space-separated token ids if the model has no tokenizer)"
-    )
-    inspect.add_argument(
-        "--layer", type=int, default=0, help="layer to plot (default 0)"
-    )
-    inspect.add_argument(
-        "--head", type=int, default=0, help="differential head to plot (default 0)"
-    )
-    inspect.add_argument(
-        "--out", required=True, help="figure file (.png, .pdf, .svg, ...)"
-    )
-    inspect.add_argument(
-        "--json",
-        help="also write the head's maps, λ and per-layer/head metrics as JSON",
-    )
-    inspect.add_argument(
-        "--span",
-        help="START:STOP token positions of an answer: adds the answer and noise metrics",
-    )
-    inspect.add_argument(
-        "--grid",
-        help="also write a layer x head heatmap of --metric to this figure file",
-    )
+    inspect.add_argument("model", help="model directory or Hub id org/name (hf://name forces a Hub id)")
+    inspect.add_argument("text", help="text (or space-separated token ids if the model has no tokenizer)")
+    inspect.add_argument("--layer", type=int, default=0, help="layer to plot (default 0)")
+    inspect.add_argument("--head", type=int, default=0, help="differential head to plot (default 0)")
+    inspect.add_argument("--out", required=True, help="figure file (.png, .pdf, .svg, ...)")
+    inspect.add_argument("--json", help="also write the head's maps, λ and per-layer/head metrics as JSON")
+    inspect.add_argument("--span", help="START:STOP token positions of an answer: adds the answer and noise metrics")
+    inspect.add_argument("--grid", help="also write a layer x head heatmap of --metric to this figure file")
     inspect.add_argument(
         "--metric",
         choices=("entropy", "negative_fraction", "lambda", "answer", "noise"),
@@ -539,27 +378,16 @@ def main(argv=None) -> int:
         help="metric of --grid (answer/noise need --span; see README, 'Inspecting attention')",
     )
     inspect.add_argument("--dpi", type=int, default=80)
-    inspect.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace an existing --out / --json file",
-    )
+    inspect.add_argument("--overwrite", action="store_true", help="replace an existing --out / --json file")
     inspect.set_defaults(func=_inspect)
 
     from diff_transformer.training.args import add_train_arguments
 
-    train = commands.add_parser(
-        "train",
-        help="continued pretraining (transformers' Trainer) on local .txt/.jsonl files",
-    )
+    train = commands.add_parser("train", help="continued pretraining (transformers' Trainer) on local .txt/.jsonl files")
     add_train_arguments(train).set_defaults(func=_train)
 
     # Every option after `serve` goes to transformers' server: `diff-transformer serve --help` lists them.
-    serve = commands.add_parser(
-        "serve",
-        add_help=False,
-        help="OpenAI-compatible server (transformers serve) for Diff models",
-    )
+    serve = commands.add_parser("serve", add_help=False, help="OpenAI-compatible server (transformers serve) for Diff models")
     serve.set_defaults(func=_serve)
 
     args, rest = parser.parse_known_args(argv)
