@@ -1,4 +1,4 @@
-"""The `diff-transformer` command: demo, convert, generate, train, serve."""
+"""The `diff-transformer` command: demo, convert, generate, inspect, train, serve."""
 
 import argparse
 import logging
@@ -150,6 +150,148 @@ def _tokenizer(auto_tokenizer, location: str, local: Path | None, shown: str):
         return None
 
 
+def _output_file(path: str, option: str, overwrite: bool, suffixes=None) -> Path:
+    """A file the command will write: its directory exists, it is not there already (or --overwrite), its suffix fits."""
+    out = Path(path)
+    if suffixes is not None and out.suffix.lower().lstrip(".") not in suffixes:
+        choices = ", ".join(f".{suffix}" for suffix in sorted(suffixes))
+        raise UserError(f"{option} {path} needs a file suffix it can be written as: one of {choices}.")
+    if not out.parent.is_dir():
+        raise UserError(f"{option} {path}: directory {out.parent} does not exist; create it first.")
+    if out.is_dir():
+        raise UserError(f"{option} {path} is a directory: give a file name.")
+    if out.exists() and not overwrite:
+        raise UserError(f"{option} {path} already exists: pass --overwrite to replace it, or choose another name.")
+    return out
+
+
+def _write_atomically(out: Path, write) -> None:
+    """`write(temporary path)` next to OUT, then rename it onto OUT: a failed write leaves nothing half-written."""
+    import os
+
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=out.suffix)
+    os.close(fd)
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private: the permissions of any file the user creates
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _inspect(args) -> int:
+    """Attention maps of one head (A1, A2, A1 - λA2, λ per layer) as a figure, and optionally every map as JSON."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    from diff_transformer.analysis import attention_maps, layer_metrics, model_kind
+    from diff_transformer.loading import load_causal_lm, resolve_model
+    from diff_transformer.plotting import _matplotlib, head_figure
+
+    Figure, _ = _matplotlib()  # before anything loads: a missing matplotlib is one line
+    figure_types = set(Figure().canvas.get_supported_filetypes())
+    out = _output_file(args.out, "--out", args.overwrite, suffixes=figure_types)
+    json_out = _output_file(args.json, "--json", args.overwrite, suffixes={"json"}) if args.json else None
+    grid_out = _output_file(args.grid, "--grid", args.overwrite, suffixes=figure_types) if args.grid else None
+    named = [path.resolve() for path in (out, json_out, grid_out) if path is not None]
+    if len(set(named)) < len(named):
+        raise UserError("--out, --json and --grid name the same file: give each a different name.")
+    if args.metric in ("answer", "noise") and args.grid and not args.span:
+        raise UserError(f"--metric {args.metric} needs --span START:STOP (the answer's token positions).")
+    location, local = resolve_model(args.model)
+    from transformers import AutoConfig, AutoTokenizer
+
+    import diff_transformer  # noqa: F401  (registers the Auto classes: AutoConfig reads Diff configs)
+
+    tokenizer = _tokenizer(AutoTokenizer, location, local, args.model)
+    if tokenizer is not None:
+        ids = tokenizer(args.text, return_tensors="pt")["input_ids"]
+    else:
+        try:
+            ids = torch.tensor([[int(t) for t in args.text.split()]])
+        except ValueError:
+            raise UserError(
+                f"MODEL {args.model} has no tokenizer, so TEXT must be space-separated token ids like '5 6 7', not "
+                f"{args.text!r}: pass token ids, or save a tokenizer with the model."
+            ) from None
+    if ids.numel() == 0:
+        raise UserError("TEXT is empty: pass some text (or token ids).")
+    # Everything about the inputs is checked before the weights load.
+    try:
+        config = AutoConfig.from_pretrained(location)
+    except Exception as exc:
+        raise UserError(f"cannot read the config of MODEL {args.model} ({' '.join(str(exc).split())[:200]}).") from None
+    try:
+        kind = model_kind(SimpleNamespace(config=config))
+    except ValueError as error:
+        raise UserError(f"MODEL {args.model}: {error}") from None
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads // (2 if kind == "diffllama" else 1)  # DiffLlama pairs head h with h + H/2
+    if not 0 <= args.layer < layers:
+        raise UserError(f"--layer {args.layer} is out of range: MODEL {args.model} has layers 0 to {layers - 1}.")
+    if not 0 <= args.head < heads:
+        raise UserError(f"--head {args.head} is out of range: MODEL {args.model} has heads 0 to {heads - 1} per layer.")
+    vocab = config.vocab_size
+    if not ((0 <= ids) & (ids < vocab)).all():
+        raise UserError(f"a token id in TEXT is out of range for MODEL {args.model}: use ids from 0 to {vocab - 1}.")
+    span = None
+    if args.span:
+        try:
+            span = tuple(int(part) for part in args.span.split(":"))
+        except ValueError:
+            span = ()
+        if len(span) != 2 or not 0 <= span[0] < span[1] <= ids.shape[1]:
+            raise UserError(
+                f"--span {args.span} must be START:STOP with 0 <= START < STOP <= {ids.shape[1]} (the TEXT's token count)."
+            )
+    model = load_causal_lm(args.model).eval()
+    entries = attention_maps(model, ids)
+    metrics = layer_metrics(entries, span=span)  # (layers, heads) each; answer/noise at the last position
+    if tokenizer is not None:
+        tokens = [tokenizer.decode([i]) for i in ids[0].tolist()]  # readable pieces, not byte-level symbols
+    else:
+        tokens = [str(i) for i in ids[0].tolist()]
+
+    name = {"diff-v1": "Diff V1", "diff-v2": "Diff V2", "diffllama": "DiffLlama", "llama": "Llama"}[kind]
+    title = f"{name}: {Path(str(args.model)).name}, {ids.shape[1]} tokens"
+    figure = head_figure(entries, args.layer, args.head, tokens=tokens, title=title)
+    _write_atomically(out, lambda path: figure.savefig(path, dpi=args.dpi))
+    print(f"wrote {out} ({name}, layer {args.layer}, head {args.head})")
+    if grid_out is not None:
+        from diff_transformer.plotting import metric_grid
+
+        grid = metric_grid(metrics[args.metric], args.metric, title=f"{title}: {args.metric}")
+        _write_atomically(grid_out, lambda path: grid.savefig(path, dpi=args.dpi))
+        print(f"wrote {grid_out} ({args.metric}, layers x heads)")
+    if json_out is not None:
+        entry = entries[args.layer]
+
+        def plain(tensor):  # NaN (Llama's λ) as null
+            return None if tensor is None else [[None if v != v else v for v in row] for row in tensor.tolist()]
+
+        report = {
+            "model": str(args.model),
+            "kind": kind,
+            "tokens": tokens,
+            "layer": args.layer,
+            "head": args.head,
+            "span": None if span is None else list(span),
+            "first": plain(entry.first[0, args.head]),
+            "second": plain(None if entry.second is None else entry.second[0, args.head]),
+            "differential": plain(entry.differential[0, args.head]),
+            "lambda": None if entry.lam is None else (entry.lam if entry.lam.dim() == 0 else entry.lam[0, args.head]).tolist(),
+            "metrics": {key: plain(value) for key, value in metrics.items()},  # (layers, heads) each
+        }
+        _write_atomically(json_out, lambda path: Path(path).write_text(json.dumps(report)))
+        print(f"wrote {json_out}")
+    return 0
+
+
 def _train(args) -> int:
     from diff_transformer.training.args import hide_bitsandbytes_kernel_notice
 
@@ -217,6 +359,27 @@ def main(argv=None) -> int:
     generate.add_argument("--max-new-tokens", type=int, default=32)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     generate.set_defaults(func=_generate)
+
+    inspect = commands.add_parser(
+        "inspect", help="plot one head's attention maps (A1, A2, A1 - λA2, λ per layer) of a Diff, DiffLlama or Llama"
+    )
+    inspect.add_argument("model", help="model directory or Hub id org/name (hf://name forces a Hub id)")
+    inspect.add_argument("text", help="text (or space-separated token ids if the model has no tokenizer)")
+    inspect.add_argument("--layer", type=int, default=0, help="layer to plot (default 0)")
+    inspect.add_argument("--head", type=int, default=0, help="differential head to plot (default 0)")
+    inspect.add_argument("--out", required=True, help="figure file (.png, .pdf, .svg, ...)")
+    inspect.add_argument("--json", help="also write the head's maps, λ and per-layer/head metrics as JSON")
+    inspect.add_argument("--span", help="START:STOP token positions of an answer: adds the answer and noise metrics")
+    inspect.add_argument("--grid", help="also write a layer x head heatmap of --metric to this figure file")
+    inspect.add_argument(
+        "--metric",
+        choices=("entropy", "negative_fraction", "lambda", "answer", "noise"),
+        default="entropy",
+        help="metric of --grid (answer/noise need --span; see README, 'Inspecting attention')",
+    )
+    inspect.add_argument("--dpi", type=int, default=80)
+    inspect.add_argument("--overwrite", action="store_true", help="replace an existing --out / --json file")
+    inspect.set_defaults(func=_inspect)
 
     from diff_transformer.training.args import add_train_arguments
 

@@ -1,0 +1,116 @@
+"""Figures of `diff_transformer.analysis` maps (matplotlib: `pip install 'diff-transformer[analysis]'`).
+
+`head_figure`: A1, A2, the differential map A1 - λA2 (diverging colormap centred at 0) and λ per layer for one head;
+`metric_grid`: a layer x head heatmap of any (layers, H) metric. Both return a `matplotlib.figure.Figure` built
+without pyplot (no global state, any backend); `fig.savefig(path)` writes it.
+"""
+
+import torch
+
+from diff_transformer.errors import UserError
+
+
+def _matplotlib():
+    try:
+        from matplotlib.colors import TwoSlopeNorm
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UserError(
+            "plots need matplotlib, which is not installed: pip install 'diff-transformer[analysis]'."
+        ) from None
+    return Figure, TwoSlopeNorm
+
+
+def _show_map(fig, ax, values, tokens, title, cmap, norm=None, vmin=None, vmax=None):
+    image = ax.imshow(values.numpy(), cmap=cmap, norm=norm, vmin=vmin, vmax=vmax, interpolation="nearest")
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("key", fontsize=8)
+    ax.set_ylabel("query", fontsize=8)
+    if tokens is not None and len(tokens) <= 40:
+        positions = list(range(len(tokens)))
+        ax.set_xticks(positions, tokens, rotation=90, fontsize=6)
+        ax.set_yticks(positions, tokens, fontsize=6)
+    else:
+        ax.tick_params(labelsize=7)
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04).ax.tick_params(labelsize=7)
+
+
+def head_figure(entries, layer: int, head: int, tokens=None, batch: int = 0, title: str | None = None):
+    """4 panels for head `head` of layer `layer` (sequence `batch`): A1, A2, A1 - λA2 and λ per layer.
+
+    For a Llama (one softmax map per head, no λ) the A2 and λ panels say so instead.
+    """
+    Figure, TwoSlopeNorm = _matplotlib()
+    entry = entries[layer]
+    valid = entry.mask[batch].any(-1)  # (N,): query rows that see a key (not left padding)
+    first = entry.first[batch, head][valid][:, valid].cpu()  # (n, n)
+    fig = Figure(figsize=(16, 4.2), layout="constrained")
+    axes = fig.subplots(1, 4)
+    shown = None if tokens is None else [t for t, keep in zip(tokens, valid.tolist()) if keep]
+    _show_map(fig, axes[0], first, shown, f"A1 (softmax), layer {layer} head {head}", "viridis", vmin=0, vmax=1)
+    if entry.second is None:
+        axes[1].axis("off")
+        axes[1].text(0.5, 0.5, "Llama: one softmax map per head\n(no A2, no λ)", ha="center", va="center")
+        differential = first
+    else:
+        second = entry.second[batch, head][valid][:, valid].cpu()
+        _show_map(fig, axes[1], second, shown, "A2 (softmax)", "viridis", vmin=0, vmax=1)
+        differential = entry.differential[batch, head][valid][:, valid].cpu()
+    bound = max(differential.abs().max().item(), 1e-6)
+    norm = TwoSlopeNorm(vcenter=0.0, vmin=-bound, vmax=bound)
+    name = "A1 (= the map: no λ)" if entry.second is None else "A1 − λ·A2 (blue < 0 < red)"
+    _show_map(fig, axes[2], differential, shown, name, "RdBu_r", norm=norm)
+
+    ax = axes[3]
+    if entry.lam is None:
+        ax.axis("off")
+        ax.text(0.5, 0.5, "Llama: no λ", ha="center", va="center")
+    else:
+        layers = list(range(len(entries)))
+        if entry.lam.dim() == 0:  # V1, DiffLlama: one scalar per layer
+            values = [e.lam.item() for e in entries]
+            ax.plot(layers, values, "o-", color="C0")
+            ax.set_title("λ per layer (one scalar)", fontsize=9)
+        else:  # V2: per token; mean over valid tokens of this head, bars from min to max
+            per_token = [e.lam[batch, head][valid].cpu() for e in entries]
+            mean = torch.stack([t.mean() for t in per_token])
+            low = mean - torch.stack([t.min() for t in per_token])
+            high = torch.stack([t.max() for t in per_token]) - mean
+            ax.errorbar(layers, mean.numpy(), yerr=torch.stack([low, high]).numpy(), fmt="o-", color="C0", capsize=3)
+            ax.set_title(f"λ per layer, head {head} (token mean, min–max)", fontsize=9)
+        ax.axvline(layer, color="C3", linestyle=":", label=f"layer {layer}")
+        ax.set_xlabel("layer", fontsize=8)
+        ax.set_ylabel("λ", fontsize=8)
+        ax.set_xticks(layers)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def metric_grid(values, name: str, title: str | None = None):
+    """A layer x head heatmap of `values` (layers, H), each cell annotated with its value."""
+    Figure, _ = _matplotlib()
+    values = torch.as_tensor(values, dtype=torch.float32).cpu()
+    layers, heads = values.shape
+    fig = Figure(figsize=(1.2 + 0.7 * heads, 1.0 + 0.45 * layers), layout="constrained")
+    ax = fig.subplots()
+    image = ax.imshow(values.numpy(), cmap="magma", aspect="auto", interpolation="nearest")
+    low, high = image.get_clim()
+    middle = (low + high) / 2
+    for i in range(layers):
+        for j in range(heads):
+            value = values[i, j].item()
+            color = "black" if value == value and value > middle else "white"  # readable on magma's bright end
+            ax.text(j, i, "–" if value != value else f"{value:.2f}", ha="center", va="center", fontsize=7, color=color)
+    ax.set_xticks(range(heads))
+    ax.set_yticks(range(layers))
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_title(title or name, fontsize=10)
+    fig.colorbar(image, ax=ax, label=name)
+    return fig
+
+
+__all__ = ["head_figure", "metric_grid"]
