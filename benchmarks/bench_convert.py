@@ -33,12 +33,30 @@ RESULTS = Path(__file__).with_name("results_convert.md")
 WALL_TARGET = 1.5
 RSS_TARGET = 1.3
 
-FULL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-            num_key_value_heads=4, vocab_size=32000)
-SMALL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
-             num_key_value_heads=4, vocab_size=32000)  # ~0.3B, when disk is short
-QUICK = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=1000)
+FULL = dict(
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=22,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    vocab_size=32000,
+)
+SMALL = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    vocab_size=32000,
+)  # ~0.3B, when disk is short
+QUICK = dict(
+    hidden_size=128,
+    intermediate_size=352,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1000,
+)
 
 
 def maxrss_bytes() -> int:
@@ -130,8 +148,9 @@ def generate(directory: Path, cfg: dict, shard_bytes: int) -> dict:
 
 
 def child(task: str, src: str, out: str) -> None:
-    import torch  # noqa: F401  (same import baseline for both tasks)
     import safetensors.torch as st
+    import torch  # noqa: F401  (same import baseline for both tasks)
+
     from diff_transformer.conversion import convert_llama_to_diff
 
     start_rss, start_maxrss = hwm_bytes(), maxrss_bytes()
@@ -150,16 +169,27 @@ def child(task: str, src: str, out: str) -> None:
     else:
         raise SystemExit(f"unknown task {task}")
     wall = time.perf_counter() - t0
-    print(json.dumps({"task": task, "wall_s": wall, "start_rss": start_rss, "peak_rss": hwm_bytes(),
-                      "start_ru_maxrss": start_maxrss, "peak_ru_maxrss": maxrss_bytes()}))
+    print(
+        json.dumps(
+            {
+                "task": task,
+                "wall_s": wall,
+                "start_rss": start_rss,
+                "peak_rss": hwm_bytes(),
+                "start_ru_maxrss": start_maxrss,
+                "peak_ru_maxrss": maxrss_bytes(),
+            }
+        )
+    )
 
 
 def run_child(task: str, src: Path, out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     # flush the previous run's dirty pages, so that its writeback does not throttle this run's writes
     os.sync()
-    proc = subprocess.run([sys.executable, __file__, "--child", task, str(src), str(out)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", task, str(src), str(out)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{task} child failed:\n{proc.stderr}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -211,15 +241,21 @@ def main() -> None:
     src, out = tmp / "llama", tmp / "out"
     try:
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, __file__, "--generate", json.dumps(cfg), str(src), str(shard_bytes)],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--generate", json.dumps(cfg), str(src), str(shard_bytes)],
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"generation failed:\n{proc.stderr}")
         info = json.loads(proc.stdout.strip().splitlines()[-1])
         gen_s = time.perf_counter() - t0
         largest = max(info["shard_sizes"])
-        print(f"generated {label}: {info['params'] / 1e9:.3f}B params, {gb(info['bytes'])}, {info['shards']} shards "
-              f"(largest {gb(largest)}) in {gen_s:.1f}s at {src}", flush=True)
+        print(
+            f"generated {label}: {info['params'] / 1e9:.3f}B params, {gb(info['bytes'])}, {info['shards']} shards "
+            f"(largest {gb(largest)}) in {gen_s:.1f}s at {src}",
+            flush=True,
+        )
         warm_cache(src)
 
         runs = {"baseline": [], "convert": []}
@@ -227,10 +263,12 @@ def main() -> None:
             for task in ("baseline", "convert") if r % 2 == 0 else ("convert", "baseline"):
                 res = run_child(task, src, out)
                 runs[task].append(res)
-                print(f"  run {r + 1} {task:8s}: {res['wall_s']:.2f}s, peak RSS {gb(res['peak_rss'])} "
-                      f"(+{gb(res['peak_rss'] - res['start_rss'])} over {gb(res['start_rss'])} after imports; "
-                      f"ru_maxrss {gb(res['start_ru_maxrss'])} -> {gb(res['peak_ru_maxrss'])})",
-                      flush=True)
+                print(
+                    f"  run {r + 1} {task:8s}: {res['wall_s']:.2f}s, peak RSS {gb(res['peak_rss'])} "
+                    f"(+{gb(res['peak_rss'] - res['start_rss'])} over {gb(res['start_rss'])} after imports; "
+                    f"ru_maxrss {gb(res['start_ru_maxrss'])} -> {gb(res['peak_ru_maxrss'])})",
+                    flush=True,
+                )
 
         def med(task, key):
             if key == "inc":
@@ -253,12 +291,15 @@ def main() -> None:
             "| task | wall (s) | peak RSS | RSS after imports | RSS increase | increase / largest shard | output |",
             "|---|---|---|---|---|---|---|",
         ]
-        for task, title in (("baseline", "safetensors load_file+save_file per shard"),
-                            ("convert", "convert_llama_to_diff(diff_version=2)")):
+        for task, title in (
+            ("baseline", "safetensors load_file+save_file per shard"),
+            ("convert", "convert_llama_to_diff(diff_version=2)"),
+        ):
             lines.append(
                 f"| {title} | {med(task, 'wall_s'):.2f} | {gb(med(task, 'peak_rss'))} | "
                 f"{gb(med(task, 'start_rss'))} | {gb(med(task, 'inc'))} | {med(task, 'inc') / largest:.2f}x | "
-                f"{gb(med(task, 'out_bytes'))} |")
+                f"{gb(med(task, 'out_bytes'))} |"
+            )
         lines += [
             "",
             f"- {'PASS' if wall_ratio <= WALL_TARGET else 'MISS'}: wall time convert/baseline = {wall_ratio:.2f} "

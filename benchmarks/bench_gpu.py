@@ -89,8 +89,6 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))  # bench_model's helpers; it puts the checkout's src/ first on sys.path
 
-from bench_model import cpu_name, git_rev, n_params, random_ids  # noqa: E402
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
@@ -106,6 +104,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 from diff_transformer import DiffConfig, DiffForCausalLM  # noqa: E402
 
+from bench_model import cpu_name, git_rev, n_params, random_ids  # noqa: E402
+
 
 MODELS = ("llama", "diffllama", "v1", "v2", "v2wide")
 BACKENDS = ("sdpa", "flex_attention", "flash_attention_2", "diff_triton", "eager")
@@ -113,14 +113,38 @@ SECTIONS = ("attention", "train", "prefill", "decode", "train_compile", "decode_
 EAGER_SKIP = "skipped: eager materialises every (N, N) attention map, too slow and large at 4k/16k tokens"
 
 FULL = dict(
-    hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, intermediate=5632, vocab=32000,
-    train_seq=4096, train_steps=3, prefill=[4096, 16384], prompt=4096, new_tokens=32, decode_batches=[1, 32],
-    attn_seq=4096, reps=5,
+    hidden=2048,
+    layers=16,
+    heads=32,
+    kv_heads=8,
+    head_dim=64,
+    intermediate=5632,
+    vocab=32000,
+    train_seq=4096,
+    train_steps=3,
+    prefill=[4096, 16384],
+    prompt=4096,
+    new_tokens=32,
+    decode_batches=[1, 32],
+    attn_seq=4096,
+    reps=5,
 )
 SMOKE = dict(
-    hidden=64, layers=1, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256,
-    train_seq=32, train_steps=1, prefill=[16, 32], prompt=16, new_tokens=4, decode_batches=[1, 2],
-    attn_seq=32, reps=2,
+    hidden=64,
+    layers=1,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    intermediate=128,
+    vocab=256,
+    train_seq=32,
+    train_steps=1,
+    prefill=[16, 32],
+    prompt=16,
+    new_tokens=4,
+    decode_batches=[1, 2],
+    attn_seq=32,
+    reps=2,
 )
 COMPILE_CONFIGS = "llama/sdpa,v1/sdpa,v2/sdpa,v1/diff_triton"  # each ~1-2 min of inductor on the GPU
 DEFAULTS = {
@@ -132,29 +156,48 @@ DEFAULTS = {
 def metric_specs(size: dict) -> dict:
     """metric -> (section, unit, higher_is_better, description)."""
     specs = {
-        "attn_core": ("attention", "s", False,
-                      f"attention alone, fwd+bwd, Llama's q/k/v shapes, N={size['attn_seq']}"),
+        "attn_core": (
+            "attention",
+            "s",
+            False,
+            f"attention alone, fwd+bwd, Llama's q/k/v shapes, N={size['attn_seq']}",
+        ),
         "attn_layer": ("attention", "s", False, f"layer-0 self_attn module fwd+bwd, N={size['attn_seq']}"),
         "train": ("train", "tok/s", True, f"train step (fwd+bwd+AdamW), 1 x {size['train_seq']} tokens"),
-        "train_compile": ("train_compile", "tok/s", True,
-                          f"train step, torch.compile(model), 1 x {size['train_seq']} tokens"),
+        "train_compile": (
+            "train_compile",
+            "tok/s",
+            True,
+            f"train step, torch.compile(model), 1 x {size['train_seq']} tokens",
+        ),
     }
     for n in size["prefill"]:
         specs[f"prefill_{n}"] = ("prefill", "s", False, f"prefill latency, base model, {n} tokens")
     for kind, section in (("dynamic", "decode"), ("static", "decode_static")):
         label = "dynamic cache" if kind == "dynamic" else "static cache + compile"
         for b in size["decode_batches"]:
-            specs[f"decode_b{b}_{kind}"] = (section, "tok/s", True,
-                                            f"decode, batch {b}, {label}, after {size['prompt']} tokens")
+            specs[f"decode_b{b}_{kind}"] = (
+                section,
+                "tok/s",
+                True,
+                f"decode, batch {b}, {label}, after {size['prompt']} tokens",
+            )
     return specs
 
 
 # ----------------------------------------------------------------------------------------------------------- models
 def model_config(name: str, size: dict, args):
     common = dict(
-        vocab_size=size["vocab"], hidden_size=size["hidden"], intermediate_size=size["intermediate"],
-        num_hidden_layers=size["layers"], head_dim=size["head_dim"], rms_norm_eps=1e-6, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=size["vocab"],
+        hidden_size=size["hidden"],
+        intermediate_size=size["intermediate"],
+        num_hidden_layers=size["layers"],
+        head_dim=size["head_dim"],
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
         max_position_embeddings=max([*size["prefill"], size["prompt"] + size["new_tokens"], size["train_seq"]]),
     )
     n_h, n_kv = size["heads"], size["kv_heads"]
@@ -166,11 +209,13 @@ def model_config(name: str, size: dict, args):
         heads = dict(num_attention_heads=n_h // 2, num_key_value_heads=n_kv // 2)
         return DiffForCausalLM, DiffConfig(diff_version=1, **heads, **common)
     if name == "v2":  # the authors' comparison: 2H = Llama's query heads, Llama's KV heads
-        return DiffForCausalLM, DiffConfig(diff_version=2, num_attention_heads=n_h // 2, num_key_value_heads=n_kv,
-                                           **common)
+        return DiffForCausalLM, DiffConfig(
+            diff_version=2, num_attention_heads=n_h // 2, num_key_value_heads=n_kv, **common
+        )
     if name == "v2wide":  # H = Llama's heads (2x its query heads), half its KV heads
-        heads = dict(num_attention_heads=args.v2wide_heads or n_h,
-                     num_key_value_heads=args.v2wide_kv_heads or n_kv // 2)
+        heads = dict(
+            num_attention_heads=args.v2wide_heads or n_h, num_key_value_heads=args.v2wide_kv_heads or n_kv // 2
+        )
         return DiffForCausalLM, DiffConfig(diff_version=2, **heads, **common)
     raise ValueError(name)
 
@@ -190,8 +235,10 @@ def layout(name: str, config) -> str:
         return f"{c.num_attention_heads} heads x {c.head_dim}, {c.num_key_value_heads} KV heads"
     q = 2 * c.num_attention_heads
     kv = 2 * c.num_key_value_heads if c.diff_version == 1 else c.num_key_value_heads
-    return (f"V{c.diff_version}: H={c.num_attention_heads}, H_kv={c.num_key_value_heads}, d={c.head_dim} "
-            f"({q} query heads, {kv} cached K/V heads of {c.head_dim})")
+    return (
+        f"V{c.diff_version}: H={c.num_attention_heads}, H_kv={c.num_key_value_heads}, d={c.head_dim} "
+        f"({q} query heads, {kv} cached K/V heads of {c.head_dim})"
+    )
 
 
 def build(name: str, size: dict, args, device, dtype, seed: int):
@@ -216,7 +263,7 @@ def build(name: str, size: dict, args, device, dtype, seed: int):
 
 def _kv_bytes_per_token(name: str, c, dtype) -> int:
     # V1 caches 2 H_kv key sub-heads of d and its 2d-wide V as 2 H_kv halves; V2 caches H_kv heads; DiffLlama Llama's.
-    heads = (2 * c.num_key_value_heads if name == "v1" else c.num_key_value_heads)
+    heads = 2 * c.num_key_value_heads if name == "v1" else c.num_key_value_heads
     return 2 * heads * c.head_dim * c.num_hidden_layers * torch.finfo(dtype).bits // 8
 
 
@@ -323,7 +370,10 @@ def kernels_status(device: torch.device) -> str | None:
     if "diff_triton" not in ALL_ATTENTION_FUNCTIONS.valid_keys():
         return "unavailable: 'diff_triton' is not registered with transformers' attention interface"
     if not kernels.is_available(device):
-        return f"unavailable: the fused kernel needs a CUDA device and triton; on {device.type} 'diff_triton' runs as sdpa"
+        return (
+            "unavailable: the fused kernel needs a CUDA device and triton; "
+            f"on {device.type} 'diff_triton' runs as sdpa"
+        )
     return None
 
 
@@ -430,8 +480,14 @@ def measure_decode(model, ids, new_tokens: int, dev: Device, cache=None, compile
         dev.sync()
         t0 = time.perf_counter()
         out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, pad_token_id=0, logits_processor=LogitsProcessorList([clock]), use_cache=True,
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList([clock]),
+            use_cache=True,
             **kwargs,
         )
         dev.sync()
@@ -470,8 +526,9 @@ def kernel_v1_op(device):
         return None, "unavailable: diff_transformer.kernels has no differential_attention_v1"
     available = getattr(kernels, "is_available", None)
     if callable(available) and not available(device):
-        return None, (f"unavailable: diff_transformer.kernels.is_available({device.type!r}) is False "
-                      "(needs triton and a GPU)")
+        return None, (
+            f"unavailable: diff_transformer.kernels.is_available({device.type!r}) is False (needs triton and a GPU)"
+        )
     return op, None
 
 
@@ -503,6 +560,7 @@ def attn_core_fns(size: dict, dev: Device, dtype, backends: list[str]):
 
     fns = {"resident": tensor_bytes((q, k, v))}  # the inputs; the peak adds what fwd+bwd allocates on top
     if "sdpa" in backends:
+
         def llama_sdpa():
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             out.backward(grad_llama)
@@ -604,7 +662,10 @@ def summarize(data: dict):
         for c, r in ok.items():
             backend = c.split("/", 1)[1]
             row = {
-                "median": medians[c], "min": min(r["values"]), "max": max(r["values"]), "n": len(r["values"]),
+                "median": medians[c],
+                "min": min(r["values"]),
+                "max": max(r["values"]),
+                "n": len(r["values"]),
                 "peak_mib": statistics.median(r["peak_mib"]) if r.get("peak_mib") else None,
                 "ratio_llama_same": _paired_ratio(r, ok.get(f"llama/{backend}")),
                 "ratio_llama_best": _paired_ratio(r, ok.get(best_llama)) if best_llama else None,
@@ -653,8 +714,10 @@ def targets(data: dict, summary: dict) -> list[dict]:
             for model, goal in goals.items():
                 c, row = best_config(data, summary, metric, model)
                 if row and row["ratio_llama_best"] is not None:
-                    add(f"{metric}: {c} >= {goal}x {row['llama_best']}: {row['ratio_llama_best']:.3f}x",
-                        row["ratio_llama_best"] >= goal)
+                    add(
+                        f"{metric}: {c} >= {goal}x {row['llama_best']}: {row['ratio_llama_best']:.3f}x",
+                        row["ratio_llama_best"] >= goal,
+                    )
             c, row = best_config(data, summary, metric, "v2wide")
             if metric.startswith("train") and row and row["ratio_llama_best"] is not None:
                 add(f"{metric}: {c} (report only): {row['ratio_llama_best']:.3f}x {row['llama_best']}", None)
@@ -664,18 +727,24 @@ def targets(data: dict, summary: dict) -> list[dict]:
                 c, row = best_config(data, summary, metric, model)
                 if row:
                     better = row["median"] > dl["median"] if higher else row["median"] < dl["median"]
-                    add(f"{metric}: {c} better than DiffLlama's best ({dl_c}): {row['median']:.4g} vs "
-                        f"{dl['median']:.4g}", better)
+                    add(
+                        f"{metric}: {c} better than DiffLlama's best ({dl_c}): {row['median']:.4g} vs "
+                        f"{dl['median']:.4g}",
+                        better,
+                    )
     rows = summary.get("attn_core", {})
     refs = [c for c in ("llama/sdpa", "llama/flash_attention_2") if c in rows]
     if refs:
         ref = min(refs, key=lambda c: rows[c]["median"])
         for c in ("v1/diff_triton", "v1/sdpa"):
             if c in rows:
-                ratio = _paired_ratio(data["metrics"]["attn_core"]["configs"][c],
-                                      data["metrics"]["attn_core"]["configs"][ref])
-                add(f"attn_core: {c} <= 1.6x {ref}: {ratio:.3f}x (FLOP ratio 1.5x)",
-                    ratio <= 1.6 if c == "v1/diff_triton" else None)
+                ratio = _paired_ratio(
+                    data["metrics"]["attn_core"]["configs"][c], data["metrics"]["attn_core"]["configs"][ref]
+                )
+                add(
+                    f"attn_core: {c} <= 1.6x {ref}: {ratio:.3f}x (FLOP ratio 1.5x)",
+                    ratio <= 1.6 if c == "v1/diff_triton" else None,
+                )
     return out
 
 
@@ -700,14 +769,20 @@ def _r(x) -> str:
 def _wall(run: dict) -> str:
     if "wall_s" not in run:
         return "unfinished (interrupted, or still running)"
-    return f"wall {run['wall_s']:.0f} s" + (" (time budget reached: some work skipped)" if run.get("budget_hit") else "")
+    return f"wall {run['wall_s']:.0f} s" + (
+        " (time budget reached: some work skipped)" if run.get("budget_hit") else ""
+    )
 
 
 def render(data: dict) -> str:
     summary = data.get("summary", {})
     smoke = " (SMOKE: tiny shapes on CPU, numbers meaningless)" if data["smoke"] else ""
-    lines = [f"# Diff Transformer GPU benchmark{smoke}",
-             "", "Generated by `benchmarks/bench_gpu.py` from `results_gpu.json` (every sample is there).", ""]
+    lines = [
+        f"# Diff Transformer GPU benchmark{smoke}",
+        "",
+        "Generated by `benchmarks/bench_gpu.py` from `results_gpu.json` (every sample is there).",
+        "",
+    ]
     for run in data.get("runs", []):
         lines.append(
             f"- run {run['date']}: sections {','.join(run['sections'])} | {run['device']} | driver {run['driver']} | "
@@ -716,43 +791,61 @@ def render(data: dict) -> str:
             f"reps {run['reps']} | {_wall(run)}"
         )
     s = data["size"]
-    lines += ["", f"Size: hidden {s['hidden']}, {s['layers']} layers, intermediate {s['intermediate']}, vocab "
-              f"{s['vocab']}, untied LM head, d = {s['head_dim']}.", "", "## Models", "",
-              "| model | layout | params (CausalLM) | x Llama | attention params / layer | KV cache / token |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"Size: hidden {s['hidden']}, {s['layers']} layers, intermediate {s['intermediate']}, vocab "
+        f"{s['vocab']}, untied LM head, d = {s['head_dim']}.",
+        "",
+        "## Models",
+        "",
+        "| model | layout | params (CausalLM) | x Llama | attention params / layer | KV cache / token |",
+        "|---|---|---|---|---|---|",
+    ]
     models = data.get("models", {})
     ref = models.get("llama")
     for m in models.values():
         ratio = f"{m['params_lm'] / ref['params_lm']:.3f}x" if ref else "-"
-        lines.append(f"| {m['label']} | {m['layout']} | {m['params_lm']:,} | {ratio} | "
-                     f"{m['attn_params_per_layer']:,} | {m['kv_cache_bytes_per_token']:,} B |")
+        lines.append(
+            f"| {m['label']} | {m['layout']} | {m['params_lm']:,} | {ratio} | "
+            f"{m['attn_params_per_layer']:,} | {m['kv_cache_bytes_per_token']:,} B |"
+        )
     lines += ["", "## Backends (probe: a tiny forward)", "", "| model | backend | status |", "|---|---|---|"]
     for c, p in data.get("probes", {}).items():
         model, backend = c.split("/", 1)
         lines.append(f"| {model} | {backend} | {'ok' if p['ok'] else p['reason']} |")
     for metric, entry in data.get("metrics", {}).items():
         unit, better = entry["unit"], "higher" if entry["higher_is_better"] else "lower"
-        lines += ["", f"## {metric}: {entry['description']} ({unit}, {better} is better)", "",
-                  "| model | backend | median | x Llama same backend | x best Llama | peak MiB | peak x Llama | reps "
-                  "| note |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## {metric}: {entry['description']} ({unit}, {better} is better)",
+            "",
+            "| model | backend | median | x Llama same backend | x best Llama | peak MiB | peak x Llama | reps "
+            "| note |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         rows = summary.get(metric, {})
         for c, r in entry["configs"].items():
             model, backend = c.split("/", 1)
             if c in rows:
                 row = rows[c]
-                note = ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
-                                 for k, v in r.get("notes", {}).items())
-                lines.append(f"| {model} | {backend} | {fmt(row['median'], unit)} | {_r(row['ratio_llama_same'])} | "
-                             f"{_r(row['ratio_llama_best'])} ({row['llama_best']}) | "
-                             f"{fmt_mib(row['peak_mib'])} | "
-                             f"{_r(row['peak_ratio_llama_same'])} | {row['n']} | {note} |")
+                note = ", ".join(
+                    f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.get("notes", {}).items()
+                )
+                lines.append(
+                    f"| {model} | {backend} | {fmt(row['median'], unit)} | {_r(row['ratio_llama_same'])} | "
+                    f"{_r(row['ratio_llama_best'])} ({row['llama_best']}) | "
+                    f"{fmt_mib(row['peak_mib'])} | "
+                    f"{_r(row['peak_ratio_llama_same'])} | {row['n']} | {note} |"
+                )
             else:
                 lines.append(f"| {model} | {backend} | - | - | - | - | - | 0 | {r['status']} |")
     tgts = data.get("targets", [])
     if tgts:
-        lines += ["", "## Targets (issue 14: each model's best backend vs Llama's best backend, median paired ratio)",
-                  ""]
+        lines += [
+            "",
+            "## Targets (issue 14: each model's best backend vs Llama's best backend, median paired ratio)",
+            "",
+        ]
         for t in tgts:
             mark = "REPORT" if t["pass"] is None else ("PASS" if t["pass"] else "MISS")
             lines.append(f"- {mark}: {t['target']}")
@@ -780,8 +873,14 @@ class Runner:
             return math.inf
         return self.args.time_budget - (time.perf_counter() - self.t_start)
 
-    def run_metric(self, metric: str, configs: dict, warmups: int = 1, compile_first: bool = False,
-                   compile_default_s: float = 90.0):
+    def run_metric(
+        self,
+        metric: str,
+        configs: dict,
+        warmups: int = 1,
+        compile_first: bool = False,
+        compile_default_s: float = 90.0,
+    ):
         """configs: config -> measure() returning {"value", "peak_mib", ...}, or a string saying why not measured.
         Warm-ups, then interleaved reps; every sample is saved as it comes. A config measured before (an earlier
         pass or, with --merge, an earlier run) is replaced."""
@@ -791,8 +890,15 @@ class Runner:
         t_metric = time.perf_counter()
         live = {}
         for c, fn in configs.items():
-            rec = entry["configs"][c] = {"status": "ok", "group": self.group, "reps": [], "values": [],
-                                         "peak_mib": [], "extra": [], "notes": {}}
+            rec = entry["configs"][c] = {
+                "status": "ok",
+                "group": self.group,
+                "reps": [],
+                "values": [],
+                "peak_mib": [],
+                "extra": [],
+                "notes": {},
+            }
             if isinstance(fn, str):
                 rec["status"] = fn
                 continue
@@ -826,7 +932,7 @@ class Runner:
                 break
             t_rep = time.perf_counter()
             names = list(live)
-            order = names[rep % len(names):] + names[: rep % len(names)]
+            order = names[rep % len(names) :] + names[: rep % len(names)]
             for c in order:
                 rec = entry["configs"][c]
                 try:
@@ -843,8 +949,10 @@ class Runner:
                 rec["extra"].append(r)
                 self.res.save(md=False)
             rep_s = time.perf_counter() - t_rep
-            self.log(f"{metric} rep {rep + 1}/{self.args.reps} ({rep_s:.1f}s): " + ", ".join(
-                f"{c}={entry['configs'][c]['values'][-1]:.4g}" for c in names if c in live))
+            self.log(
+                f"{metric} rep {rep + 1}/{self.args.reps} ({rep_s:.1f}s): "
+                + ", ".join(f"{c}={entry['configs'][c]['values'][-1]:.4g}" for c in names if c in live)
+            )
         for c in configs:
             if entry["configs"][c]["status"] == "ok" and not entry["configs"][c]["values"]:
                 entry["configs"][c]["status"] = "skipped: time budget"
@@ -870,8 +978,11 @@ def section_attention(runner: Runner, models: dict, backends: list[str]):
     r = runner
     core = attn_core_fns(r.size, r.dev, r.dtype, backends)
     resident = core.pop("resident")
-    r.run_metric("attn_core", {c: (fn if isinstance(fn, str) else _wrap_time(r.dev, fn, resident))
-                               for c, fn in core.items()}, warmups=2)
+    r.run_metric(
+        "attn_core",
+        {c: (fn if isinstance(fn, str) else _wrap_time(r.dev, fn, resident)) for c, fn in core.items()},
+        warmups=2,
+    )
     del core
     r.dev.free()
     layer = {}
@@ -939,8 +1050,11 @@ def section_train(runner: Runner, models: dict, configs: list[str], compiled: bo
     metric = "train_compile" if compiled else "train"
     r.run_metric(metric, fns, warmups=2, compile_first=compiled)
     if compiled:
-        r.res.data["metrics"][metric]["compile"] = "torch.compile(model, backend='eager') (smoke)" if r.args.smoke \
+        r.res.data["metrics"][metric]["compile"] = (
+            "torch.compile(model, backend='eager') (smoke)"
+            if r.args.smoke
             else "torch.compile(model), default mode (inductor)"
+        )
     trainers.clear()
     compiled_fns.clear()
     for m in models.values():
@@ -1017,8 +1131,13 @@ def environment(dev: Device, dtype, args) -> dict:
     driver = "n/a"
     if dev.cuda:
         try:
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=20, check=False)
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=False,
+            )
             driver = smi.stdout.strip().splitlines()[0]
         except Exception:  # noqa: BLE001
             driver = "unknown"
@@ -1050,24 +1169,44 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (fp32), every section; CI runs it")
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma list from: " + ",".join(SECTIONS))
     p.add_argument("--models", default=",".join(MODELS), help="comma list from: " + ",".join(MODELS))
-    p.add_argument("--backends", default=None, help="comma list from: " + ",".join(BACKENDS)
-                   + f" (default {DEFAULTS[False]['backends']}; smoke {DEFAULTS[True]['backends']})")
-    p.add_argument("--compile-configs", default=None, help="model/backend pairs for train_compile and decode_static "
-                   f"(default {DEFAULTS[False]['compile_configs']})")
+    p.add_argument(
+        "--backends",
+        default=None,
+        help="comma list from: "
+        + ",".join(BACKENDS)
+        + f" (default {DEFAULTS[False]['backends']}; smoke {DEFAULTS[True]['backends']})",
+    )
+    p.add_argument(
+        "--compile-configs",
+        default=None,
+        help=f"model/backend pairs for train_compile and decode_static (default {DEFAULTS[False]['compile_configs']})",
+    )
     p.add_argument("--reps", type=int, default=None, help="interleaved repetitions per metric (default 5, smoke 2)")
     p.add_argument("--train-steps", type=int, default=None, help="training steps per repetition (default 3)")
     p.add_argument("--new-tokens", type=int, default=None, help="decode tokens per generate (default 32)")
     p.add_argument("--intermediate", type=int, default=None, help="MLP intermediate size (default 5632)")
-    p.add_argument("--v2wide-heads", type=int, default=None, help="v2wide's H (default Llama's heads; 24 = Llama's "
-                   "attention parameter count)")
+    p.add_argument(
+        "--v2wide-heads",
+        type=int,
+        default=None,
+        help="v2wide's H (default Llama's heads; 24 = Llama's attention parameter count)",
+    )
     p.add_argument("--v2wide-kv-heads", type=int, default=None, help="v2wide's H_kv (default Llama's KV heads / 2)")
-    p.add_argument("--out-dir", default=None, help="where results_gpu.{json,md} go (default benchmarks/; smoke: a "
-                   "new temporary directory)")
+    p.add_argument(
+        "--out-dir",
+        default=None,
+        help="where results_gpu.{json,md} go (default benchmarks/; smoke: a new temporary directory)",
+    )
     p.add_argument("--merge", action="store_true", help="add to an existing results_gpu.json (same sizes)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing results_gpu.json")
     p.add_argument("--report-only", action="store_true", help="rewrite results_gpu.md from results_gpu.json")
-    p.add_argument("--time-budget", type=float, default=None, help="seconds: stop starting work that would not "
-                   "finish in time (recorded as skipped); e.g. 500 for a 9-minute call")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds: stop starting work that would not "
+        "finish in time (recorded as skipped); e.g. 500 for a 9-minute call",
+    )
     return p.parse_args(argv)
 
 
@@ -1095,8 +1234,11 @@ def main(argv=None) -> int:
     models_req = _csv(args.models)
     backends = _csv(args.backends or defaults["backends"])
     compile_cfgs = _csv(args.compile_configs or defaults["compile_configs"])
-    for what, values, allowed in (("section", sections, SECTIONS), ("model", models_req, MODELS),
-                                  ("backend", backends, BACKENDS)):
+    for what, values, allowed in (
+        ("section", sections, SECTIONS),
+        ("model", models_req, MODELS),
+        ("backend", backends, BACKENDS),
+    ):
         bad = [v for v in values if v not in allowed]
         if bad:
             return fail(f"unknown {what} {', '.join(bad)}: choose from {', '.join(allowed)}")
@@ -1112,8 +1254,12 @@ def main(argv=None) -> int:
         return fail("no CUDA device: run this on a GPU, or pass --smoke for the CPU smoke test")
 
     size = dict(SMOKE if args.smoke else FULL)
-    for key, val in (("train_steps", args.train_steps), ("new_tokens", args.new_tokens),
-                     ("intermediate", args.intermediate), ("reps", args.reps)):
+    for key, val in (
+        ("train_steps", args.train_steps),
+        ("new_tokens", args.new_tokens),
+        ("intermediate", args.intermediate),
+        ("reps", args.reps),
+    ):
         if val is not None:
             if val <= 0:
                 return fail(f"--{key.replace('_', '-')} must be a positive integer, got {val}")
@@ -1132,8 +1278,10 @@ def main(argv=None) -> int:
     if args.merge and path_json.exists():
         old = json.loads(path_json.read_text())
         if old.get("size") != size or old.get("smoke") != args.smoke:
-            return fail(f"{path_json} was measured with other sizes ({old.get('size')}): use the same options, "
-                        "another --out-dir, or --overwrite")
+            return fail(
+                f"{path_json} was measured with other sizes ({old.get('size')}): use the same options, "
+                "another --out-dir, or --overwrite"
+            )
         data = old
 
     dev = Device(torch.device("cpu") if args.smoke else torch.device("cuda"))

@@ -31,12 +31,14 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
+
 _REPO = Path(__file__).resolve().parent.parent
 if (_REPO / "src" / "diff_transformer").is_dir():
     sys.path.insert(0, str(_REPO / "src"))
 
-import torch
-import torch.nn.functional as F
 
 HEADS, KV_HEADS = 32, 8  # Llama; V1: H = 16, H_kv = 4 on the same tensors
 D = 64  # head dim, --head-dim
@@ -94,8 +96,17 @@ def v1_sdpa_model(q, k, v, lam, causal):
     outputs = []
     for c in (0, 1):
         if N == 1:
-            outputs.append(torch.cat([sdpa_attention_forward(module, queries[:, c], keys[:, c], halves[:, c_v], None,
-                                                             scaling=D**-0.5)[0] for c_v in (0, 1)], dim=-1))
+            outputs.append(
+                torch.cat(
+                    [
+                        sdpa_attention_forward(
+                            module, queries[:, c], keys[:, c], halves[:, c_v], None, scaling=D**-0.5
+                        )[0]
+                        for c_v in (0, 1)
+                    ],
+                    dim=-1,
+                )
+            )
         else:
             wide = torch.cat((halves[:, 0], halves[:, 1]), dim=-1)  # (B, H_kv, L, 2d)
             outputs.append(sdpa_attention_forward(module, queries[:, c], keys[:, c], wide, None, scaling=D**-0.5)[0])
@@ -110,15 +121,18 @@ def v1_fused(q, k, v, lam, causal, **options):
 
 def timed(fn, backward):
     if not backward:
+
         def run():
             with torch.no_grad():
                 fn()
+
         return bench(run)
     out = fn()
     grad = torch.randn_like(out)
 
     def run():
         fn().backward(grad)
+
     return bench(run)
 
 
@@ -175,8 +189,11 @@ def register_report():
             else:
                 constexprs["BLOCK_M"] = block_m
             usage = _offline.resource_usage(_offline.compile_kernel(name, constexprs, warps, stages))
-            print(f"| {kind} | {block_m}, {block_n}, {warps}, {stages} | {usage['registers']} | "
-                  f"{usage['stack_bytes']} | {usage['shared_bytes']} |", flush=True)
+            print(
+                f"| {kind} | {block_m}, {block_n}, {warps}, {stages} | {usage['registers']} | "
+                f"{usage['stack_bytes']} | {usage['shared_bytes']} |",
+                flush=True,
+            )
 
 
 def main(argv=None):
@@ -186,8 +203,11 @@ def main(argv=None):
     parser.add_argument("--decode-batch", default="1,32")
     parser.add_argument("--head-dim", type=int, choices=sorted(SWEEP), default=64)
     parser.add_argument("--sweep", action="store_true", help="tune the launch configurations first")
-    parser.add_argument("--registers", action="store_true",
-                        help="no GPU needed: compile the --sweep candidates for sm_90 and report registers/spills")
+    parser.add_argument(
+        "--registers",
+        action="store_true",
+        help="no GPU needed: compile the --sweep candidates for sm_90 and report registers/spills",
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     global D
@@ -210,8 +230,10 @@ def main(argv=None):
     results["configs"] = {k: list(v[D]) for k, v in op.CUDA_CONFIGS.items()}
     lam = torch.tensor(0.8, device="cuda", requires_grad=True)
 
-    print("\n| prefill B x N | pass | llama_sdpa ms | v1_sdpa_model ms (x) | v1_fused ms (x) "
-          "| v1_fused atomic dQ ms (x) |")
+    print(
+        "\n| prefill B x N | pass | llama_sdpa ms | v1_sdpa_model ms (x) | v1_fused ms (x) "
+        "| v1_fused atomic dQ ms (x) |"
+    )
     print("|---|---|---|---|---|---|")
     for B in map(int, args.batch.split(",")):
         q, k, v = inputs(B, args.length, args.length, grad=True)
@@ -219,7 +241,9 @@ def main(argv=None):
             diff = (v1_fused(q, k, v, lam, True).float() - v1_sdpa_model(q, k, v, lam, True).float()).abs().max()
         for backward in (False, True):
             row = {
-                "B": B, "N": args.length, "pass": "fwd+bwd" if backward else "fwd",
+                "B": B,
+                "N": args.length,
+                "pass": "fwd+bwd" if backward else "fwd",
                 "llama_sdpa": timed(lambda: llama_sdpa(q, k, v, True), backward),
                 "v1_sdpa_model": timed(lambda: v1_sdpa_model(q, k, v, lam, True), backward),
                 "v1_fused": timed(lambda: v1_fused(q, k, v, lam, True, atomic_dq=False), backward),
@@ -229,8 +253,10 @@ def main(argv=None):
                 row["v1_fused_atomic_dq"] = timed(lambda: v1_fused(q, k, v, lam, True, atomic_dq=True), backward)
             results["prefill"].append(row)
             base = row["llama_sdpa"]
-            cells = [f"{row[name]:.3f} ({row[name] / base:.2f}x)" if name in row else "-"
-                     for name in ("v1_sdpa_model", "v1_fused", "v1_fused_atomic_dq")]
+            cells = [
+                f"{row[name]:.3f} ({row[name] / base:.2f}x)" if name in row else "-"
+                for name in ("v1_sdpa_model", "v1_fused", "v1_fused_atomic_dq")
+            ]
             print(f"| {B} x {args.length} | {row['pass']} | {base:.3f} | " + " | ".join(cells) + " |", flush=True)
 
     print(f"\n| decode B, L={args.length} | llama_sdpa ms | v1_sdpa_model ms (x) | v1_fused ms (x) |")
@@ -238,15 +264,19 @@ def main(argv=None):
     for B in map(int, args.decode_batch.split(",")):
         q, k, v = inputs(B, 1, args.length, grad=False)
         row = {
-            "B": B, "L": args.length,
+            "B": B,
+            "L": args.length,
             "llama_sdpa": timed(lambda: llama_sdpa(q, k, v, False), False),
             "v1_sdpa_model": timed(lambda: v1_sdpa_model(q, k, v, lam, False), False),
             "v1_fused": timed(lambda: v1_fused(q, k, v, lam, False), False),
         }
         results["decode"].append(row)
         base = row["llama_sdpa"]
-        print(f"| {B} | {base:.4f} | {row['v1_sdpa_model']:.4f} ({row['v1_sdpa_model'] / base:.2f}x) | "
-              f"{row['v1_fused']:.4f} ({row['v1_fused'] / base:.2f}x) |", flush=True)
+        print(
+            f"| {B} | {base:.4f} | {row['v1_sdpa_model']:.4f} ({row['v1_sdpa_model'] / base:.2f}x) | "
+            f"{row['v1_fused']:.4f} ({row['v1_fused'] / base:.2f}x) |",
+            flush=True,
+        )
     results["kernels_ms"] = kernel_breakdown(int(args.batch.split(",")[0]), args.length)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1) + "\n")

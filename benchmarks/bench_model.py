@@ -110,12 +110,36 @@ MODEL_LABELS = {
 }
 
 FULL = dict(
-    hidden=512, layers=8, heads=8, kv_heads=8, head_dim=64, intermediate=1376, vocab=32000,
-    prefill=[512, 2048], prompt=512, new_tokens=128, mem_seq=8192, train_seq=1024, reps=7, mem_reps=2,
+    hidden=512,
+    layers=8,
+    heads=8,
+    kv_heads=8,
+    head_dim=64,
+    intermediate=1376,
+    vocab=32000,
+    prefill=[512, 2048],
+    prompt=512,
+    new_tokens=128,
+    mem_seq=8192,
+    train_seq=1024,
+    reps=7,
+    mem_reps=2,
 )
 QUICK = dict(
-    hidden=64, layers=2, heads=4, kv_heads=4, head_dim=16, intermediate=172, vocab=1000,
-    prefill=[64, 256], prompt=32, new_tokens=16, mem_seq=1024, train_seq=128, reps=2, mem_reps=1,
+    hidden=64,
+    layers=2,
+    heads=4,
+    kv_heads=4,
+    head_dim=16,
+    intermediate=172,
+    vocab=1000,
+    prefill=[64, 256],
+    prompt=32,
+    new_tokens=16,
+    mem_seq=1024,
+    train_seq=128,
+    reps=2,
+    mem_reps=1,
 )
 
 
@@ -173,9 +197,7 @@ def describe(name: str, model) -> str:
     c = model.config
     if name in ("llama", "diffllama"):
         return f"{c.num_attention_heads} heads x {c.head_dim}, {c.num_key_value_heads} KV heads"
-    return (
-        f"V{c.diff_version}: H={c.num_attention_heads} diff heads, H_kv={c.num_key_value_heads}, d={c.head_dim}"
-    )
+    return f"V{c.diff_version}: H={c.num_attention_heads} diff heads, H_kv={c.num_key_value_heads}, d={c.head_dim}"
 
 
 # ----------------------------------------------------------------------------------------------------- measurements
@@ -338,8 +360,12 @@ def summarize(raw: dict, names: list[str]) -> dict:
             ratios = [v / r for v, r in zip(vals, ref)]
             best, best_ref = (max(vals), max(ref)) if metric == "decode" else (min(vals), min(ref))
             out[metric][name] = {
-                "median": med(vals), "ratio": med(ratios), "min": min(vals), "max": max(vals),
-                "best": best, "best_ratio": best / best_ref,
+                "median": med(vals),
+                "ratio": med(ratios),
+                "min": min(vals),
+                "max": max(vals),
+                "best": best,
+                "best_ratio": best / best_ref,
             }
     return out
 
@@ -375,7 +401,9 @@ def report(args, size, names, params, descr, summary, meta) -> tuple[str, list[t
         cells = [f"{fmt(summary[metric][n]['median'], unit)} ({summary[metric][n]['ratio']:.2f}x)" for n in names]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
         if metric != "memory":
-            cells = [f"{fmt(summary[metric][n]['best'], unit)} ({summary[metric][n]['best_ratio']:.2f}x)" for n in names]
+            cells = [
+                f"{fmt(summary[metric][n]['best'], unit)} ({summary[metric][n]['best_ratio']:.2f}x)" for n in names
+            ]
             best_lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
     checks: list[tuple[str, bool]] = []
@@ -392,8 +420,10 @@ def report(args, size, names, params, descr, summary, meta) -> tuple[str, list[t
     for n in size["prefill"]:
         m = f"prefill_{n}"
         if "v1" in names:
-            check(f"V1 prefill {n} <= 1.25x Llama: {ratio(m, 'v1'):.2f}x (best-of {best(m, 'v1'):.2f}x)",
-                  ratio(m, "v1") <= 1.25)
+            check(
+                f"V1 prefill {n} <= 1.25x Llama: {ratio(m, 'v1'):.2f}x (best-of {best(m, 'v1'):.2f}x)",
+                ratio(m, "v1") <= 1.25,
+            )
             if "diffllama" in names:
                 check(
                     f"V1 prefill {n} faster than DiffLlama: {ratio(m, 'v1'):.2f}x vs {ratio(m, 'diffllama'):.2f}x "
@@ -401,21 +431,28 @@ def report(args, size, names, params, descr, summary, meta) -> tuple[str, list[t
                     ratio(m, "v1") < ratio(m, "diffllama"),
                 )
         if "v2" in names:
-            check(f"V2 prefill {n} <= 1.4x Llama: {ratio(m, 'v2'):.2f}x (best-of {best(m, 'v2'):.2f}x)",
-                  ratio(m, "v2") <= 1.4)
+            check(
+                f"V2 prefill {n} <= 1.4x Llama: {ratio(m, 'v2'):.2f}x (best-of {best(m, 'v2'):.2f}x)",
+                ratio(m, "v2") <= 1.4,
+            )
     if "decode" in summary:
         for n, limit in (("v2", 0.9), ("v1", 0.85)):
             if n in names:
-                check(f"{MODEL_LABELS[n]} decode tok/s >= {limit}x Llama: {ratio('decode', n):.2f}x "
-                      f"(best-of {best('decode', n):.2f}x)", ratio("decode", n) >= limit)
+                check(
+                    f"{MODEL_LABELS[n]} decode tok/s >= {limit}x Llama: {ratio('decode', n):.2f}x "
+                    f"(best-of {best('decode', n):.2f}x)",
+                    ratio("decode", n) >= limit,
+                )
     for metric, limit, label in (("memory", 1.2, "peak memory"), ("train", 1.35, "training step")):
         if metric not in summary:
             continue
         for n in ("v1", "v2"):
             if n in names:
                 extra = "" if metric == "memory" else f" (best-of {best(metric, n):.2f}x)"
-                check(f"{MODEL_LABELS[n]} {label} <= {limit}x Llama: {ratio(metric, n):.2f}x{extra}",
-                      ratio(metric, n) <= limit)
+                check(
+                    f"{MODEL_LABELS[n]} {label} <= {limit}x Llama: {ratio(metric, n):.2f}x{extra}",
+                    ratio(metric, n) <= limit,
+                )
 
     text = [
         f"# Diff Transformer CPU benchmark{' (QUICK smoke test)' if args.quick else ''}",
@@ -446,10 +483,12 @@ def report(args, size, names, params, descr, summary, meta) -> tuple[str, list[t
 
 def git_rev() -> str:
     try:
-        rev = subprocess.run(["git", "-C", str(_REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(_REPO), "status", "--porcelain", "src"], capture_output=True,
-                               text=True).stdout.split("\n")
+        rev = subprocess.run(
+            ["git", "-C", str(_REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(_REPO), "status", "--porcelain", "src"], capture_output=True, text=True
+        ).stdout.split("\n")
         dirty = [line[3:] for line in dirty if line.strip()]
         return rev + (f" + uncommitted src changes ({', '.join(dirty)})" if dirty else "") if rev else "unknown"
     except OSError:
@@ -537,7 +576,7 @@ def main(argv=None):
     extra: dict = {"decode_detail": {n: [] for n in names}}
     loads: list[float] = []
     for rep in range(reps):
-        order = names[rep % len(names):] + names[: rep % len(names)]
+        order = names[rep % len(names) :] + names[: rep % len(names)]
         for key, fn in metrics:
             for n in order:
                 v = fn(n)
@@ -546,8 +585,10 @@ def main(argv=None):
                     v = v["tok_s"]
                 raw[key][n].append(v)
         loads.append(round(os.getloadavg()[0], 1))
-        log(f"rep {rep + 1}/{reps} (load {loads[-1]}): " + ", ".join(
-            f"{key}=" + "/".join(f"{raw[key][n][-1]:.3g}" for n in names) for key, _ in metrics))
+        log(
+            f"rep {rep + 1}/{reps} (load {loads[-1]}): "
+            + ", ".join(f"{key}=" + "/".join(f"{raw[key][n][-1]:.3g}" for n in names) for key, _ in metrics)
+        )
 
     if "memory" not in skip:
         del lms  # free the parent's copies; workers are separate processes anyway
@@ -555,13 +596,15 @@ def main(argv=None):
         raw["memory"] = {n: [] for n in names}
         extra["memory_detail"] = {n: [] for n in names}
         for rep in range(mem_reps):
-            order = names[rep % len(names):] + names[: rep % len(names)]
+            order = names[rep % len(names) :] + names[: rep % len(names)]
             for n in order:
                 r = run_memory_subprocess(n, args)
                 extra["memory_detail"][n].append(r)
                 raw["memory"][n].append(r["peak_mib"])
-                log(f"memory rep {rep + 1}/{mem_reps} {MODEL_LABELS[n]}: +{r['peak_mib']:.0f} MiB "
-                    f"(sampled +{r['peak_sampled_mib']:.0f} MiB, fwd {r['forward_s']:.1f}s)")
+                log(
+                    f"memory rep {rep + 1}/{mem_reps} {MODEL_LABELS[n]}: +{r['peak_mib']:.0f} MiB "
+                    f"(sampled +{r['peak_sampled_mib']:.0f} MiB, fwd {r['forward_s']:.1f}s)"
+                )
 
     summary = summarize(raw, names)
     meta = {
@@ -582,11 +625,22 @@ def main(argv=None):
     if args.md:
         Path(args.md).write_text(text)
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "meta": meta, "size": size, "models": names, "layout": descr, "params": params,
-            "summary": summary, "raw": raw, "detail": extra,
-            "targets": [{"target": t, "pass": ok} for t, ok in checks],
-        }, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "meta": meta,
+                    "size": size,
+                    "models": names,
+                    "layout": descr,
+                    "params": params,
+                    "summary": summary,
+                    "raw": raw,
+                    "detail": extra,
+                    "targets": [{"target": t, "pass": ok} for t, ok in checks],
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -61,13 +61,20 @@ def kernels(N: int, d: int = 64, grad: bool = False):
     def v1_two_calls():
         halves = v8.view(1, 2, 4, N, d)
         return torch.cat(
-            [F.scaled_dot_product_attention(q8, k8, halves[:, c].repeat(1, 2, 1, 1), is_causal=True, scale=s)
-             for c in (0, 1)], dim=-1)
+            [
+                F.scaled_dot_product_attention(q8, k8, halves[:, c].repeat(1, 2, 1, 1), is_causal=True, scale=s)
+                for c in (0, 1)
+            ],
+            dim=-1,
+        )
 
     def v1_four_calls():
         q1, q2, k1, k2, va, vb = q8[:, :4], q8[:, 4:], k8[:, :4], k8[:, 4:], v8[:, :4], v8[:, 4:]
-        o = [F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s)
-             for q, k in ((q1, k1), (q2, k2)) for v in (va, vb)]
+        o = [
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s)
+            for q, k in ((q1, k1), (q2, k2))
+            for v in (va, vb)
+        ]
         return torch.cat([torch.cat(o[0:2], -1), torch.cat(o[2:4], -1)], 1)
 
     def v2():
@@ -106,7 +113,9 @@ def bench_kernels(lengths, reps):
                 for n, f in ks.items():
                     times[n].append(run(f))
             base = min(times["llama"])
-            cells = [f"{min(t) * 1e3:.0f} / {statistics.median(t) * 1e3:.0f} ({min(t) / base:.2f}x)" for t in times.values()]
+            cells = [
+                f"{min(t) * 1e3:.0f} / {statistics.median(t) * 1e3:.0f} ({min(t) / base:.2f}x)" for t in times.values()
+            ]
             print(f"| {N} | {'fwd+bwd' if grad else 'fwd'} | " + " | ".join(cells) + " |", flush=True)
 
 
@@ -120,8 +129,14 @@ def profile_layers(N: int):
     common = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=1, head_dim=64, vocab_size=32000)
     cfgs = {
         "llama": (LlamaDecoderLayer, LlamaConfig(num_attention_heads=8, num_key_value_heads=8, **common)),
-        "diff_v1": (DiffDecoderLayer, DiffConfig(diff_version=1, num_attention_heads=4, num_key_value_heads=4, **common)),
-        "diff_v2": (DiffDecoderLayer, DiffConfig(diff_version=2, num_attention_heads=8, num_key_value_heads=4, **common)),
+        "diff_v1": (
+            DiffDecoderLayer,
+            DiffConfig(diff_version=1, num_attention_heads=4, num_key_value_heads=4, **common),
+        ),
+        "diff_v2": (
+            DiffDecoderLayer,
+            DiffConfig(diff_version=2, num_attention_heads=8, num_key_value_heads=4, **common),
+        ),
     }
     x = torch.randn(1, N, 512)
     for name, (cls, cfg) in cfgs.items():

@@ -20,6 +20,7 @@ import tarfile
 import zlib
 from pathlib import Path
 
+
 DATA_DIR = "usr/lib/R/site-library/janeaustenr/data/"
 # (R object name, title) in corpus order.
 BOOKS = (
@@ -137,7 +138,7 @@ def read_lazyload_db(rdx: bytes, rdb: bytes) -> dict[str, list[str]]:
     return objects
 
 
-# --- normalisation ----------------------------------------------------------------------------------------------------
+# --- normalisation --------------------------------------------------------------------------------------------------
 
 
 def paragraphs(lines: list[str | None]) -> list[str]:

@@ -49,21 +49,41 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--models", nargs="+", choices=list(NAMES), default=list(NAMES))
-    p.add_argument("--workdir", type=Path, default=None, help="keep the converted models and runs here (default: temporary)")
+    p.add_argument(
+        "--workdir", type=Path, default=None, help="keep the converted models and runs here (default: temporary)"
+    )
     p.add_argument("--docs", type=Path, default=REPO / "docs", help="where the .png/.json/.md go")
     p.add_argument("--data", type=Path, default=REPO / "data" / "corpus.txt")
     p.add_argument("--heldout", type=Path, default=REPO / "data" / "heldout.txt")
-    p.add_argument("--from-json", type=Path, default=None, help="redraw the .png/.md from an earlier .json, no training")
+    p.add_argument(
+        "--from-json", type=Path, default=None, help="redraw the .png/.md from an earlier .json, no training"
+    )
     p.add_argument("--note", default=None, help="a remark on the machine for the .md (e.g. its load)")
     return p.parse_args(argv)
 
 
 def train(name: str, model: Path, out: Path, args) -> dict:
     argv = ["train", str(model), "--data", str(args.data), "--eval-data", str(args.heldout), "--output", str(out)]
-    argv += ["--block-size", str(args.block_size), "--batch-size", str(args.batch_size), "--max-steps", str(args.steps)]
+    argv += [
+        "--block-size",
+        str(args.block_size),
+        "--batch-size",
+        str(args.batch_size),
+        "--max-steps",
+        str(args.steps),
+    ]
     argv += ["--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps), "--lr-scheduler", "cosine"]
     argv += ["--eval-on-start", "--eval-steps", str(args.eval_every), "--logging-steps", str(args.logging_steps)]
-    argv += ["--save-steps", str(args.steps), "--save-total-limit", "1", "--seed", str(args.seed), "--quiet", "--overwrite"]
+    argv += [
+        "--save-steps",
+        str(args.steps),
+        "--save-total-limit",
+        "1",
+        "--seed",
+        str(args.seed),
+        "--quiet",
+        "--overwrite",
+    ]
     if name == "llama":
         argv.append("--any-model")
     print(f"\n=== {NAMES[name]}: diff-transformer {' '.join(argv)}", flush=True)
@@ -105,17 +125,27 @@ def plot(results: dict, path: Path, args) -> None:
     (loss_ax, ppl_ax), (v1_ax, v2_ax) = axes
     for name, r in results.items():
         steps, losses = zip(*r["train_loss"])
-        style = dict(color=COLORS[name], label=r["name"], linestyle="--" if name == "llama" else "-", zorder=3 if name == "llama" else 2)
+        style = dict(
+            color=COLORS[name],
+            label=r["name"],
+            linestyle="--" if name == "llama" else "-",
+            zorder=3 if name == "llama" else 2,
+        )
         loss_ax.plot(steps, losses, **style)
         steps, ppl = zip(*r["eval_perplexity"])
         ppl_ax.plot(steps, ppl, marker="o", **style)
     loss_ax.set(title="training loss (mean over each logging window)", xlabel="step", ylabel="cross-entropy")
-    ppl_ax.set(title="held-out perplexity (data/heldout.txt)", xlabel="step", ylabel="perplexity (log scale)", yscale="log")
+    ppl_ax.set(
+        title="held-out perplexity (data/heldout.txt)", xlabel="step", ylabel="perplexity (log scale)", yscale="log"
+    )
     for ax in (loss_ax, ppl_ax):
         ax.grid(alpha=0.3)
         ax.legend()
     cmap = plt.get_cmap("viridis")
-    for ax, name, title in ((v1_ax, "v1", "V1: λ per layer (the layer's scalar)"), (v2_ax, "v2", "V2: mean sigmoid(λ) per layer (± std over tokens, heads)")):
+    for ax, name, title in (
+        (v1_ax, "v1", "V1: λ per layer (the layer's scalar)"),
+        (v2_ax, "v2", "V2: mean sigmoid(λ) per layer (± std over tokens, heads)"),
+    ):
         lam = results.get(name, {}).get("lambda", {})
         layers = sorted(k for k in lam if k.startswith("lambda/"))
         for i, key in enumerate(layers):
@@ -125,13 +155,20 @@ def plot(results: dict, path: Path, args) -> None:
             std_key = key.replace("lambda/", "lambda_std/")
             if std_key in lam:
                 std = [s for _, s in lam[std_key]]
-                ax.fill_between(steps, [v - s for v, s in zip(values, std)], [v + s for v, s in zip(values, std)], color=color, alpha=0.15)
+                ax.fill_between(
+                    steps,
+                    [v - s for v, s in zip(values, std)],
+                    [v + s for v, s in zip(values, std)],
+                    color=color,
+                    alpha=0.15,
+                )
         ax.set(title=title, xlabel="step", ylabel="λ")
         ax.grid(alpha=0.3)
         if layers:
             ax.legend(ncol=2, fontsize=8)
     fig.suptitle(
-        f"Continued pretraining of the converted tiny Llama: {args.steps} steps x {args.batch_size} x {args.block_size} tokens, "
+        "Continued pretraining of the converted tiny Llama: "
+        f"{args.steps} steps x {args.batch_size} x {args.block_size} tokens, "
         f"lr {args.lr:g} (cosine, {args.warmup_steps} warm-up), same seed",
         fontsize=11,
     )
@@ -142,7 +179,8 @@ def plot(results: dict, path: Path, args) -> None:
 
 def markdown(results: dict, figures: dict, args) -> str:
     rows = [
-        f"| {r['name']} | {r['ppl_step0']:.2f} | {r['ppl_end']:.2f} | {r['train_loss'][-1][1]:.3f} | {r['train_seconds']:.0f} s |"
+        f"| {r['name']} | {r['ppl_step0']:.2f} | {r['ppl_end']:.2f} | "
+        f"{r['train_loss'][-1][1]:.3f} | {r['train_seconds']:.0f} s |"
         for r in results.values()
     ]
     lines = [
@@ -153,7 +191,9 @@ def markdown(results: dict, figures: dict, args) -> str:
         + "`. Held-out perplexity: `diff-transformer train`'s evaluation (exp of the mean token NLL over"
         f" data/heldout.txt packed into blocks of {args.block_size} tokens, each starting with `<s>`).",
         "",
-        "| model | held-out ppl, step 0 | held-out ppl, step " + str(args.steps) + " | last logged training loss | training time |",
+        "| model | held-out ppl, step 0 | held-out ppl, step "
+        + str(args.steps)
+        + " | last logged training loss | training time |",
         "| --- | --- | --- | --- | --- |",
         *rows,
         "",
@@ -161,7 +201,8 @@ def markdown(results: dict, figures: dict, args) -> str:
     base = results.get("llama")
     if "v2_vs_llama_step0_abs_loss_diff" in figures:
         lines.append(
-            f"* V2 at step 0 vs the Llama: |Δ eval loss| = {figures['v2_vs_llama_step0_abs_loss_diff']:.2e} (the V2 conversion "
+            "* V2 at step 0 vs the Llama: |Δ eval loss| = "
+            f"{figures['v2_vs_llama_step0_abs_loss_diff']:.2e} (the V2 conversion "
             "preserves the function)."
         )
     if base:
@@ -170,7 +211,8 @@ def markdown(results: dict, figures: dict, args) -> str:
                 continue
             r = results[name]
             lines.append(
-                f"* {NAMES[name]}: step 0 at {r['ppl_step0'] / base['ppl_step0']:.2f}x the Llama's perplexity, step {args.steps} at "
+                f"* {NAMES[name]}: step 0 at {r['ppl_step0'] / base['ppl_step0']:.2f}x the Llama's perplexity, "
+                f"step {args.steps} at "
                 f"{r['ppl_end'] / base['ppl_end']:.3f}x the Llama trained for the same budget "
                 f"({r['ppl_end']:.2f} vs {base['ppl_end']:.2f})."
             )
@@ -182,7 +224,8 @@ def markdown(results: dict, figures: dict, args) -> str:
     if with_lambda:
         lines += [
             "",
-            "λ per layer, first log (step 1) -> last log (V1: the layer's scalar; V2: mean ± std of sigmoid(λ) over the "
+            "λ per layer, first log (step 1) -> last log (V1: the layer's scalar; "
+            "V2: mean ± std of sigmoid(λ) over the "
             "tokens and heads of the logging window):",
             "",
         ]
@@ -191,7 +234,9 @@ def markdown(results: dict, figures: dict, args) -> str:
             for key in sorted(k for k in lam if k.startswith("lambda/")):
                 first, last = lam[key][0][1], lam[key][-1][1]
                 std = lam.get(key.replace("lambda/", "lambda_std/"))
-                cells.append(f"{key.split('/')[1]} {first:.3f} -> {last:.3f}" + (f" ± {std[-1][1]:.3f}" if std else ""))
+                cells.append(
+                    f"{key.split('/')[1]} {first:.3f} -> {last:.3f}" + (f" ± {std[-1][1]:.3f}" if std else "")
+                )
             lines.append(f"* {NAMES[name]}: " + ", ".join(cells))
     lines += [
         "",
@@ -235,13 +280,22 @@ def main(argv=None) -> int:
         results[name] = train(name, models[name], work / f"run-{name}", args)
 
     figures = {
-        "settings": {k: v for k, v in vars(args).items() if k in ("steps", "batch_size", "block_size", "lr", "warmup_steps", "eval_every", "seed")},
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
+        "settings": {
+            k: v
+            for k, v in vars(args).items()
+            if k in ("steps", "batch_size", "block_size", "lr", "warmup_steps", "eval_every", "seed")
+        },
+        "machine": (
+            f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
+            f"torch {torch.__version__}"
+        ),
         "note": args.note,
         "results": results,
     }
     if "llama" in results and "v2" in results:
-        figures["v2_vs_llama_step0_abs_loss_diff"] = abs(results["v2"]["eval_loss"][0][1] - results["llama"]["eval_loss"][0][1])
+        figures["v2_vs_llama_step0_abs_loss_diff"] = abs(
+            results["v2"]["eval_loss"][0][1] - results["llama"]["eval_loss"][0][1]
+        )
     figures["lambda_end"] = {
         name: {k: round(v[-1][1], 4) for k, v in r["lambda"].items()} for name, r in results.items() if r["lambda"]
     }
@@ -252,7 +306,10 @@ def main(argv=None) -> int:
     (args.docs / "continued_pretraining.md").write_text(markdown(results, figures, args))
     print()
     for r in results.values():
-        print(f"{r['name']:28s} held-out ppl step 0 {r['ppl_step0']:9.2f}   step {args.steps} {r['ppl_end']:8.2f}   ({r['train_seconds']:.0f} s)")
+        print(
+            f"{r['name']:28s} held-out ppl step 0 {r['ppl_step0']:9.2f}   "
+            f"step {args.steps} {r['ppl_end']:8.2f}   ({r['train_seconds']:.0f} s)"
+        )
     print(f"wrote {args.docs / 'continued_pretraining.png'}, .json, .md; runs in {work}")
     return 0
 

@@ -33,6 +33,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 
 from diff_transformer.demo import DEMO_EVAL_TOKENS, heldout_perplexity
 
+
 REPO = Path(__file__).resolve().parent.parent
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
@@ -129,7 +130,8 @@ pipeline_tag: text-generation
 # tiny-llama (Jane Austen)
 
 A {figures["parameters"] / 1e6:.2f} M-parameter `LlamaForCausalLM` ({args.layers} layers, hidden {args.hidden_size},
-{args.heads} attention heads over {args.kv_heads} key/value heads, tied embeddings) with a {figures["vocab_size"]}-entry
+{args.heads} attention heads over {args.kv_heads} key/value heads, tied embeddings) with a \
+{figures["vocab_size"]}-entry
 byte-level BPE tokenizer, trained from scratch by `examples/train_tiny_llama.py` of the diff-transformer repository
 on four public-domain novels by Jane Austen (Pride and Prejudice, Sense and Sensibility, Northanger Abbey,
 Persuasion; see `data/README.md` there for provenance). It exists so that the package's demo can convert a real,
@@ -141,7 +143,8 @@ language model.
 | training tokens seen | {figures["tokens_seen"]:,} ({figures["epochs"]:.2f} epochs of {figures["train_tokens"]:,}) |
 | held-out tokens (last two chapters of each book) | {figures["heldout_tokens"]:,} |
 | held-out perplexity | {figures["heldout_perplexity"]:.2f} (uniform: {figures["vocab_size"]}) |
-| held-out perplexity, first {DEMO_EVAL_TOKENS} tokens (what the demo measures) | {figures["demo_slice_perplexity"]:.2f} |
+| held-out perplexity, first {DEMO_EVAL_TOKENS} tokens (what the demo measures) | \
+{figures["demo_slice_perplexity"]:.2f} |
 | final training loss | {figures["final_train_loss"]:.3f} |
 | training time | {figures["train_seconds"]:.0f} s on {figures["threads"]} CPU threads (torch {torch.__version__}) |
 

@@ -304,7 +304,7 @@ def _handler_for(hub: FakeHub):
                 case "POST", ["api", "models", ns, name, "branch", branch]:
                     answer = hub.create_branch(f"{ns}/{name}", branch, json.loads(body or b"{}"))
                     return 200, json.dumps(answer).encode(), as_json
-                case ("GET" | "HEAD"), [ns, name, "resolve", rev, *path]:
+                case (("GET" | "HEAD"), [ns, name, "resolve", rev, *path]):
                     return 200, *hub.resolve_file(f"{ns}/{name}", rev, "/".join(path))
             hub.problems.append(f"{self.command} /{'/'.join(parts)}: not served")
             raise HubError(404, f"the fake Hub does not serve {self.command} /{'/'.join(parts)}")

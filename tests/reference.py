@@ -54,9 +54,7 @@ def attention_v1(sd, p, config, layer_idx, x, cos, sin, mask):
     k = linear(sd, p + "k_proj", x).view(n, H_kv, 2, d)
     v = linear(sd, p + "v_proj", x).view(n, H_kv, 2 * d)
     lq1, lk1, lq2, lk2 = (sd[p + f"diff_lambda.lambda_{n_}"].float() for n_ in ("q1", "k1", "q2", "k2"))
-    lambda_init = (
-        config.lambda_init if config.lambda_init is not None else 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
-    )
+    lambda_init = config.lambda_init if config.lambda_init is not None else 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
     lam = torch.exp((lq1 * lk1).sum()) - torch.exp((lq2 * lk2).sum()) + lambda_init
     heads, maps = [], []
     for h in range(H):

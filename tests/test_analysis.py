@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-from conftest import tiny_model
 from transformers import (
     DiffLlamaConfig,
     DiffLlamaForCausalLM,
@@ -24,6 +23,8 @@ from diff_transformer.analysis import (
     noise_mass,
     span_mass,
 )
+
+from conftest import tiny_model
 
 
 def batch():
@@ -93,7 +94,7 @@ def test_lambda_matches_the_lambda_modules(diff_version):
     per_layer = lambda_per_layer(entries)
     assert per_layer.shape == (2, 4)
     if diff_version == 1:
-        assert torch.equal(per_layer[:, 0], torch.stack([o for o in outputs]))
+        assert torch.equal(per_layer[:, 0], torch.stack(list(outputs)))
     else:
         valid = mask.bool()
         torch.testing.assert_close(per_layer[0], outputs[0][valid].mean(0))
@@ -135,8 +136,13 @@ def test_remote_code_model(tmp_path, diff_version):
 def test_llama_maps_and_metrics():
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, pad_token_id=0,
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
     )
     model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
     ids, mask = batch()
@@ -156,8 +162,14 @@ def test_llama_maps_and_metrics():
 def test_diffllama_maps_and_lambda():
     torch.manual_seed(0)
     config = DiffLlamaConfig(
-        vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, pad_token_id=0, lambda_std_dev=0.3,
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        lambda_std_dev=0.3,
     )
     model = DiffLlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
     ids, mask = batch()
@@ -168,9 +180,11 @@ def test_diffllama_maps_and_lambda():
         both = torch.cat([entry.first, entry.second], dim=1)  # (B, H, N, L): A1 heads, then A2 heads
         torch.testing.assert_close(both.permute(0, 2, 1, 3)[rows], expected.permute(0, 2, 1, 3)[rows])
         attn = layer.self_attn
-        lam = math.exp((attn.lambda_q1 * attn.lambda_k1).sum().item()) - math.exp(
-            (attn.lambda_q2 * attn.lambda_k2).sum().item()
-        ) + attn.lambda_init
+        lam = (
+            math.exp((attn.lambda_q1 * attn.lambda_k1).sum().item())
+            - math.exp((attn.lambda_q2 * attn.lambda_k2).sum().item())
+            + attn.lambda_init
+        )
         assert entry.lam.item() == pytest.approx(lam, rel=1e-6)
         torch.testing.assert_close(entry.differential, entry.first - lam * entry.second)
     metrics = layer_metrics(entries, span=(4, 6))
@@ -264,11 +278,21 @@ def test_inspect_errors_are_one_line(tmp_path, capsys):
     out.write_bytes(b"mine")
     _refused(capsys, ["inspect", m, "5 6", "--out", out], "already exists", "--overwrite")
     assert out.read_bytes() == b"mine"  # the user's file is untouched
-    config = MistralConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, num_key_value_heads=1)
+    config = MistralConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
-    _refused(capsys, ["inspect", tmp_path / "mistral", "5 6", "--out", tmp_path / "m.png"], "model_type='mistral'",
-             "convert")
+    _refused(
+        capsys,
+        ["inspect", tmp_path / "mistral", "5 6", "--out", tmp_path / "m.png"],
+        "model_type='mistral'",
+        "convert",
+    )
 
 
 def test_head_figure_and_metric_grid(diff_version):

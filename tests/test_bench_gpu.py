@@ -29,8 +29,16 @@ COMPILED = ["llama/sdpa", "v1/sdpa", "v2/sdpa"]  # the default compile configs b
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_gpu")
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out-dir", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--out-dir", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, json.loads((out / "results_gpu.json").read_text())
 
@@ -81,7 +89,9 @@ def test_smoke_records_why_backends_were_not_measured(smoke):
     probes = data["probes"]
     if importlib.util.find_spec("flash_attn") is None:
         assert probes["llama/flash_attention_2"] == {
-            "ok": False, "reason": "not installed (the flash_attn package does not import)"}
+            "ok": False,
+            "reason": "not installed (the flash_attn package does not import)",
+        }
     if not torch.cuda.is_available():  # the fused kernel needs a GPU
         assert probes["v1/diff_triton"]["reason"].startswith("unavailable: ")
         assert data["metrics"]["attn_core"]["configs"]["v1/diff_triton"]["status"].startswith("unavailable: ")
@@ -126,16 +136,28 @@ def test_smoke_report_is_generated_from_the_json(smoke):
 
 def test_paired_ratios_by_hand():
     def rec(values, group="0.0", reps=None):
-        return {"status": "ok", "group": group, "reps": reps or list(range(len(values))), "values": values,
-                "peak_mib": [10.0] * len(values)}
+        return {
+            "status": "ok",
+            "group": group,
+            "reps": reps or list(range(len(values))),
+            "values": values,
+            "peak_mib": [10.0] * len(values),
+        }
 
-    data = {"metrics": {"train": {"higher_is_better": True, "configs": {
-        "llama/sdpa": rec([100.0, 200.0, 400.0]),
-        "llama/flex_attention": rec([50.0, 100.0, 300.0], group="0.1"),
-        "v1/sdpa": rec([90.0, 150.0, 440.0]),
-        "v1/diff_triton": rec([80.0, 210.0], reps=[0, 2]),
-        "v2/sdpa": {"status": "error: CUDA out of memory", "reps": [], "values": [], "peak_mib": []},
-    }}}}
+    data = {
+        "metrics": {
+            "train": {
+                "higher_is_better": True,
+                "configs": {
+                    "llama/sdpa": rec([100.0, 200.0, 400.0]),
+                    "llama/flex_attention": rec([50.0, 100.0, 300.0], group="0.1"),
+                    "v1/sdpa": rec([90.0, 150.0, 440.0]),
+                    "v1/diff_triton": rec([80.0, 210.0], reps=[0, 2]),
+                    "v2/sdpa": {"status": "error: CUDA out of memory", "reps": [], "values": [], "peak_mib": []},
+                },
+            }
+        }
+    }
     summary, _ = bench_gpu.summarize(data)
     rows = summary["train"]
     assert rows["llama/sdpa"]["llama_best"] == "llama/sdpa"  # median 200 > 100
@@ -187,7 +209,8 @@ def test_failures_and_the_time_budget_are_recorded_not_raised(tmp_path):
     saved = json.loads((tmp_path / "r.json").read_text())["metrics"]["train"]["configs"]
     assert saved["llama/sdpa"]["values"] == [2.0, 2.0, 2.0]
     assert saved["v1/sdpa"]["status"] == (
-        "error: CUDA out of memory: OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 GiB")
+        "error: CUDA out of memory: OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 GiB"
+    )
     assert saved["v1/sdpa"]["values"] == [1.0]  # rep 0 kept
     assert saved["v2/sdpa"]["status"] == "not installed (x)"
     assert "error: CUDA out of memory" in (tmp_path / "r.md").read_text()

@@ -6,14 +6,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _subprocess import run_json
-from conftest import tiny_model
-from hub_server import running_hub
 from huggingface_hub import HfApi, ModelCard, constants
 from transformers import AutoModelForCausalLM, pipeline
 
 import diff_transformer
 from diff_transformer.conversion import convert_to_diff
+
+from _subprocess import run_json
+from conftest import tiny_model
+from hub_server import running_hub
 
 
 TINY_LLAMA = Path(diff_transformer.__file__).parent / "assets" / "tiny-llama"
@@ -52,7 +53,9 @@ def converted(hub_llama, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(constants, "HF_HUB_CACHE", str(hub_llama))
         patch.setattr(constants, "HF_HUB_OFFLINE", True)
-        return {v: convert_to_diff("tiny-org/tiny-llama", out / f"v{v}", diff_version=v, progress=False) for v in (1, 2)}
+        return {
+            v: convert_to_diff("tiny-org/tiny-llama", out / f"v{v}", diff_version=v, progress=False) for v in (1, 2)
+        }
 
 
 # ---- save_pretrained ----
@@ -66,7 +69,9 @@ def test_save_pretrained_writes_a_card_with_architecture_and_lambda(tmp_path, di
     assert card.data.base_model is None  # built as a Diff model: no base model to name
     text = card.text
     assert f"| diff_version | {diff_version} |" in text
-    assert "| differential heads H | 4 |" in text and "| key/value heads | 2 |" in text and "| head_dim d | 6 |" in text
+    assert (
+        "| differential heads H | 4 |" in text and "| key/value heads | 2 |" in text and "| head_dim d | 6 |" in text
+    )
     if diff_version == 1:  # the paper's schedule, computed here independently of the model code
         schedule = ", ".join(f"{0.8 - 0.6 * math.exp(-0.3 * layer):.3f}" for layer in range(3))
         assert schedule == "0.200, 0.356, 0.471"
@@ -184,4 +189,3 @@ def test_save_pretrained_push_to_hub_writes_the_card_locally_and_on_the_hub(hub,
     assert card.data.base_model == "tiny-org/tiny-llama"
     assert PLACEHOLDER not in card.text
     assert load_card(tmp_path / "out").text == card.text
-

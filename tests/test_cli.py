@@ -16,9 +16,10 @@ def test_scratch_demo_end_to_end(tmp_path, capsys):
 
 def test_generate_command_with_token_ids(tmp_path, capsys):
     import torch
-    from conftest import tiny_model
 
     from diff_transformer import cli
+
+    from conftest import tiny_model
 
     model = tiny_model(2)
     model.save_pretrained(tmp_path)
@@ -32,13 +33,22 @@ def _tiny_llama(path, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    values = dict(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2)
+    values = dict(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+    )
     values.update(overrides)
     LlamaForCausalLM(LlamaConfig(**values)).save_pretrained(path)
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "diff_transformer.cli", *map(str, args)], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "diff_transformer.cli", *map(str, args)], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_convert_command_verifies_v2(tmp_path, capsys):
@@ -124,7 +134,12 @@ def test_convert_mistyped_path_and_nested_config(tmp_path, capsys, monkeypatch, 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models").mkdir()
     _refused(capsys, ["convert", "tiny-lama", "out"], "SRC 'tiny-lama' does not exist", "hf://tiny-lama")
-    _refused(capsys, ["convert", "models/tiny-lama", "out"], "SRC 'models/tiny-lama' does not exist", "hf://models/tiny-lama")
+    _refused(
+        capsys,
+        ["convert", "models/tiny-lama", "out"],
+        "SRC 'models/tiny-lama' does not exist",
+        "hf://models/tiny-lama",
+    )
     _tiny_llama(tmp_path / "llama")
     (tmp_path / "llama" / "config.json").write_text("[" * 100_000 + "]" * 100_000)
     _refused(capsys, ["convert", tmp_path / "llama", "out"], "config.json is nested too deeply")

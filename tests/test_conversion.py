@@ -194,7 +194,8 @@ def test_v2_is_function_preserving(tmp_path, overrides):
 
 
 def test_v2_legacy_config_fields(tmp_path):
-    """Older config.json files spell RoPE as rope_theta + rope_scaling and the dtype as torch_dtype, without head_dim."""
+    """Older config.json files spell RoPE as rope_theta + rope_scaling and the dtype as torch_dtype, without
+    head_dim."""
     rope = {
         "rope_type": "llama3",
         "factor": 8.0,
@@ -742,7 +743,8 @@ BAD_INPUTS = {
     "index-disagrees": (
         _misplace_in_index,
         dict(max_shard_size="20KB"),
-        r"index\.json places tensor model\.norm\.weight in model-00001-of-\d+\.safetensors, but that shard does not hold it",
+        r"index\.json places tensor model\.norm\.weight in model-00001-of-\d+\.safetensors, "
+        r"but that shard does not hold it",
     ),
 }
 

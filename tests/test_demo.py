@@ -39,7 +39,10 @@ def test_shipped_tokenizer_round_trips_english():
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         sample = heldout.read_text(encoding="utf-8")[:5000]
     texts = [
-        "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife.",
+        (
+            "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+            "must be in want of a wife."
+        ),
         '"Oh! Mr. Darcy," said she -- £10,000 a year;\n  and   "quotes", naïve café, 1813? Zebra-quartz & jumbo!',
         sample,
     ]
@@ -88,8 +91,8 @@ def test_run_demo_end_to_end(tmp_path, capsys):
     # The printout states the same figures.
     assert "PASS" in printed and "FAIL" not in printed
     assert (
-        f"held-out perplexity: source {results['source_perplexity']:.4f}, converted {results['converted_perplexity']:.4f}"
-        in printed
+        f"held-out perplexity: source {results['source_perplexity']:.4f}, "
+        f"converted {results['converted_perplexity']:.4f}" in printed
     )
     assert f"max |Δlogit| = {results['verify_max_abs_logit_diff']:.2e}" in printed
     assert "greedy continuations identical: True" in printed

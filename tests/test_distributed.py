@@ -23,10 +23,11 @@ from safetensors.torch import load_file
 
 SCRIPTS = Path(__file__).parent / "distributed"
 sys.path.insert(0, str(SCRIPTS))
-from dist_common import save_train_checkpoint, token_batches, tiny_model  # noqa: E402
 from dist_suite import TRAIN_ARGS  # noqa: E402
 
 from diff_transformer import DiffForCausalLM, cli  # noqa: E402
+
+from dist_common import save_train_checkpoint, tiny_model, token_batches  # noqa: E402
 
 
 # One 2-process torchrun launch for the module (minutes on a loaded 2-core machine): the full run only.
@@ -40,7 +41,11 @@ def launch(script, *args, nproc=2, timeout=120):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     result = subprocess.run(
         [*torchrun, str(SCRIPTS / script), *map(str, args)],
-        capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=timeout,
+        capture_output=True,
+        text=True,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        timeout=timeout,
     )
     assert result.returncode == 0, f"{script} failed:\n{result.stdout[-2000:]}\n{result.stderr[-6000:]}"
 
@@ -83,7 +88,8 @@ def reference_losses_and_state(model, batches, clip=None):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One 2-process launch of tests/distributed/dist_suite.py: DDP, FSDP2, tensor parallelism, diff-transformer train."""
+    """One 2-process launch of tests/distributed/dist_suite.py: DDP, FSDP2, tensor parallelism, diff-transformer
+    train."""
     root = tmp_path_factory.mktemp("distributed")
     tiny_model(1).save_pretrained(root / "models" / "fsdp")  # V1: fp32 λ vectors and per-head subln get sharded too
     tiny_model(1, seed=1).save_pretrained(root / "models" / "v1")

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import diff_transformer.modeling_diff as modeling
-from conftest import tiny_model
 from diff_transformer import DiffForCausalLM
 from diff_transformer.modeling_diff import V1Strategy
+
+from conftest import tiny_model
 
 
 pytest.importorskip("triton", reason="the fused kernel needs triton (in the test extra)")
@@ -26,7 +27,9 @@ def fused_twin(model, strategies=None):
             if not hasattr(layer.self_attn, "_select_strategy"):  # V2 has one strategy: one standard call
                 continue
             select = layer.self_attn._select_strategy
-            layer.self_attn._select_strategy = lambda *a, _select=select, **k: strategies.append(_select(*a, **k)) or strategies[-1]
+            layer.self_attn._select_strategy = lambda *a, _select=select, **k: (
+                strategies.append(_select(*a, **k)) or strategies[-1]
+            )
     return twin.eval()
 
 
@@ -93,7 +96,9 @@ def test_diff_triton_runs_as_sdpa_where_the_kernel_does_not(diff_version):
     twin = fused_twin(model, strategies)
     ids, mask = padded_batch(model)
     with torch.no_grad():
-        torch.testing.assert_close(twin(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits, rtol=0, atol=0)
+        torch.testing.assert_close(
+            twin(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits, rtol=0, atol=0
+        )
     if diff_version == 1:
         assert strategies and V1Strategy.FUSED not in strategies
         assert set(strategies) == {V1Strategy.PADDED_WIDE_VALUE}  # what sdpa on CPU runs

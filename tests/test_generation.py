@@ -1,7 +1,8 @@
 import pytest
 import torch
-from conftest import tiny_model
 from transformers import GenerationConfig
+
+from conftest import tiny_model
 
 
 def greedy_by_hand(model, prompt, steps):
@@ -53,7 +54,9 @@ def test_sampling_is_seeded_and_respects_top_k(diff_version):
 def test_beam_search_finds_a_better_sequence_than_greedy(diff_version):
     model = tiny_model(diff_version, attn_implementation="sdpa")
     prompt = torch.randint(3, 97, (1, 6))
-    kwargs = dict(max_new_tokens=6, min_new_tokens=6, length_penalty=0.0, output_scores=True, return_dict_in_generate=True)
+    kwargs = dict(
+        max_new_tokens=6, min_new_tokens=6, length_penalty=0.0, output_scores=True, return_dict_in_generate=True
+    )
     beam = model.generate(prompt, num_beams=4, do_sample=False, **kwargs)
     greedy = model.generate(prompt, do_sample=False, **kwargs)
 
@@ -83,7 +86,9 @@ def test_static_cache_with_torch_compile(diff_version):
     static = model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, cache_implementation="static")
     assert torch.equal(static, expected)
     model.forward = torch.compile(model.forward, dynamic=False)
-    compiled = model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, cache_implementation="static")
+    compiled = model.generate(
+        prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, cache_implementation="static"
+    )
     assert torch.equal(compiled, expected)
 
 

@@ -8,8 +8,6 @@ import textwrap
 
 import pytest
 import torch
-from _subprocess import run_json
-from conftest import tiny_config
 from peft import AutoPeftModelForSequenceClassification, LoraConfig, get_peft_model
 from transformers import (
     AutoModelForQuestionAnswering,
@@ -31,6 +29,9 @@ from diff_transformer import (
     cli,
 )
 from diff_transformer.conversion import convert_to_diff, verify_conversion
+
+from _subprocess import run_json
+from conftest import tiny_config
 
 
 HEADS = {

@@ -7,9 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _subprocess import run_json
-from conftest import tiny_model
-from hub_server import hub_env, running_hub
 from huggingface_hub import HfApi, constants
 from peft import AutoPeftModelForCausalLM, LoraConfig, get_peft_model
 from safetensors.torch import load as load_safetensors
@@ -18,6 +15,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 import diff_transformer
 from diff_transformer.configuration_diff import AUTO_MAP
 from diff_transformer.conversion import convert_to_diff
+
+from _subprocess import run_json
+from conftest import tiny_model
+from hub_server import hub_env, running_hub
 
 
 PACKAGE = Path(diff_transformer.__file__).parent

@@ -11,12 +11,14 @@ A slow test compiles the GPU kernels for sm_90 and sm_80 without a GPU (Triton's
 
 import pytest
 import torch
-from _subprocess import run_json
 from transformers.masking_utils import sdpa_mask
 
 from diff_transformer import kernels
 from diff_transformer.kernels import diff_attention_v1 as op_module
 from diff_transformer.kernels import differential_attention_v1
+
+from _subprocess import run_json
+
 
 needs_triton = pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed")
 CUDA = torch.cuda.is_available() and kernels.triton_available()
@@ -33,8 +35,10 @@ def reference(query, key, value, lam, scaling, causal=True, mask=None, cu_seqlen
     """(B, N, H, 2d) float64. Rows that may attend nothing give 0 (what the kernel promises for left padding)."""
     if cu_seqlens is not None:  # packed: each sequence on its own
         bounds = cu_seqlens.tolist()
-        pieces = [reference(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], lam, scaling, causal)
-                  for a, b in zip(bounds[:-1], bounds[1:])]
+        pieces = [
+            reference(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], lam, scaling, causal)
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ]
         return torch.cat(pieces, dim=1)
     B, H2, N, d = query.shape
     H, H_kv, L = H2 // 2, key.shape[1] // 2, key.shape[2]
@@ -100,8 +104,9 @@ def check(name, actual, expected, dtype):
 def run_and_compare(device, dtype, B, H, H_kv, N, L, d, causal=True, mask=None, seed=0, **options):
     query, key, value, lam = make_inputs(device, dtype, B, H, H_kv, N, L, d, seed)
     scaling = d**-0.5
-    out = differential_attention_v1(query, key, value, lam, scaling=scaling, causal=causal, attention_mask=mask,
-                                    **options)
+    out = differential_attention_v1(
+        query, key, value, lam, scaling=scaling, causal=causal, attention_mask=mask, **options
+    )
     assert out.shape == (B, N, H, 2 * d) and out.dtype == dtype
     expected = reference(query, key, value, lam, scaling, causal, mask)
     check("out", out, expected, dtype)
@@ -191,8 +196,11 @@ def test_packed_sequences(device, dtype):
     check("out", out, expected, dtype)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(device=device, dtype=dtype)
     grads = torch.autograd.grad(out, (query, key, value, lam), grad)
-    for name, actual, want in zip(("dquery", "dkey", "dvalue", "dlambda"), grads,
-                                  torch.autograd.grad(expected, (query, key, value, lam), grad.double())):
+    for name, actual, want in zip(
+        ("dquery", "dkey", "dvalue", "dlambda"),
+        grads,
+        torch.autograd.grad(expected, (query, key, value, lam), grad.double()),
+    ):
         check(name, actual, want, dtype)
 
 
@@ -243,15 +251,23 @@ def test_select_path():
         (dict(value=torch.zeros(1, 4, 6, 16)), "value must have key's shape"),
         (dict(query=torch.zeros(1, 6, 5, 16)), "multiple of the H_kv=2"),
         (dict(query=torch.zeros(1, 5, 5, 16)), "even head count"),
-        (dict(key=torch.zeros(1, 4, 7, 16, dtype=torch.float64), value=torch.zeros(1, 4, 7, 16, dtype=torch.float64)),
-         "share one dtype"),
+        (
+            dict(
+                key=torch.zeros(1, 4, 7, 16, dtype=torch.float64), value=torch.zeros(1, 4, 7, 16, dtype=torch.float64)
+            ),
+            "share one dtype",
+        ),
         (dict(attention_mask=torch.ones(1, 1, 5, 3, dtype=torch.bool)), "attention_mask must be"),
         (dict(cu_seqlens=torch.tensor([0, 5], dtype=torch.int32)), "N == L"),
     ],
 )
 def test_bad_input_is_named(change, message):
-    args = dict(query=torch.zeros(1, 4, 5, 16), key=torch.zeros(1, 4, 7, 16), value=torch.zeros(1, 4, 7, 16),
-                lam=torch.tensor(0.5))
+    args = dict(
+        query=torch.zeros(1, 4, 5, 16),
+        key=torch.zeros(1, 4, 7, 16),
+        value=torch.zeros(1, 4, 7, 16),
+        lam=torch.tensor(0.5),
+    )
     options = {k: change.pop(k) for k in ("attention_mask", "cu_seqlens") if k in change}
     args.update(change)
     with pytest.raises(ValueError, match=message) as error:

@@ -72,8 +72,12 @@ def test_cross_attention_masks_and_lambda_shapes():
     per_head = torch.tensor([0.1, 0.5, 0.9])
     per_token = torch.rand(B, H, n_q)
     assert torch.allclose(differential_attention(q, k, v, 0.3), manual(0.3, all_visible), atol=1e-6)
-    assert torch.allclose(differential_attention(q, k, v, per_head), manual(per_head.view(H, 1, 1), all_visible), atol=1e-6)
-    assert torch.allclose(differential_attention(q, k, v, per_token), manual(per_token[..., None], all_visible), atol=1e-6)
+    assert torch.allclose(
+        differential_attention(q, k, v, per_head), manual(per_head.view(H, 1, 1), all_visible), atol=1e-6
+    )
+    assert torch.allclose(
+        differential_attention(q, k, v, per_token), manual(per_token[..., None], all_visible), atol=1e-6
+    )
 
     keep = torch.rand(B, 1, n_q, n_k) > 0.3
     keep[..., 0] = True
@@ -116,9 +120,11 @@ def test_module_scalar_mode_matches_paper_formula():
     q = layer.q_proj(x).view(1, 6, H, 2 * d).transpose(1, 2)
     k = layer.k_proj(x).view(1, 6, H, 2 * d).transpose(1, 2)
     v = layer.v_proj(x).view(1, 6, H, 2 * d).transpose(1, 2)
-    lam = math.exp((layer.lambda_q1 * layer.lambda_k1).sum().item()) - math.exp(
-        (layer.lambda_q2 * layer.lambda_k2).sum().item()
-    ) + 0.5
+    lam = (
+        math.exp((layer.lambda_q1 * layer.lambda_k1).sum().item())
+        - math.exp((layer.lambda_q2 * layer.lambda_k2).sum().item())
+        + 0.5
+    )
     a1 = (q[..., :d] @ k[..., :d].transpose(-1, -2) / 2).softmax(-1)
     a2 = (q[..., d:] @ k[..., d:].transpose(-1, -2) / 2).softmax(-1)
     o = (a1 - lam * a2) @ v

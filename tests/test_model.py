@@ -3,11 +3,12 @@ import re
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_model
-from reference import reference_forward
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from diff_transformer import DiffConfig, DiffForCausalLM, DiffModel
+
+from conftest import tiny_config, tiny_model
+from reference import reference_forward
 
 
 GQA_CASES = [  # (H, H_kv, hidden, explicit head_dim)
@@ -72,7 +73,12 @@ def test_v1_lambda_schedule_and_constant():
 def test_parameter_layout_matches_design():
     H, H_kv, d, D = 4, 2, 6, 48
     for version, shapes in {
-        1: {"q_proj": (H * 2 * d, D), "k_proj": (H_kv * 2 * d, D), "v_proj": (H_kv * 2 * d, D), "o_proj": (D, H * 2 * d)},
+        1: {
+            "q_proj": (H * 2 * d, D),
+            "k_proj": (H_kv * 2 * d, D),
+            "v_proj": (H_kv * 2 * d, D),
+            "o_proj": (D, H * 2 * d),
+        },
         2: {"q_proj": (2 * H * d, D), "k_proj": (H_kv * d, D), "v_proj": (H_kv * d, D), "o_proj": (D, H * d)},
     }.items():
         attn = tiny_model(version).model.layers[0].self_attn
@@ -297,7 +303,14 @@ def test_meta_device_and_device_map_loading(tmp_path, diff_version):
     mapped = DiffForCausalLM.from_pretrained(tmp_path, device_map="auto", attn_implementation="eager")
     assert {p.device.type for p in mapped.parameters()} == {"cpu"}
     mapped_layers = DiffForCausalLM.from_pretrained(
-        tmp_path, device_map={"model.embed_tokens": "cpu", "model.layers": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"},
+        tmp_path,
+        device_map={
+            "model.embed_tokens": "cpu",
+            "model.layers": "cpu",
+            "model.norm": "cpu",
+            "model.rotary_emb": "cpu",
+            "lm_head": "cpu",
+        },
         attn_implementation="eager",
     )
     ids = torch.randint(3, 97, (1, 7))
@@ -389,11 +402,27 @@ def test_every_transformers_activation_is_accepted():
 
 
 def test_default_head_dim_and_parameter_budget():
-    config = DiffConfig(hidden_size=512, num_attention_heads=4, num_key_value_heads=4, intermediate_size=1024, num_hidden_layers=1, vocab_size=10)
+    config = DiffConfig(
+        hidden_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=1024,
+        num_hidden_layers=1,
+        vocab_size=10,
+    )
     assert config.head_dim == 64
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    llama = LlamaForCausalLM(LlamaConfig(hidden_size=512, num_attention_heads=8, num_key_value_heads=8, intermediate_size=1024, num_hidden_layers=1, vocab_size=10))
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=512,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            intermediate_size=1024,
+            num_hidden_layers=1,
+            vocab_size=10,
+        )
+    )
     v1 = DiffForCausalLM(DiffConfig(**{**config.to_dict(), "diff_version": 1}))
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     # docs/design.md: V1 = Llama with 2H heads of size d and 2H_kv KV heads, plus 4d + 2d per layer
@@ -403,10 +432,10 @@ def test_default_head_dim_and_parameter_budget():
 def test_flash_style_backend_gets_equal_head_dims(diff_version, monkeypatch):
     """Flash kernels need V as wide as Q/K; V1 then attends once per V half. Checked on CPU with a stand-in backend
     that enforces the kernel's constraint and computes with sdpa (no flash kernel runs on CPU)."""
-    from diff_transformer.modeling_diff import DiffAttentionV1
-
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from diff_transformer.modeling_diff import DiffAttentionV1
 
     calls = []
 
@@ -416,7 +445,11 @@ def test_flash_style_backend_gets_equal_head_dims(diff_version, monkeypatch):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("equal_head_dims_cpu", flash_like)
-    monkeypatch.setattr(DiffAttentionV1, "_needs_equal_head_dims", lambda self: self.config._attn_implementation == "equal_head_dims_cpu")
+    monkeypatch.setattr(
+        DiffAttentionV1,
+        "_needs_equal_head_dims",
+        lambda self: self.config._attn_implementation == "equal_head_dims_cpu",
+    )
     eager = tiny_model(diff_version)
     flash = tiny_model(diff_version, attn_implementation="sdpa")
     flash.set_attn_implementation("equal_head_dims_cpu")

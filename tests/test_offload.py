@@ -6,10 +6,11 @@ import re
 import pytest
 import torch
 from accelerate.utils import OffloadedWeightsLoader
-from conftest import tiny_model
 from transformers import AutoModelForCausalLM
 
 from diff_transformer import DiffForCausalLM
+
+from conftest import tiny_model
 
 
 def nbytes(module):

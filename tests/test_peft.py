@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _subprocess import run_json
-from conftest import tiny_config, tiny_model
 from peft import AutoPeftModelForCausalLM, IA3Config, LoraConfig, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file
@@ -17,6 +15,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 import diff_transformer
 from diff_transformer.conversion import convert_to_diff
+
+from _subprocess import run_json
+from conftest import tiny_config, tiny_model
 
 
 ASSETS = Path(diff_transformer.__file__).parent / "assets"
@@ -275,7 +276,6 @@ def test_qlora_4bit(converted, heldout_ids, device):
     """4-bit NF4 loading through transformers' bitsandbytes integration (bitsandbytes 0.50.2 runs NF4 on CPU too), then
     PEFT's k-bit preparation and one LoRA step that also trains λ."""
     import bitsandbytes as bnb
-
     from peft import prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig
 

@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 import torch
+
 from _subprocess import run_json
 from conftest import tiny_model
 

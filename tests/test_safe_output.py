@@ -13,12 +13,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from test_conversion import make_llama, tree_digest
 
 from diff_transformer import cli
 from diff_transformer.conversion import ConversionError, convert_llama_to_diff, verify_conversion
 from diff_transformer.conversion import convert as convert_module
 from diff_transformer.safe_output import write_manifest, wrote_this
-from test_conversion import make_llama, tree_digest
 
 
 @pytest.fixture(scope="module")

@@ -28,11 +28,22 @@ PROMPT = "It is a truth universally acknowledged"
 CHATS = [
     [{"role": "user", "content": "Tell me about Mr. Darcy and Elizabeth."}],
     [{"role": "user", "content": "What did Emma think of the weather?"}],
-    [{"role": "system", "content": "You are a novelist."}, {"role": "user", "content": "Describe a ball at Netherfield."}],
+    [
+        {"role": "system", "content": "You are a novelist."},
+        {"role": "user", "content": "Describe a ball at Netherfield."},
+    ],
 ]
 NEW_TOKENS = 24
 # A small paged cache: the default sizes it from the device's memory, which on CPU costs ~20 s at start-up.
-CB_OPTIONS = ["--continuous-batching", "--cb-block-size", "16", "--cb-num-blocks", "64", "--cb-max-batch-tokens", "256"]
+CB_OPTIONS = [
+    "--continuous-batching",
+    "--cb-block-size",
+    "16",
+    "--cb-num-blocks",
+    "64",
+    "--cb-max-batch-tokens",
+    "256",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,9 +65,16 @@ def models(tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA)
     torch.manual_seed(0)
     config = DiffConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, diff_version=1, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        diff_version=1,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     model = DiffForCausalLM(config)
     with torch.no_grad():  # decisive logits: greedy choices far from ties
@@ -69,12 +87,18 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(models):
-    """Greedy `generate` on the chat-templated prompt, as the server would run it: {name: fn(messages, **kw) -> text}."""
-    loaded = {name: (AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)) for name, path in models.items()}
+    """Greedy `generate` on the chat-templated prompt, as the server would run it:
+    {name: fn(messages, **kw) -> text}."""
+    loaded = {
+        name: (AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path))
+        for name, path in models.items()
+    }
 
     def reference(name, messages, **generate_kwargs):
         model, tokenizer = loaded[name]
-        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, return_tensors="pt")
+        inputs = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        )
         out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, **generate_kwargs)
         generated = out[0, inputs["input_ids"].shape[1] :]
         return tokenizer.decode(generated, skip_special_tokens=True), len(generated)
@@ -134,9 +158,20 @@ class Server:
         # tiny kernels of a decode step spend most of their time handing work to the thread pool (V1 continuous
         # batching measured 3-30 s vs 0.8 s per 24-token request on 2 loaded cores).
         env.update(HF_HUB_OFFLINE="1", HF_HOME=str(log.parent / "hf-home"), OMP_NUM_THREADS="1")
-        command = [sys.executable, "-m", "diff_transformer.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        command = [
+            sys.executable,
+            "-m",
+            "diff_transformer.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
         with open(log, "wb") as out:
-            self.process = subprocess.Popen([*command, *options], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            self.process = subprocess.Popen(
+                [*command, *options], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            )
 
     def wait_healthy(self, timeout=240):
         deadline = time.monotonic() + timeout
@@ -209,9 +244,17 @@ def test_chat_completions_match_generate(servers, models, references, name):
 
 def test_streaming_is_server_sent_events(servers, models, references):
     """The wire format, read with urllib: `text/event-stream`, `data: {json}` events, role first, finish last."""
-    body = {"model": str(models["v2"]), "messages": CHATS[1], "max_tokens": NEW_TOKENS, "temperature": 0, "stream": True}
+    body = {
+        "model": str(models["v2"]),
+        "messages": CHATS[1],
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "stream": True,
+    }
     request = urllib.request.Request(
-        f"{servers['plain'].url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        f"{servers['plain'].url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=120) as response:
         assert response.headers["Content-Type"].startswith("text/event-stream")

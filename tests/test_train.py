@@ -12,19 +12,28 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-from conftest import tiny_config
 from diff_transformer import DiffForCausalLM, cli
 from diff_transformer.training.args import parse_train_args
 from diff_transformer.training.data import build_datasets, held_out_indices, pack, tokenize_files
 from diff_transformer.training.freeze import differential_parameters
 from diff_transformer.training.train import build_trainer
 
+from conftest import tiny_config
+
 
 ASSETS = Path(__file__).resolve().parent.parent / "src" / "diff_transformer" / "assets"
 TOKENIZER = ASSETS / "tiny-llama"
 HELDOUT = (ASSETS / "heldout.txt").read_text(encoding="utf-8")
 BLOCK = 32
-QUIET = ["--quiet", "--report-to", "none", "--block-size", str(BLOCK), "--bf16", "off"]  # exact comparisons on a GPU too
+QUIET = [
+    "--quiet",
+    "--report-to",
+    "none",
+    "--block-size",
+    str(BLOCK),
+    "--bf16",
+    "off",
+]  # exact comparisons on a GPU too
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +64,16 @@ def workdir(tmp_path_factory):
 
 
 def train(workdir, version, output, *extra):
-    argv = ["train", str(workdir / f"v{version}"), "--data", str(workdir / "text.txt"), "--output", str(output), *QUIET, *extra]
+    argv = [
+        "train",
+        str(workdir / f"v{version}"),
+        "--data",
+        str(workdir / "text.txt"),
+        "--output",
+        str(output),
+        *QUIET,
+        *extra,
+    ]
     assert cli.main(argv) == 0
 
 
@@ -114,7 +132,18 @@ def v2_run(workdir):
     output = workdir / "run-v2"
     argv = ["train", str(workdir / "v2"), "--data", str(workdir / "repeat.txt"), "--output", str(output), "--quiet"]
     argv += ["--block-size", str(BLOCK), "--batch-size", "4", "--eval-batch-size", "3", "--eval-fraction", "0.25"]
-    argv += ["--max-steps", "12", "--lr", "1e-2", "--warmup-steps", "2", "--weight-decay", "0.1", "--logging-steps", "1"]
+    argv += [
+        "--max-steps",
+        "12",
+        "--lr",
+        "1e-2",
+        "--warmup-steps",
+        "2",
+        "--weight-decay",
+        "0.1",
+        "--logging-steps",
+        "1",
+    ]
     argv += ["--save-steps", "6", "--eval-steps", "6", "--eval-on-start", "--report-to", "tensorboard"]
     assert cli.main(argv) == 0
     return argv, output
@@ -139,7 +168,9 @@ def test_eval_perplexity_is_mean_token_nll_of_the_saved_model(workdir, v2_run):
     assert len(held) % 3 != 0  # eval batches of 3 with a shorter last one: weighting is exercised
     with torch.no_grad():
         logits = model(held.blocks).logits
-    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), held.blocks[:, 1:].reshape(-1))
+    nll = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), held.blocks[:, 1:].reshape(-1)
+    )
     assert metrics["eval_loss"] == pytest.approx(nll.item(), rel=1e-5)
 
 
@@ -179,7 +210,18 @@ def test_resume_reproduces_the_uninterrupted_run(workdir, v2_run):
 
 
 def test_resume_inside_the_diff_only_phase_is_exact(workdir, tmp_path):
-    common = ("--diff-only-steps", "3", "--max-steps", "4", "--save-steps", "2", "--lr", "1e-2", "--weight-decay", "0.1")
+    common = (
+        "--diff-only-steps",
+        "3",
+        "--max-steps",
+        "4",
+        "--save-steps",
+        "2",
+        "--lr",
+        "1e-2",
+        "--weight-decay",
+        "0.1",
+    )
     common += ("--logging-steps", "1", "--eval-fraction", "0", "--batch-size", "2")
     train(workdir, 2, tmp_path / "full", *common)
     (tmp_path / "resumed").mkdir()
@@ -195,9 +237,26 @@ def test_resume_inside_the_diff_only_phase_is_exact(workdir, tmp_path):
 
 
 def test_lambda_v1_logs_equal_the_scalar_from_the_weights(workdir, tmp_path):
-    train(workdir, 1, tmp_path, "--max-steps", "4", "--lr", "1e-2", "--logging-steps", "1", "--save-steps", "2", "--eval-fraction", "0")
+    train(
+        workdir,
+        1,
+        tmp_path,
+        "--max-steps",
+        "4",
+        "--lr",
+        "1e-2",
+        "--logging-steps",
+        "1",
+        "--save-steps",
+        "2",
+        "--eval-fraction",
+        "0",
+    )
     logs = train_logs(tmp_path)
-    for step, weights in ((2, load_file(tmp_path / "checkpoint-2" / "model.safetensors")), (4, load_file(tmp_path / "model.safetensors"))):
+    for step, weights in (
+        (2, load_file(tmp_path / "checkpoint-2" / "model.safetensors")),
+        (4, load_file(tmp_path / "model.safetensors")),
+    ):
         for layer in (0, 1):
             p = f"model.layers.{layer}.self_attn.diff_lambda."
             dot = lambda a, b: torch.sum(weights[p + a].double() * weights[p + b].double())  # noqa: E731
@@ -210,7 +269,9 @@ def test_lambda_v1_logs_equal_the_scalar_from_the_weights(workdir, tmp_path):
 def test_lambda_v2_logs_equal_a_manual_forward(workdir, tmp_path):
     # One step whose single batch holds every training block: the statistics are those of all blocks under the
     # initial weights (the forward runs before the update).
-    trainer = trainer_for(workdir, 2, tmp_path, "--max-steps", "1", "--batch-size", "64", "--eval-fraction", "0", "--logging-steps", "1")
+    trainer = trainer_for(
+        workdir, 2, tmp_path, "--max-steps", "1", "--batch-size", "64", "--eval-fraction", "0", "--logging-steps", "1"
+    )
     blocks = trainer.train_dataset.blocks
     model = AutoModelForCausalLM.from_pretrained(workdir / "v2", attn_implementation="eager").eval()
     with torch.no_grad():
@@ -242,7 +303,14 @@ def test_grad_accumulation_matches_a_larger_batch(workdir, tmp_path):
     (tmp_path / "two.txt").write_text(HELDOUT[:300], encoding="utf-8")  # 2 blocks: the step sees both either way
     results = []
     for batch, accum in ((2, 1), (1, 2)):
-        argv = [str(workdir / "v2"), "--data", str(tmp_path / "two.txt"), "--output", str(tmp_path / f"b{batch}"), *QUIET]
+        argv = [
+            str(workdir / "v2"),
+            "--data",
+            str(tmp_path / "two.txt"),
+            "--output",
+            str(tmp_path / f"b{batch}"),
+            *QUIET,
+        ]
         argv += ["--batch-size", str(batch), "--grad-accum", str(accum), "--max-steps", "1", "--eval-fraction", "0"]
         argv += ["--max-grad-norm", "0", "--logging-steps", "1", "--seed", "3"]
         run = build_trainer(parse_train_args(argv))
@@ -263,7 +331,18 @@ def test_grad_accumulation_matches_a_larger_batch(workdir, tmp_path):
 def test_gradient_checkpointing_changes_nothing_but_memory(workdir, tmp_path):
     results = []
     for extra in ((), ("--gradient-checkpointing",)):
-        trainer = trainer_for(workdir, 2, tmp_path / str(len(extra)), "--max-steps", "1", "--eval-fraction", "0", "--logging-steps", "1", *extra)
+        trainer = trainer_for(
+            workdir,
+            2,
+            tmp_path / str(len(extra)),
+            "--max-steps",
+            "1",
+            "--eval-fraction",
+            "0",
+            "--logging-steps",
+            "1",
+            *extra,
+        )
         assert trainer.args.activation_checkpointing == bool(extra)
         record = RecordGrads()
         trainer.add_callback(record)
@@ -293,7 +372,8 @@ def test_torchrun_ddp_equals_one_process_with_the_global_batch(workdir, tmp_path
     # CPU + gloo even on a GPU machine: two ranks cannot share one GPU under NCCL.
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "diff_transformer.cli"]
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "diff_transformer.cli"]
         + common + ["--output", str(tmp_path / "ddp"), "--batch-size", "1"],
         capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=300,
     )  # fmt: skip
@@ -328,18 +408,23 @@ class Snapshots(TrainerCallback):
 @pytest.mark.parametrize("version", [1, 2])
 def test_diff_only_steps_freezes_exactly_the_old_parameters(workdir, tmp_path, version):
     trainer = trainer_for(
-        workdir, version, tmp_path, "--diff-only-steps", "2", "--max-steps", "4", "--lr", "1e-2", "--weight-decay", "0.1",
-        "--eval-fraction", "0", "--batch-size", "2",
+        workdir, version, tmp_path, "--diff-only-steps", "2", "--max-steps", "4", "--lr", "1e-2",
+        "--weight-decay", "0.1", "--eval-fraction", "0", "--batch-size", "2",
     )  # fmt: skip
     model = trainer.model
     new = differential_parameters(model)
     d, H = model.config.head_dim, model.config.num_attention_heads
     if version == 1:
         assert sorted(new) == sorted(
-            f"model.layers.{i}.self_attn.{n}" for i in (0, 1) for n in ("diff_lambda.lambda_q1", "diff_lambda.lambda_k1", "diff_lambda.lambda_q2", "diff_lambda.lambda_k2", "subln.weight")
+            f"model.layers.{i}.self_attn.{n}"
+            for i in (0, 1)
+            for n in ("diff_lambda.lambda_q1", "diff_lambda.lambda_k1", "diff_lambda.lambda_q2",
+                      "diff_lambda.lambda_k2", "subln.weight")
         )  # fmt: skip
     else:
-        assert sorted(new) == sorted(f"model.layers.{i}.self_attn.{n}" for i in (0, 1) for n in ("diff_lambda.proj.weight", "q_proj.weight"))
+        assert sorted(new) == sorted(
+            f"model.layers.{i}.self_attn.{n}" for i in (0, 1) for n in ("diff_lambda.proj.weight", "q_proj.weight")
+        )
         odd = torch.tensor([(r // d) % 2 == 1 for r in range(2 * H * d)])
         assert all(torch.equal(new[f"model.layers.{i}.self_attn.q_proj.weight"].cpu(), odd) for i in (0, 1))
     snaps = Snapshots(model)
@@ -397,15 +482,22 @@ def test_lora_trains_adapters_and_lambda_and_saves_the_adapter(workdir, tmp_path
     )  # fmt: skip
     assert {"lambda/layer_00", "lambda_std/layer_01"} <= set(train_logs(tmp_path)[1])  # hooks sit on the running copy
     config = json.loads((tmp_path / "adapter_config.json").read_text())
-    # No --lora-target-modules: PEFT's default for model_type "diff" (registered by `import diff_transformer`: Llama's).
-    assert config["r"] == 4 and sorted(config["target_modules"]) == ["q_proj", "v_proj"] and config["modules_to_save"] == ["diff_lambda"]
+    # No --lora-target-modules: PEFT's default for model_type "diff" (registered by `import diff_transformer`:
+    # Llama's).
+    assert (
+        config["r"] == 4
+        and sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+        and config["modules_to_save"] == ["diff_lambda"]
+    )
     adapter = load_file(tmp_path / "adapter_model.safetensors")
     assert any("lora_A" in k for k in adapter) and any("diff_lambda" in k for k in adapter)
     assert not any("mlp" in k or "embed" in k for k in adapter)
     base = AutoModelForCausalLM.from_pretrained(workdir / "v2")
     lam = next(v for k, v in adapter.items() if "layers.0.self_attn.diff_lambda" in k)
     assert not torch.equal(lam, base.model.layers[0].self_attn.diff_lambda.proj.weight)  # λ trained
-    frozen = trainer_for(workdir, 2, tmp_path / "frozen", "--lora", "--lora-freeze-lambda").model  # the flag that turns λ off
+    frozen = trainer_for(
+        workdir, 2, tmp_path / "frozen", "--lora", "--lora-freeze-lambda"
+    ).model  # the flag that turns λ off
     assert frozen.peft_config["default"].modules_to_save is None
     assert not any(p.requires_grad for n, p in frozen.named_parameters() if "diff_lambda" in n)
     tuned = PeftModel.from_pretrained(base, tmp_path).eval()
@@ -419,7 +511,21 @@ def test_qlora_cli_trains_4bit_base_with_lora_and_lambda(workdir, tmp_path):
     PEFT's k-bit preparation, adapters and λ trained and saved, the 4-bit weights themselves untouched."""
     import bitsandbytes as bnb
 
-    trainer = trainer_for(workdir, 2, tmp_path, "--lora", "--load-in-4bit", "--max-steps", "3", "--lr", "1e-2", "--eval-fraction", "0", "--logging-steps", "1")
+    trainer = trainer_for(
+        workdir,
+        2,
+        tmp_path,
+        "--lora",
+        "--load-in-4bit",
+        "--max-steps",
+        "3",
+        "--lr",
+        "1e-2",
+        "--eval-fraction",
+        "0",
+        "--logging-steps",
+        "1",
+    )
     model = trainer.model
     q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
     assert isinstance(q_proj.base_layer, bnb.nn.Linear4bit)
@@ -442,8 +548,22 @@ def test_qlora_cli_keeps_learning_after_evaluations(workdir, tmp_path):
     eval mode without gradients, and its repacked kernel has no autograd. The model keeps the differentiable kernel,
     so every step after an evaluation still has a gradient and λ keeps moving (grad_norm was 0 and λ frozen before)."""
     trainer = trainer_for(
-        workdir, 2, tmp_path, "--lora", "--load-in-4bit", "--max-steps", "3", "--lr", "1e-2", "--logging-steps", "1",
-        "--eval-fraction", "0.2", "--eval-on-start", "--eval-steps", "1",
+        workdir,
+        2,
+        tmp_path,
+        "--lora",
+        "--load-in-4bit",
+        "--max-steps",
+        "3",
+        "--lr",
+        "1e-2",
+        "--logging-steps",
+        "1",
+        "--eval-fraction",
+        "0.2",
+        "--eval-on-start",
+        "--eval-steps",
+        "1",
     )
     lam = trainer.model.base_model.model.model.layers[0].self_attn.diff_lambda
     trainer.train()
@@ -461,7 +581,9 @@ def test_qlora_cli_keeps_learning_after_evaluations(workdir, tmp_path):
 def test_cli_errors_name_the_problem(workdir, tmp_path, capsys):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)).save_pretrained(tmp_path / "llama")
+    LlamaForCausalLM(
+        LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    ).save_pretrained(tmp_path / "llama")
     (tmp_path / "empty.txt").write_text("", encoding="utf-8")
     (tmp_path / "bad.jsonl").write_text('{"content": "x"}\n', encoding="utf-8")
     (tmp_path / "has-ckpt" / "checkpoint-5").mkdir(parents=True)
@@ -484,7 +606,18 @@ def test_cli_errors_name_the_problem(workdir, tmp_path, capsys):
     assert cli.main(["train", model, "--data", text, "--output", str(tmp_path / "has-ckpt")]) == 2
     assert "pass --resume" in capsys.readouterr().err
     # --overwrite deletes the old run's checkpoints only once the new run has its model: a failed start keeps them.
-    argv = ["train", model, "--data", text, "--output", str(tmp_path / "has-ckpt"), "--overwrite", "--lora", "--lora-target-modules", "no_such_proj"]
+    argv = [
+        "train",
+        model,
+        "--data",
+        text,
+        "--output",
+        str(tmp_path / "has-ckpt"),
+        "--overwrite",
+        "--lora",
+        "--lora-target-modules",
+        "no_such_proj",
+    ]
     assert cli.main(argv) == 2 and "LoRA: " in capsys.readouterr().err
     assert (tmp_path / "has-ckpt" / "checkpoint-5").is_dir()
     assert not (tmp_path / "out").exists()  # nothing written on failure
@@ -506,7 +639,9 @@ def test_bad_inputs_are_one_line_and_leave_nothing(workdir, tmp_path, capsys):
     common = ["--data", text, "--output", out, "--quiet", "--report-to", "none", "--block-size", str(BLOCK)]
     (tmp_path / "latin1.txt").write_bytes("Caf\xe9 au lait, na\xefve.\n".encode("latin-1") * 20)
     (tmp_path / "blob.txt").write_bytes(b"\x00\x01\x02 binary \x00" * 50)
-    _refused(capsys, [model, *common, "--data", tmp_path / "latin1.txt"], tmp_path / "latin1.txt", "not UTF-8", "byte 3")
+    _refused(
+        capsys, [model, *common, "--data", tmp_path / "latin1.txt"], tmp_path / "latin1.txt", "not UTF-8", "byte 3"
+    )
     _refused(capsys, [model, *common, "--data", tmp_path / "blob.txt"], tmp_path / "blob.txt", "binary")
     for lr in ("-1e-4", "nan", "inf"):
         _refused(capsys, [model, *common, f"--lr={lr}"], f"--lr {float(lr)}", ">= 0")
@@ -532,7 +667,9 @@ def test_resume_refuses_incomplete_checkpoints_other_blocks_and_finished_runs(wo
     resume = [workdir / "v2", "--data", workdir / "repeat.txt", "--output", run, *options, "--resume"]
 
     (run / "checkpoint-9").mkdir()  # created by a run killed before it wrote anything
-    _refused(capsys, resume, "checkpoint-9 is incomplete (no trainer_state.json)", f"resume from {run / 'checkpoint-6'}")
+    _refused(
+        capsys, resume, "checkpoint-9 is incomplete (no trainer_state.json)", f"resume from {run / 'checkpoint-6'}"
+    )
     shutil.rmtree(run / "checkpoint-9")
     shutil.copytree(full / "checkpoint-6", run / "checkpoint-9")
     weights = run / "checkpoint-9" / "model.safetensors"
@@ -541,7 +678,9 @@ def test_resume_refuses_incomplete_checkpoints_other_blocks_and_finished_runs(wo
     shutil.rmtree(run / "checkpoint-9")
 
     (tmp_path / "mine").mkdir()  # not a checkpoint at all: never advise deleting it
-    err = _refused(capsys, [*resume[:-1], "--resume", tmp_path / "mine"], "not a Trainer checkpoint (no trainer_state.json)")
+    err = _refused(
+        capsys, [*resume[:-1], "--resume", tmp_path / "mine"], "not a Trainer checkpoint (no trainer_state.json)"
+    )
     assert "delete" not in err
     _refused(capsys, [*resume, "--block-size", "16"], "blocks of 32 tokens, not 16", "--block-size 32")
     shutil.copytree(full / "checkpoint-12", run / "checkpoint-12")

@@ -42,8 +42,17 @@ CACHE = Path(__file__).resolve().parents[1] / ".pytest_cache" / "transformers-sd
 
 def _pip_download_sdist(version: str, dest: str) -> Path:
     command = [
-        sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-        f"transformers=={version}", "--dest", dest,
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        f"transformers=={version}",
+        "--dest",
+        dest,
     ]
     result = subprocess.run(command, capture_output=True, text=True)
     archives = list(Path(dest).glob(f"transformers-{version}.tar.gz"))
@@ -131,7 +140,9 @@ CONFIG_COMMON_KWARGS = {
 
 modeling_common, configuration_common = _import_upstream_tests()
 ModelTesterMixin, ConfigTester, ids_tensor = (
-    modeling_common.ModelTesterMixin, configuration_common.ConfigTester, modeling_common.ids_tensor
+    modeling_common.ModelTesterMixin,
+    configuration_common.ConfigTester,
+    modeling_common.ids_tensor,
 )
 
 

@@ -71,4 +71,5 @@ __all__ = [
     "DiffDecoderLayer",
     "DifferentialAttention",
     "differential_attention",
+    "register_peft_defaults",
 ]

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+
 SUPPORTED_MODEL_TYPES = ("diff", "diffllama", "llama")
 
 
@@ -213,7 +214,7 @@ def _span_keys(mask: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
 
 
 def span_mass(weights: torch.Tensor, mask: torch.Tensor, span: tuple[int, int], queries=-1) -> torch.Tensor:
-    """"Attention to answer": Σ_{l in span} w_nl / Σ_l |w_nl| averaged over the `queries` rows (default: the last
+    """ "Attention to answer": Σ_{l in span} w_nl / Σ_l |w_nl| averaged over the `queries` rows (default: the last
     position) and the batch -> (H,). `span` = (start, stop) key positions, stop exclusive."""
     keys = _span_keys(mask, span)
     w = weights * mask.unsqueeze(1)  # (B, H, N, L)
@@ -222,7 +223,7 @@ def span_mass(weights: torch.Tensor, mask: torch.Tensor, span: tuple[int, int], 
 
 
 def noise_mass(weights: torch.Tensor, mask: torch.Tensor, span: tuple[int, int], queries=-1) -> torch.Tensor:
-    """"Attention noise": Σ_{l unmasked, not in span} |w_nl| / Σ_l |w_nl|, averaged as `span_mass` -> (H,)."""
+    """ "Attention noise": Σ_{l unmasked, not in span} |w_nl| / Σ_l |w_nl|, averaged as `span_mass` -> (H,)."""
     keys = _span_keys(mask, span)
     w = (weights * mask.unsqueeze(1)).abs()  # (B, H, N, L)
     mass = (w * ~keys).sum(-1) / w.sum(-1).clamp_min(1e-30)  # (B, H, N)

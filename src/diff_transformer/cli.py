@@ -12,7 +12,8 @@ from diff_transformer.errors import UserError
 
 
 def _demo(args) -> int:
-    """Offline main job: the shipped tiny Llama (real tokenizer, trained on Austen) -> Diff V2, verified, generating."""
+    """Offline main job: the shipped tiny Llama (real tokenizer, trained on Austen) -> Diff V2, verified,
+    generating."""
     if args.scratch:
         return _scratch_demo(args)
     from diff_transformer.demo import run_demo
@@ -60,10 +61,14 @@ def _scratch_models(args, out: Path, shown: Path | None) -> int:
         with torch.no_grad():
             same = torch.equal(model(prompt).logits, reloaded(prompt).logits)
         params = sum(p.numel() for p in reloaded.parameters())
-        where = shown / path.name if shown is not None else "a temporary directory (removed at exit; --output keeps it)"
+        where = (
+            shown / path.name if shown is not None else "a temporary directory (removed at exit; --output keeps it)"
+        )
         print(f"Diff V{version}: {params / 1e6:.2f}M params, saved to {where}")
-        print(f"  reloaded as {type(reloaded).__name__} via AutoModelForCausalLM; logits identical after reload: {same}")
-        print(f"  greedy tokens: {generated[0, prompt.shape[1]:].tolist()} ({16 / seconds:.0f} tokens/s)")
+        print(
+            f"  reloaded as {type(reloaded).__name__} via AutoModelForCausalLM; logits identical after reload: {same}"
+        )
+        print(f"  greedy tokens: {generated[0, prompt.shape[1] :].tolist()} ({16 / seconds:.0f} tokens/s)")
         if not same:
             return 1
     return 0
@@ -73,11 +78,19 @@ def _convert(args) -> int:
     from diff_transformer.conversion import convert_to_diff, verify_conversion
 
     out = convert_to_diff(
-        args.src, args.out, diff_version=args.diff_version, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet
+        args.src,
+        args.out,
+        diff_version=args.diff_version,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
     )
     print(f"wrote {out}")
     if args.diff_version == 1:
-        print("note: diff_version=1 re-pairs the Llama heads and adds fresh λ: not function-preserving; continue pretraining.")
+        print(
+            "note: diff_version=1 re-pairs the Llama heads and adds fresh λ: "
+            "not function-preserving; continue pretraining."
+        )
     if args.verify:
         report = verify_conversion(args.src, out)
         greedy = "" if report["greedy_match"] is None else f", greedy continuations match: {report['greedy_match']}"
@@ -122,16 +135,24 @@ def _generate(args) -> int:
     try:
         vocab = AutoConfig.from_pretrained(location).get_text_config().vocab_size
     except Exception as exc:
-        raise UserError(f"cannot read the config of MODEL {args.model} ({' '.join(str(exc).split())[:200]}).") from None
+        raise UserError(
+            f"cannot read the config of MODEL {args.model} ({' '.join(str(exc).split())[:200]})."
+        ) from None
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
-        raise UserError(f"token id {bad[0]} in PROMPT is out of range for MODEL {args.model}: use ids from 0 to {vocab - 1}.")
+        raise UserError(
+            f"token id {bad[0]} in PROMPT is out of range for MODEL {args.model}: use ids from 0 to {vocab - 1}."
+        )
     model = load_causal_lm(args.model).eval()
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
     if args.temperature > 0:
         kwargs["temperature"] = args.temperature
     output = model.generate(**inputs, **kwargs)[0, inputs["input_ids"].shape[1] :]
-    print(tokenizer.decode(output, skip_special_tokens=True) if tokenizer is not None else " ".join(map(str, output.tolist())))
+    print(
+        tokenizer.decode(output, skip_special_tokens=True)
+        if tokenizer is not None
+        else " ".join(map(str, output.tolist()))
+    )
     return 0
 
 
@@ -146,12 +167,15 @@ def _tokenizer(auto_tokenizer, location: str, local: Path | None, shown: str):
     except Exception as exc:  # transformers raises OSError, ValueError, TypeError... for a missing or broken tokenizer
         if has_files:
             message = " ".join(str(exc).split())[:200]
-            raise UserError(f"the tokenizer files of MODEL {shown} cannot be loaded ({message}): restore them.") from None
+            raise UserError(
+                f"the tokenizer files of MODEL {shown} cannot be loaded ({message}): restore them."
+            ) from None
         return None
 
 
 def _output_file(path: str, option: str, overwrite: bool, suffixes=None) -> Path:
-    """A file the command will write: its directory exists, it is not there already (or --overwrite), its suffix fits."""
+    """A file the command will write: its directory exists, it is not there already (or --overwrite), its suffix
+    fits."""
     out = Path(path)
     if suffixes is not None and out.suffix.lower().lstrip(".") not in suffixes:
         choices = ", ".join(f".{suffix}" for suffix in sorted(suffixes))
@@ -225,7 +249,9 @@ def _inspect(args) -> int:
     try:
         config = AutoConfig.from_pretrained(location)
     except Exception as exc:
-        raise UserError(f"cannot read the config of MODEL {args.model} ({' '.join(str(exc).split())[:200]}).") from None
+        raise UserError(
+            f"cannot read the config of MODEL {args.model} ({' '.join(str(exc).split())[:200]})."
+        ) from None
     try:
         kind = model_kind(SimpleNamespace(config=config))
     except ValueError as error:
@@ -235,7 +261,9 @@ def _inspect(args) -> int:
     if not 0 <= args.layer < layers:
         raise UserError(f"--layer {args.layer} is out of range: MODEL {args.model} has layers 0 to {layers - 1}.")
     if not 0 <= args.head < heads:
-        raise UserError(f"--head {args.head} is out of range: MODEL {args.model} has heads 0 to {heads - 1} per layer.")
+        raise UserError(
+            f"--head {args.head} is out of range: MODEL {args.model} has heads 0 to {heads - 1} per layer."
+        )
     vocab = config.vocab_size
     if not ((0 <= ids) & (ids < vocab)).all():
         raise UserError(f"a token id in TEXT is out of range for MODEL {args.model}: use ids from 0 to {vocab - 1}.")
@@ -247,7 +275,8 @@ def _inspect(args) -> int:
             span = ()
         if len(span) != 2 or not 0 <= span[0] < span[1] <= ids.shape[1]:
             raise UserError(
-                f"--span {args.span} must be START:STOP with 0 <= START < STOP <= {ids.shape[1]} (the TEXT's token count)."
+                f"--span {args.span} must be START:STOP with "
+                f"0 <= START < STOP <= {ids.shape[1]} (the TEXT's token count)."
             )
     model = load_causal_lm(args.model).eval()
     entries = attention_maps(model, ids)
@@ -284,7 +313,9 @@ def _inspect(args) -> int:
             "first": plain(entry.first[0, args.head]),
             "second": plain(None if entry.second is None else entry.second[0, args.head]),
             "differential": plain(entry.differential[0, args.head]),
-            "lambda": None if entry.lam is None else (entry.lam if entry.lam.dim() == 0 else entry.lam[0, args.head]).tolist(),
+            "lambda": None
+            if entry.lam is None
+            else (entry.lam if entry.lam.dim() == 0 else entry.lam[0, args.head]).tolist(),
             "metrics": {key: plain(value) for key, value in metrics.items()},  # (layers, heads) each
         }
         _write_atomically(json_out, lambda path: Path(path).write_text(json.dumps(report)))
@@ -327,12 +358,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="diff-transformer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="offline demo: convert the shipped tiny Llama to Diff V2, verify, generate")
+    demo = commands.add_parser(
+        "demo", help="offline demo: convert the shipped tiny Llama to Diff V2, verify, generate"
+    )
     demo.add_argument("--output", help="where to write the converted model (default: a temporary directory)")
     demo.add_argument("--prompt", help="English prompt to continue")
     demo.add_argument("--scratch", action="store_true", help="instead: build, save, reload random Diff V1/V2 models")
     demo.add_argument(
-        "--overwrite", action="store_true", help="replace a non-empty --output that is not an unchanged earlier demo output"
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty --output that is not an unchanged earlier demo output",
     )
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
@@ -340,10 +375,16 @@ def main(argv=None) -> int:
     convert = commands.add_parser(
         "convert", help="convert a Llama, Mistral, Qwen2, Qwen3 or DiffLlama checkpoint into a Diff checkpoint"
     )
-    convert.add_argument("src", help="source checkpoint directory or Hub model id org/name (hf://name forces a Hub id)")
+    convert.add_argument(
+        "src", help="source checkpoint directory or Hub model id org/name (hf://name forces a Hub id)"
+    )
     convert.add_argument("out", help="output directory")
-    convert.add_argument("--diff-version", type=int, choices=(1, 2), default=None, help="2 (default for Llama): exact; 1: paper layout")
-    convert.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="cast weights (default: keep)")
+    convert.add_argument(
+        "--diff-version", type=int, choices=(1, 2), default=None, help="2 (default for Llama): exact; 1: paper layout"
+    )
+    convert.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="cast weights (default: keep)"
+    )
     convert.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     convert.add_argument(
         "--verify",
@@ -383,11 +424,15 @@ def main(argv=None) -> int:
 
     from diff_transformer.training.args import add_train_arguments
 
-    train = commands.add_parser("train", help="continued pretraining (transformers' Trainer) on local .txt/.jsonl files")
+    train = commands.add_parser(
+        "train", help="continued pretraining (transformers' Trainer) on local .txt/.jsonl files"
+    )
     add_train_arguments(train).set_defaults(func=_train)
 
     # Every option after `serve` goes to transformers' server: `diff-transformer serve --help` lists them.
-    serve = commands.add_parser("serve", add_help=False, help="OpenAI-compatible server (transformers serve) for Diff models")
+    serve = commands.add_parser(
+        "serve", add_help=False, help="OpenAI-compatible server (transformers serve) for Diff models"
+    )
     serve.set_defaults(func=_serve)
 
     args, rest = parser.parse_known_args(argv)

@@ -24,6 +24,7 @@ from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
+
 AUTO_MAP = {
     "AutoConfig": "configuration_diff.DiffConfig",
     "AutoModel": "modeling_diff.DiffModel",
@@ -152,7 +153,8 @@ class DiffConfig(PreTrainedConfig):
         """Part of `@strict`-powered validation (as in `LlamaConfig`): version and head geometry."""
         if self.diff_version not in (1, 2):
             raise ValueError(
-                f"diff_version={self.diff_version!r} is not supported: use 1 (ICLR 2025 paper) or 2 (Diff Transformer V2)."
+                f"diff_version={self.diff_version!r} is not supported: "
+                "use 1 (ICLR 2025 paper) or 2 (Diff Transformer V2)."
             )
         sizes = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers")
         for name in (*sizes, "vocab_size", "max_position_embeddings"):

@@ -6,7 +6,6 @@ negative entries of the differential map and renormalises each row to sum to 1 (
 probability interpretation; the paper itself keeps the signed map).
 """
 
-
 import math
 
 import torch
@@ -82,7 +81,9 @@ def differential_attention(
     q1, q2 = query.split(half, dim=-1)  # (B, H, Nq, d) each
     k1, k2 = key.split(half, dim=-1)  # (B, H, Nk, d) each
     softmax_dtype = torch.promote_types(query.dtype, torch.float32)  # at least fp32, fp64 stays fp64
-    logits = torch.stack((q1 @ k1.transpose(-1, -2), q2 @ k2.transpose(-1, -2))).to(softmax_dtype) * scale  # (2, B, H, Nq, Nk)
+    logits = (
+        torch.stack((q1 @ k1.transpose(-1, -2), q2 @ k2.transpose(-1, -2))).to(softmax_dtype) * scale
+    )  # (2, B, H, Nq, Nk)
 
     n_q, n_k = query.shape[-2], key.shape[-2]
     if is_causal:
@@ -184,7 +185,13 @@ class DifferentialAttention(nn.Module):
         k = self.k_proj(key_value).view(B, n_k, H, 2 * d).transpose(1, 2)  # (B, H, Nk, 2d)
         v = self.v_proj(key_value).view(B, n_k, H, 2 * d).transpose(1, 2)  # (B, H, Nk, 2d)
         out, weights = differential_attention(
-            q, k, v, self.current_lambda(query), attn_mask, is_causal, clamp_negatives=self.clamp_negatives,
+            q,
+            k,
+            v,
+            self.current_lambda(query),
+            attn_mask,
+            is_causal,
+            clamp_negatives=self.clamp_negatives,
             return_weights=True,
         )
         # The scalar mode reproduces the paper: per-head RMSNorm, then (1 - λ_init) to keep the gradient scale.

@@ -34,10 +34,14 @@ _LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3")
 # Task heads: (pipeline tag, Auto class, example call); anything else is a causal LM.
 _TASKS = {
     "DiffForSequenceClassification": (
-        "text-classification", "AutoModelForSequenceClassification", 'print(pipe("A sentence to classify."))'
+        "text-classification",
+        "AutoModelForSequenceClassification",
+        'print(pipe("A sentence to classify."))',
     ),
     "DiffForTokenClassification": (
-        "token-classification", "AutoModelForTokenClassification", 'print(pipe("A sentence to tag."))'
+        "token-classification",
+        "AutoModelForTokenClassification",
+        'print(pipe("A sentence to tag."))',
     ),
     "DiffForQuestionAnswering": (
         "question-answering",
@@ -77,9 +81,7 @@ def _card_data(config: DiffConfig):
 def _version_texts(config: DiffConfig) -> tuple[str, str, str]:
     """(which paper, the attention formula, the λ paragraph) of the config's `diff_version`."""
     if config.diff_version == 1:
-        variant = (
-            "Diff Transformer V1, the ICLR 2025 paper (Ye et al., [arXiv:2410.05258](https://arxiv.org/abs/2410.05258))"
-        )
+        variant = "Diff Transformer V1, the ICLR 2025 paper (Ye et al., [arXiv:2410.05258](https://arxiv.org/abs/2410.05258))"
         attention = "O_h = RMSNorm((A1 − λ·A2) · V_g(h)) · (1 − λ_init), A_c = softmax(Q_c K_cᵀ / √d), V 2d wide"
         schedule = ", ".join(f"{config.lambda_init_for_layer(i):.3f}" for i in range(config.num_hidden_layers))
         if config.lambda_init is None:
@@ -133,7 +135,7 @@ def _provenance(config: DiffConfig) -> str:
     method = _CONVERSION_METHODS.get(("llama" if kind in _LLAMA_SHAPED else kind, config.diff_version), "")
     exact = "yes" if conversion.get("function_preserving") else "no"
     return (
-        f"\n## Conversion\n\nConverted from {source} (`model_type=\"{conversion.get('source_model_type')}\"`) with "
+        f'\n## Conversion\n\nConverted from {source} (`model_type="{conversion.get("source_model_type")}"`) with '
         f"{conversion.get('converter', 'diff-transformer')}. Function-preserving at conversion: {exact}. {method}\n"
     )
 

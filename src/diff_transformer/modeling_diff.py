@@ -365,8 +365,7 @@ class DiffAttentionV1(DiffAttention):
             return attn_output, None
         if strategy is V1Strategy.SPLIT_VALUE:
             outputs = [  # per map c: (B, N, H, 2d)
-                torch.cat([attend(queries[:, c], keys[:, c], values[:, v])[0] for v in (0, 1)], dim=-1)
-                for c in (0, 1)
+                torch.cat([attend(queries[:, c], keys[:, c], values[:, v])[0] for v in (0, 1)], dim=-1) for c in (0, 1)
             ]
             maps = [None, None]
         else:
@@ -510,7 +509,8 @@ class _PreTrainedModelHooks:
         # README.md (`create_and_tag_model_card`) just before calling `_upload_modified_files`: the Hub repo's own card
         # if it has one (kept), else transformers' generic placeholder, which becomes this model's card here, keeping
         # the tags transformers collected (`model_tags`, `tags=`). Guarded by tests/test_card.py
-        # (test_push_to_hub_uploads_the_diff_card_not_transformers_placeholder, test_push_keeps_a_card_already_on_the_hub,
+        # (test_push_to_hub_uploads_the_diff_card_not_transformers_placeholder,
+        # test_push_keeps_a_card_already_on_the_hub,
         # test_save_pretrained_push_to_hub_writes_the_card_locally_and_on_the_hub).
         readme = os.path.join(working_dir, "README.md")
         if os.path.isfile(readme):
@@ -600,8 +600,9 @@ class DiffPreTrainedModel(_PreTrainedModelHooks, PreTrainedModel):  # hooks: see
     _supports_attention_backend = True
     # Set per version in `__init__`, so each names only modules that version has: (_keep_in_fp32_modules, _strict).
     # V1's λ vectors feed an exp(): they stay fp32 whatever dtype the rest of the model loads in (strict).
-    # V2's λ gate is tiny (D x H) and decides how much of each head pair cancels: quantizers (bitsandbytes, ...) skip
-    # it, which also keeps it trainable under QLoRA with `modules_to_save=["diff_lambda"]`, and fp16 loads keep it fp32.
+    # V2's λ gate is tiny (D x H) and decides how much of each head pair cancels: quantizers (bitsandbytes, ...)
+    # skip it, which also keeps it trainable under QLoRA with `modules_to_save=["diff_lambda"]`, and fp16 loads keep
+    # it fp32.
     _keep_in_fp32_by_version = {
         1: ([], ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"]),
         2: (["diff_lambda.proj"], []),
@@ -613,7 +614,9 @@ class DiffPreTrainedModel(_PreTrainedModelHooks, PreTrainedModel):  # hooks: see
 
     def __init__(self, config: DiffConfig, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
-        self._keep_in_fp32_modules, self._keep_in_fp32_modules_strict = self._keep_in_fp32_by_version[config.diff_version]
+        self._keep_in_fp32_modules, self._keep_in_fp32_modules_strict = self._keep_in_fp32_by_version[
+            config.diff_version
+        ]
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -655,7 +658,9 @@ class DiffModel(DiffPreTrainedModel):
             past_key_values = DynamicCache(config=self.config)
         if position_ids is None:
             past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
-            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens).unsqueeze(0)
+            position_ids = (
+                torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            ).unsqueeze(0)
 
         causal_mask = create_causal_mask(
             config=self.config,

@@ -5,8 +5,9 @@ import argparse
 
 import torch
 import torch.distributed as dist
-from dist_common import token_batches, tiny_model, write_rank_record
 from transformers import Trainer, TrainingArguments
+
+from dist_common import tiny_model, token_batches, write_rank_record
 
 
 def main(argv=None):

@@ -15,13 +15,29 @@ import fsdp_train
 import torch
 import torch.distributed as dist
 import tp_run
-from dist_common import write_rank_record
 
 from diff_transformer import cli
 
+from dist_common import write_rank_record
 
-TRAIN_ARGS = ["--quiet", "--report-to", "none", "--block-size", "32", "--eval-fraction", "0", "--max-steps", "3",
-              "--logging-steps", "1", "--lr", "1e-3", "--save-steps", "1000"]
+
+TRAIN_ARGS = [
+    "--quiet",
+    "--report-to",
+    "none",
+    "--block-size",
+    "32",
+    "--eval-fraction",
+    "0",
+    "--max-steps",
+    "3",
+    "--logging-steps",
+    "1",
+    "--lr",
+    "1e-3",
+    "--save-steps",
+    "1000",
+]
 
 
 def main():
@@ -30,8 +46,19 @@ def main():
     fsdp_train.main([f"{models}/fsdp", f"{out}/fsdp", "--steps", "3", "--global-batch", "4"])
     tp_run.main([f"{out}/tp", *(f"{tag}={models}/{tag}" for tag in ("v1", "v2", "qk", "kv1"))])
     # The package's own training command, exactly as `torchrun ... -m diff_transformer.cli train ...` runs it.
-    status = cli.main(["train", f"{models}/train", "--data", f"{models}/train.txt", "--output", f"{out}/train",
-                       "--batch-size", "2", *TRAIN_ARGS])
+    status = cli.main(
+        [
+            "train",
+            f"{models}/train",
+            "--data",
+            f"{models}/train.txt",
+            "--output",
+            f"{out}/train",
+            "--batch-size",
+            "2",
+            *TRAIN_ARGS,
+        ]
+    )
     write_rank_record(f"{out}/train_ranks", {"status": status, "backend": dist.get_backend()}, {})
 
 

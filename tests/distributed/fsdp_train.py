@@ -7,12 +7,13 @@ import os
 
 import torch
 import torch.distributed as dist
-from dist_common import rank_and_world, token_batches, write_rank_record
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
 import diff_transformer  # noqa: F401  (registers the Auto classes)
+
+from dist_common import rank_and_world, token_batches, write_rank_record
 
 
 def main(argv=None):

@@ -5,16 +5,16 @@ step, written per rank to OUT for the test to compare with the unsharded model. 
 not split over the ranks must be refused when loading; its error is recorded."""
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
-from dist_common import SEQ_LEN, rank_and_world, token_batches, write_rank_record
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
 import diff_transformer  # noqa: F401  (registers the Auto classes)
+
+from dist_common import SEQ_LEN, rank_and_world, token_batches, write_rank_record
 
 
 def run(path: str, tag: str, results: dict, tensors: dict):

@@ -195,7 +195,8 @@ def _model_type_error(source: SourceCheckpoint, expected: str | None) -> Convers
         )
     if expected is not None and model_type in _SOURCE_KINDS:
         return ConversionError(
-            f"{where} has model_type {model_type!r}, but this converter expects {expected!r}: use {_SOURCE_KINDS[model_type]}."
+            f"{where} has model_type {model_type!r}, "
+            f"but this converter expects {expected!r}: use {_SOURCE_KINDS[model_type]}."
         )
     llama_family = ", ".join(repr(name) for name in FAMILIES)
     accepted = {"llama": llama_family, "diffllama": "'diffllama'"}.get(expected, f"{llama_family} or 'diffllama'")
@@ -382,7 +383,9 @@ def _convert(
             _write(source, config, tensor_map, tmp, out_path.name, target_dtype, max_shard_bytes, progress)
             staging.install()
     except OSError as exc:
-        raise ConversionError(f"writing {out_path} failed ({one_line(exc)}): check free disk space and permissions.") from exc
+        raise ConversionError(
+            f"writing {out_path} failed ({one_line(exc)}): check free disk space and permissions."
+        ) from exc
     return out_path
 
 
@@ -450,7 +453,8 @@ def _stream(
                         tensor = handle.get_tensor(name)
                     except Exception as exc:
                         raise ConversionError(
-                            f"reading tensor {name} from shard {shard.name} failed ({one_line(exc)}): the shard is corrupt; re-download it."
+                            f"reading tensor {name} from shard {shard.name} failed ({one_line(exc)}): "
+                            "the shard is corrupt; re-download it."
                         ) from exc
                     for out_name, out_tensor in tensor_map(name, tensor):
                         keep = target_dtype is None or _FP32_PARAMETERS.search(out_name)

@@ -27,7 +27,7 @@ _SHORT_NAMES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """"bfloat16" for torch.bfloat16: the name config.json and the reports use."""
+    """ "bfloat16" for torch.bfloat16: the name config.json and the reports use."""
     return str(dtype).removeprefix("torch.")
 
 

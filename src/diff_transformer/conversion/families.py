@@ -89,7 +89,10 @@ class Task:
 FAMILIES = {
     f.model_type: f
     for f in (
-        Family("llama", "Llama"), Family("mistral", "Mistral"), Family("qwen2", "Qwen2"), Family("qwen3", "Qwen3")
+        Family("llama", "Llama"),
+        Family("mistral", "Mistral"),
+        Family("qwen2", "Qwen2"),
+        Family("qwen3", "Qwen3"),
     )
 }
 DIFFLLAMA = Family("diffllama", "DiffLlama")
@@ -128,9 +131,7 @@ def source_geometry(family: Family, task: Task, config) -> Geometry:
     geometry = Geometry.from_config(config)
     source_class = getattr(transformers, family.prefix + task.suffix)
     prefix = getattr(source_class, "base_model_prefix", "model") + "."  # Llama's and Qwen's QA heads: "transformer"
-    return dataclasses.replace(
-        geometry, **family.attention(config), head=task.head(geometry, config), prefix=prefix
-    )
+    return dataclasses.replace(geometry, **family.attention(config), head=task.head(geometry, config), prefix=prefix)
 
 
 __all__ = ["CAUSAL_LM", "DIFFLLAMA", "FAMILIES", "TASKS", "Family", "Task", "family_of", "source_geometry", "task_of"]

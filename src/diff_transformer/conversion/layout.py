@@ -236,7 +236,8 @@ class LlamaToV2(TensorMap):
 
 
 class LlamaToV1(TensorMap):
-    """Paper layout, reusing every Llama weight (not function-preserving); new λ vectors ~ N(0, lambda_std), subln 1."""
+    """Paper layout, reusing every Llama weight (not function-preserving); new λ vectors ~ N(0, lambda_std),
+    subln 1."""
 
     def __init__(self, geometry: Geometry, lambda_std: float = 0.1, seed: int = 0):
         super().__init__(geometry)
@@ -300,11 +301,13 @@ def make_tensor_map(
     if source_kind == "diffllama":
         if diff_version != 1:
             raise ConversionError(
-                f"DiffLlama checkpoints import into diff_version=1 only (got diff_version={diff_version}): pass diff_version=1."
+                "DiffLlama checkpoints import into diff_version=1 only "
+                f"(got diff_version={diff_version}): pass diff_version=1."
             )
         if H_kv % 2 or H % 2:
             raise ConversionError(
-                f"this DiffLlama checkpoint has num_attention_heads={H}, num_key_value_heads={H_kv}; DiffLlama needs both "
+                f"this DiffLlama checkpoint has num_attention_heads={H}, "
+                f"num_key_value_heads={H_kv}; DiffLlama needs both "
                 "even, so the checkpoint is inconsistent: check its config.json."
             )
         return DiffLlamaToV1(geometry)

@@ -83,7 +83,9 @@ def resolve_source(
             )
         return path.resolve(), None
     if isinstance(src, Path):
-        raise ConversionError(f"SRC {text!r} is neither an existing directory nor a valid Hub model id: check the path.")
+        raise ConversionError(
+            f"SRC {text!r} is neither an existing directory nor a valid Hub model id: check the path."
+        )
     text = hub_id(text, name="SRC", error=ConversionError)  # a mistyped path is refused here, not after Hub retries
     if config_only:
         return _hub_config_dir(text, revision=revision, token=token), text
@@ -120,11 +122,13 @@ def _hub_call(function, repo_id: str, *, revision: str | None, **kwargs):
         return function(repo_id, revision=revision, **kwargs)
     except errors.GatedRepoError as exc:
         raise ConversionError(
-            f"Hub model {repo_id!r} is gated: accept its licence on huggingface.co and log in (`hf auth login` or HF_TOKEN)."
+            f"Hub model {repo_id!r} is gated: "
+            "accept its licence on huggingface.co and log in (`hf auth login` or HF_TOKEN)."
         ) from exc
     except errors.RepositoryNotFoundError as exc:
         raise ConversionError(
-            f"{repo_id!r} is not a local directory and no Hub model of that id was found (or it is private): check the "
+            f"{repo_id!r} is not a local directory and no Hub model of that id was found "
+            "(or it is private): check the "
             "path or id, or log in with `hf auth login` / HF_TOKEN."
         ) from exc
     except errors.RevisionNotFoundError as exc:
@@ -133,11 +137,13 @@ def _hub_call(function, repo_id: str, *, revision: str | None, **kwargs):
         ) from exc
     except errors.RemoteEntryNotFoundError as exc:
         raise ConversionError(
-            f"Hub model {repo_id!r} has no config.json: it is not a transformers checkpoint; pick a transformers model repository."
+            f"Hub model {repo_id!r} has no config.json: "
+            "it is not a transformers checkpoint; pick a transformers model repository."
         ) from exc
     except errors.LocalEntryNotFoundError as exc:
         raise ConversionError(
-            f"Hub model {repo_id!r} is not in the local HF cache and cannot be downloaded (offline or HF_HUB_OFFLINE=1): "
+            f"Hub model {repo_id!r} is not in the local HF cache and cannot be downloaded "
+            "(offline or HF_HUB_OFFLINE=1): "
             "download it once while online, or pass a local directory."
         ) from exc
     except Exception as exc:  # network errors, HTTP errors, disk errors
@@ -150,13 +156,16 @@ def load_config(path: Path) -> dict:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ConversionError(
-            f"no config.json in {path}: SRC must be a transformers checkpoint directory (config.json + *.safetensors); "
+            f"no config.json in {path}: SRC must be a transformers checkpoint directory "
+            "(config.json + *.safetensors); "
             "save the model with `save_pretrained` or download the full repository."
         )
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except RecursionError:
-        raise ConversionError(f"{config_file} is nested too deeply to be a config: restore or re-download it.") from None
+        raise ConversionError(
+            f"{config_file} is nested too deeply to be a config: restore or re-download it."
+        ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConversionError(
             f"{config_file} is not valid JSON ({one_line(exc)}): restore or re-download it."
@@ -189,12 +198,15 @@ def find_shards(path: Path) -> list[Path]:
     pickles = sorted(p.name for p in path.iterdir() if p.is_file() and p.name.endswith(_PICKLE_SUFFIXES))
     if pickles:
         raise ConversionError(
-            f"{path} holds only pickle weights ({', '.join(pickles[:3])}{', ...' if len(pickles) > 3 else ''}); refusing to "
-            "unpickle them: convert to safetensors in a trusted environment (`save_pretrained(..., safe_serialization=True)`) "
+            f"{path} holds only pickle weights "
+            f"({', '.join(pickles[:3])}{', ...' if len(pickles) > 3 else ''}); refusing to "
+            "unpickle them: convert to safetensors in a trusted environment "
+            "(`save_pretrained(..., safe_serialization=True)`) "
             "or use a revision that ships *.safetensors."
         )
     raise ConversionError(
-        f"no model weights (*.safetensors) in {path}: download the full checkpoint, or point SRC at the directory that "
+        f"no model weights (*.safetensors) in {path}: download the full checkpoint, "
+        "or point SRC at the directory that "
         "holds the shards."
     )
 
@@ -210,7 +222,8 @@ def read_index(index_file: Path) -> dict[str, str]:
     for name in weight_map.values():
         if Path(name).name != name or name in ("", ".", ".."):
             raise ConversionError(
-                f"{index_file} refers to {name!r}, which is not a file in the checkpoint directory: restore or re-download it."
+                f"{index_file} refers to {name!r}, "
+                "which is not a file in the checkpoint directory: restore or re-download it."
             )
     return weight_map
 
@@ -230,7 +243,8 @@ def read_headers(path: Path, shards: list[Path]) -> dict[str, TensorInfo]:
                     )
                     if name in tensors:
                         raise ConversionError(
-                            f"tensor {name} appears in both {tensors[name].shard.name} and {shard.name}: the checkpoint mixes "
+                            f"tensor {name} appears in both {tensors[name].shard.name} and {shard.name}: "
+                            "the checkpoint mixes "
                             "two saves; re-download it."
                         )
                     tensors[name] = info
@@ -246,7 +260,8 @@ def read_headers(path: Path, shards: list[Path]) -> dict[str, TensorInfo]:
             info = tensors.get(name)
             if info is None or info.shard.name != file_name:
                 raise ConversionError(
-                    f"{SAFETENSORS_INDEX} places tensor {name} in {file_name}, but that shard does not hold it: the index "
+                    f"{SAFETENSORS_INDEX} places tensor {name} in {file_name}, "
+                    "but that shard does not hold it: the index "
                     "and the shards disagree; re-download the checkpoint."
                 )
     return tensors
@@ -274,7 +289,8 @@ def check_float_dtypes(source: SourceCheckpoint) -> None:
     for name, info in source.tensors.items():
         if info.dtype not in _FLOAT_DTYPES:
             raise ConversionError(
-                f"tensor {name} has dtype {info.dtype}: only float32/float16/bfloat16 checkpoints convert; dequantize the "
+                f"tensor {name} has dtype {info.dtype}: "
+                "only float32/float16/bfloat16 checkpoints convert; dequantize the "
                 "model first."
             )
 

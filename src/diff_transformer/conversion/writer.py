@@ -78,7 +78,8 @@ class ShardWriter:
 
     def _write_error(self, exc: OSError) -> ConversionError:
         return ConversionError(
-            f"writing shard {self._path.name} in {self.directory} failed ({exc}): check free disk space and permissions."
+            f"writing shard {self._path.name} in {self.directory} failed ({exc}): "
+            "check free disk space and permissions."
         )
 
     def _open_shard(self) -> None:
@@ -129,7 +130,7 @@ class ShardWriter:
         weight_map: dict[str, str] = {}
         for (path, tensors), name in zip(self._written, names, strict=True):
             os.replace(path, self.directory / name)
-            weight_map.update({tensor: name for tensor in tensors})
+            weight_map.update(dict.fromkeys(tensors, name))
         if count > 1:
             index = {
                 "metadata": {"total_size": self.total_bytes, "total_parameters": self.total_parameters},

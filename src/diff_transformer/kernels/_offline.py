@@ -13,6 +13,7 @@ import torch
 
 from .diff_attention_v1 import _block_d, _config
 
+
 _POINTERS = {"Q", "K", "V", "DO", "Out", "O2", "DK", "DV", "DQ"}  # in the input dtype (DQ: fp32 with ATOMIC_DQ)
 _FP32_POINTERS = {"Lam", "Lse1", "Lse2", "Delta1", "Delta2", "PartAcc", "PartML"}
 _FLOATS = {"qk_scale", "sm_scale"}
@@ -30,20 +31,49 @@ def variants(dtype: torch.dtype = torch.bfloat16, head_dim: int = 64):
 
     shape = dict(HEAD_DIM=head_dim, BLOCK_D=block_d)
     bm, bn, w, s = config("fwd")
-    yield "_fwd_kernel", dict(CAUSAL=True, MASK_KIND=0, VARLEN=False, SAVE_O2=True, BLOCK_M=bm, BLOCK_N=bn,
-                              DOT_PREC=prec, **shape), w, s
-    yield "_fwd_kernel", dict(CAUSAL=True, MASK_KIND=1, VARLEN=False, SAVE_O2=False, BLOCK_M=bm, BLOCK_N=bn,
-                              DOT_PREC=prec, **shape), w, s
-    yield "_fwd_kernel", dict(CAUSAL=True, MASK_KIND=0, VARLEN=True, SAVE_O2=True, BLOCK_M=bm, BLOCK_N=bn,
-                              DOT_PREC=prec, **shape), w, s
+    yield (
+        "_fwd_kernel",
+        dict(CAUSAL=True, MASK_KIND=0, VARLEN=False, SAVE_O2=True, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=prec, **shape),
+        w,
+        s,
+    )
+    yield (
+        "_fwd_kernel",
+        dict(CAUSAL=True, MASK_KIND=1, VARLEN=False, SAVE_O2=False, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=prec, **shape),
+        w,
+        s,
+    )
+    yield (
+        "_fwd_kernel",
+        dict(CAUSAL=True, MASK_KIND=0, VARLEN=True, SAVE_O2=True, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=prec, **shape),
+        w,
+        s,
+    )
     yield "_bwd_preprocess_kernel", dict(BLOCK_M=max(16, 4096 // block_d), **shape), 4, 1
     bm, bn, w, s = config("bwd_dkdv")
     for atomic in (False, True):
-        yield "_bwd_dkdv_kernel", dict(CAUSAL=True, MASK_KIND=0, VARLEN=False, ATOMIC_DQ=atomic, BLOCK_M=bm,
-                                       BLOCK_N=bn, DOT_PREC=prec, **shape), w, s
+        yield (
+            "_bwd_dkdv_kernel",
+            dict(
+                CAUSAL=True,
+                MASK_KIND=0,
+                VARLEN=False,
+                ATOMIC_DQ=atomic,
+                BLOCK_M=bm,
+                BLOCK_N=bn,
+                DOT_PREC=prec,
+                **shape,
+            ),
+            w,
+            s,
+        )
     bm, bn, w, s = config("bwd_dq")
-    yield "_bwd_dq_kernel", dict(CAUSAL=True, MASK_KIND=0, VARLEN=False, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=prec,
-                                 **shape), w, s
+    yield (
+        "_bwd_dq_kernel",
+        dict(CAUSAL=True, MASK_KIND=0, VARLEN=False, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=prec, **shape),
+        w,
+        s,
+    )
     _, bn, w, s = config("decode")
     yield "_decode_split_kernel", dict(CAUSAL=True, MASK_KIND=1, BLOCK_R=16, BLOCK_N=bn, DOT_PREC=prec, **shape), w, s
     yield "_decode_combine_kernel", dict(SAVE_O2=False, BLOCK_R=16, **shape), 2, 1
@@ -73,8 +103,9 @@ def compile_kernel(name: str, constexprs: dict, num_warps: int, num_stages: int,
         else:
             signature[arg] = "fp32" if arg in _FLOATS else "i32"
     source = ASTSource(fn, signature, constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    return triton.compile(
+        source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
+    )
 
 
 def resource_usage(compiled) -> dict:

@@ -22,6 +22,7 @@ reductions go through the builtin tl.reduce with the standard combine functions,
 import triton
 import triton.language as tl
 
+
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -36,8 +37,21 @@ def _row_sum(x):
 
 
 @triton.jit
-def _masked_scores(z, rows, local_rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml,
-                   CAUSAL: tl.constexpr, BOUNDS: tl.constexpr, MASK_KIND: tl.constexpr):
+def _masked_scores(
+    z,
+    rows,
+    local_rows,
+    cols,
+    n_q,
+    n_k,
+    causal_off,
+    mask_ptr,
+    stride_mn,
+    stride_ml,
+    CAUSAL: tl.constexpr,
+    BOUNDS: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+):
     """Applies key bounds + causality (only where BOUNDS: tiles the caller knows to be partly masked) and the user
     mask (every tile) to scores z (R, C) of query rows (R,) and key columns (C,). mask_ptr points at the mask row of
     the tile's first query (int64 offset, once), local_rows = rows - that row (int32 offsets in the tile). The mask
@@ -58,8 +72,9 @@ def _masked_scores(z, rows, local_rows, cols, n_q, n_k, causal_off, mask_ptr, st
 
 
 @triton.jit
-def _load_rows(base, rows, stride, n_rows, offs_d, BOUNDS: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_D: tl.constexpr):
+def _load_rows(
+    base, rows, stride, n_rows, offs_d, BOUNDS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr
+):
     """(len(rows), BLOCK_D) tile of a (rows, d) matrix with unit column stride; zeros outside."""
     ptrs = base + rows[:, None] * stride + offs_d[None, :]
     if BOUNDS:
@@ -94,11 +109,42 @@ def _online_softmax_step(z, m, l):
 
 
 @triton.jit
-def _fwd_inner(acc1a, acc1b, acc2a, acc2b, m1, l1, m2, l2, q1, q2,
-               k1_base, k2_base, va_base, vb_base, stride_kn, stride_vn, mask_ptr, stride_mn, stride_ml,
-               rows, local_rows, n_q, n_k, causal_off, qk_scale, lo, hi,
-               CAUSAL: tl.constexpr, BOUNDS: tl.constexpr, MASK_KIND: tl.constexpr,
-               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+def _fwd_inner(
+    acc1a,
+    acc1b,
+    acc2a,
+    acc2b,
+    m1,
+    l1,
+    m2,
+    l2,
+    q1,
+    q2,
+    k1_base,
+    k2_base,
+    va_base,
+    vb_base,
+    stride_kn,
+    stride_vn,
+    mask_ptr,
+    stride_mn,
+    stride_ml,
+    rows,
+    local_rows,
+    n_q,
+    n_k,
+    causal_off,
+    qk_scale,
+    lo,
+    hi,
+    CAUSAL: tl.constexpr,
+    BOUNDS: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
@@ -110,15 +156,17 @@ def _fwd_inner(acc1a, acc1b, acc2a, acc2b, m1, l1, m2, l2, q1, q2,
         vb = _load_rows(vb_base, cols, stride_vn, n_k, offs_d, BOUNDS, HEAD_DIM, BLOCK_D)
         # One map after the other, so only one score tile is live at a time.
         z1 = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC) * qk_scale
-        z1 = _masked_scores(z1, rows, local_rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml,
-                            CAUSAL, BOUNDS, MASK_KIND)
+        z1 = _masked_scores(
+            z1, rows, local_rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml, CAUSAL, BOUNDS, MASK_KIND
+        )
         p1, alpha1, m1, l1 = _online_softmax_step(z1, m1, l1)
         p1 = p1.to(va.dtype)
         acc1a = tl.dot(p1, va, acc1a * alpha1[:, None], input_precision=DOT_PREC)
         acc1b = tl.dot(p1, vb, acc1b * alpha1[:, None], input_precision=DOT_PREC)
         z2 = tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) * qk_scale
-        z2 = _masked_scores(z2, rows, local_rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml,
-                            CAUSAL, BOUNDS, MASK_KIND)
+        z2 = _masked_scores(
+            z2, rows, local_rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml, CAUSAL, BOUNDS, MASK_KIND
+        )
         p2, alpha2, m2, l2 = _online_softmax_step(z2, m2, l2)
         p2 = p2.to(va.dtype)
         acc2a = tl.dot(p2, va, acc2a * alpha2[:, None], input_precision=DOT_PREC)
@@ -144,14 +192,50 @@ def _seq_bounds(CuSeqlens, b, N, L, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, Lam, Out, O2, Lse1, Lse2, Mask, CuSeqlens,
-                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
-                stride_mb, stride_mh, stride_mn, stride_ml,
-                H, H_KV, N, L, qk_scale,
-                CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, VARLEN: tl.constexpr, SAVE_O2: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                DOT_PREC: tl.constexpr):
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    Lam,
+    Out,
+    O2,
+    Lse1,
+    Lse2,
+    Mask,
+    CuSeqlens,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_on,
+    stride_oh,
+    stride_lb,
+    stride_lh,
+    stride_mb,
+    stride_mh,
+    stride_mn,
+    stride_ml,
+    H,
+    H_KV,
+    N,
+    L,
+    qk_scale,
+    CAUSAL: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    VARLEN: tl.constexpr,
+    SAVE_O2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -198,25 +282,118 @@ def _fwd_kernel(Q, K, V, Lam, Out, O2, Lse1, Lse2, Mask, CuSeqlens,
     full = full // BLOCK_N * BLOCK_N
     # Tiles before `full` need no causal/bounds test; the rest (diagonal and tail) do.
     acc1a, acc1b, acc2a, acc2b, m1, l1, m2, l2 = _fwd_inner(
-        acc1a, acc1b, acc2a, acc2b, m1, l1, m2, l2, q1, q2, k1_base, k2_base, va_base, vb_base, stride_kn, stride_vn,
-        mask_ptr, stride_mn, stride_ml, rows, tl.arange(0, BLOCK_M), n_q, n_k, causal_off, qk_scale, 0, full,
-        CAUSAL, False, MASK_KIND, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC)
+        acc1a,
+        acc1b,
+        acc2a,
+        acc2b,
+        m1,
+        l1,
+        m2,
+        l2,
+        q1,
+        q2,
+        k1_base,
+        k2_base,
+        va_base,
+        vb_base,
+        stride_kn,
+        stride_vn,
+        mask_ptr,
+        stride_mn,
+        stride_ml,
+        rows,
+        tl.arange(0, BLOCK_M),
+        n_q,
+        n_k,
+        causal_off,
+        qk_scale,
+        0,
+        full,
+        CAUSAL,
+        False,
+        MASK_KIND,
+        BLOCK_N,
+        HEAD_DIM,
+        BLOCK_D,
+        DOT_PREC,
+    )
     acc1a, acc1b, acc2a, acc2b, m1, l1, m2, l2 = _fwd_inner(
-        acc1a, acc1b, acc2a, acc2b, m1, l1, m2, l2, q1, q2, k1_base, k2_base, va_base, vb_base, stride_kn, stride_vn,
-        mask_ptr, stride_mn, stride_ml, rows, tl.arange(0, BLOCK_M), n_q, n_k, causal_off, qk_scale, full, hi,
-        CAUSAL, True, MASK_KIND, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC)
+        acc1a,
+        acc1b,
+        acc2a,
+        acc2b,
+        m1,
+        l1,
+        m2,
+        l2,
+        q1,
+        q2,
+        k1_base,
+        k2_base,
+        va_base,
+        vb_base,
+        stride_kn,
+        stride_vn,
+        mask_ptr,
+        stride_mn,
+        stride_ml,
+        rows,
+        tl.arange(0, BLOCK_M),
+        n_q,
+        n_k,
+        causal_off,
+        qk_scale,
+        full,
+        hi,
+        CAUSAL,
+        True,
+        MASK_KIND,
+        BLOCK_N,
+        HEAD_DIM,
+        BLOCK_D,
+        DOT_PREC,
+    )
 
-    _store_output(acc1a, acc1b, acc2a, acc2b, l1, l2, Lam, Out + batch * stride_ob + start * stride_on + h * stride_oh,
-                  O2 + batch * stride_ob + start * stride_on + h * stride_oh, rows, stride_on, n_q, SAVE_O2,
-                  HEAD_DIM, BLOCK_D)
+    _store_output(
+        acc1a,
+        acc1b,
+        acc2a,
+        acc2b,
+        l1,
+        l2,
+        Lam,
+        Out + batch * stride_ob + start * stride_on + h * stride_oh,
+        O2 + batch * stride_ob + start * stride_on + h * stride_oh,
+        rows,
+        stride_on,
+        n_q,
+        SAVE_O2,
+        HEAD_DIM,
+        BLOCK_D,
+    )
     lse_off = batch * stride_lb + h * stride_lh + start + rows
     tl.store(Lse1 + lse_off, _lse(m1, l1), mask=rows < n_q)
     tl.store(Lse2 + lse_off, _lse(m2, l2), mask=rows < n_q)
 
 
 @triton.jit
-def _store_output(acc1a, acc1b, acc2a, acc2b, l1, l2, Lam, out_base, o2_base, rows, stride_on, n_q,
-                  SAVE_O2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _store_output(
+    acc1a,
+    acc1b,
+    acc2a,
+    acc2b,
+    l1,
+    l2,
+    Lam,
+    out_base,
+    o2_base,
+    rows,
+    stride_on,
+    n_q,
+    SAVE_O2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """out = acc1/l1 - λ acc2/l2 in both d-wide halves; rows with nothing to attend (l = 0) give 0."""
     lam = tl.load(Lam).to(tl.float32)
     inv1 = (1.0 / tl.where(l1 == 0.0, 1.0, l1))[:, None]  # empty rows have acc = 0
@@ -237,13 +414,41 @@ def _store_output(acc1a, acc1b, acc2a, acc2b, l1, l2, Lam, out_base, o2_base, ro
 
 
 @triton.jit
-def _decode_split_kernel(Q, K, V, Mask, PartAcc, PartML,
-                         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                         stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mn, stride_ml,
-                         H, H_KV, N, L, qk_scale, blocks_per_split, num_splits,
-                         CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         DOT_PREC: tl.constexpr):
+def _decode_split_kernel(
+    Q,
+    K,
+    V,
+    Mask,
+    PartAcc,
+    PartML,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_mb,
+    stride_mh,
+    stride_mn,
+    stride_ml,
+    H,
+    H_KV,
+    N,
+    L,
+    qk_scale,
+    blocks_per_split,
+    num_splits,
+    CAUSAL: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """Flash-decoding: program (b·g, s) runs every query row of KV group g (G heads x N queries stacked as
     BLOCK_R rows) over split s of the keys, so each cached K/V byte is read once; partial (m, l, acc) go to
     scratch for _decode_combine_kernel."""
@@ -324,11 +529,28 @@ def _decode_split_kernel(Q, K, V, Mask, PartAcc, PartML,
 
 
 @triton.jit
-def _decode_combine_kernel(PartAcc, PartML, Lam, Out, O2, Lse1, Lse2,
-                           stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
-                           H, H_KV, N, num_splits,
-                           SAVE_O2: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
+def _decode_combine_kernel(
+    PartAcc,
+    PartML,
+    Lam,
+    Out,
+    O2,
+    Lse1,
+    Lse2,
+    stride_ob,
+    stride_on,
+    stride_oh,
+    stride_lb,
+    stride_lh,
+    H,
+    H_KV,
+    N,
+    num_splits,
+    SAVE_O2: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Merges the splits of one (b, g): rescale each split's (l, acc) to the common max, sum, then form the output
     and the log-sum-exps the backward needs."""
     pid_bg = tl.program_id(0)
@@ -396,9 +618,27 @@ def _decode_combine_kernel(PartAcc, PartML, Lam, Out, O2, Lse1, Lse2,
 
 
 @triton.jit
-def _bwd_preprocess_kernel(Out, O2, DO, Lam, Delta1, Delta2,
-                           stride_ob, stride_on, stride_oh, stride_db, stride_dn, stride_dh, stride_lb, stride_lh,
-                           H, N, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _bwd_preprocess_kernel(
+    Out,
+    O2,
+    DO,
+    Lam,
+    Delta1,
+    Delta2,
+    stride_ob,
+    stride_on,
+    stride_oh,
+    stride_db,
+    stride_dn,
+    stride_dh,
+    stride_lb,
+    stride_lh,
+    H,
+    N,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -421,13 +661,49 @@ def _bwd_preprocess_kernel(Out, O2, DO, Lam, Delta1, Delta2,
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk1, dk2, dva, dvb, k1, k2, va, vb, cols, key_bias,
-                    q1_base, q2_base, stride_qn, do_base, stride_dn, lse1_base, lse2_base, d1_base, d2_base,
-                    dq1_base, dq2_base, stride_dqn, mask_ptr, stride_mn, stride_ml,
-                    lam, n_q, n_k, causal_off, qk_scale, sm_scale, lo, hi,
-                    CAUSAL: tl.constexpr, BOUNDS: tl.constexpr, MASK_KIND: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    DOT_PREC: tl.constexpr):
+def _bwd_dkdv_inner(
+    dk1,
+    dk2,
+    dva,
+    dvb,
+    k1,
+    k2,
+    va,
+    vb,
+    cols,
+    key_bias,
+    q1_base,
+    q2_base,
+    stride_qn,
+    do_base,
+    stride_dn,
+    lse1_base,
+    lse2_base,
+    d1_base,
+    d2_base,
+    dq1_base,
+    dq2_base,
+    stride_dqn,
+    mask_ptr,
+    stride_mn,
+    stride_ml,
+    lam,
+    n_q,
+    n_k,
+    causal_off,
+    qk_scale,
+    sm_scale,
+    lo,
+    hi,
+    CAUSAL: tl.constexpr,
+    BOUNDS: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """Accumulates dK/dV of one key tile over query tiles [lo, hi) of one head; transposed tiles (keys x queries)
     so the row statistics broadcast along columns."""
     offs_m = tl.arange(0, BLOCK_M)
@@ -453,14 +729,16 @@ def _bwd_dkdv_inner(dk1, dk2, dva, dvb, k1, k2, va, vb, cols, key_bias,
         # One map after the other, so fewer (BLOCK_N, BLOCK_M) tiles are live at a time.
         z1 = tl.dot(k1, tl.trans(q1), input_precision=DOT_PREC) * qk_scale + key_bias[:, None]
         tile_mask = mask_ptr + tl.cast(start_m, tl.int64) * stride_mn
-        z1 = _masked_scores_t(z1, rows, offs_m, cols, n_q, n_k, causal_off, tile_mask, stride_mn, stride_ml,
-                              CAUSAL, BOUNDS, MASK_KIND)
+        z1 = _masked_scores_t(
+            z1, rows, offs_m, cols, n_q, n_k, causal_off, tile_mask, stride_mn, stride_ml, CAUSAL, BOUNDS, MASK_KIND
+        )
         p1 = tl.exp2(z1 - lse1[None, :])
         dz1 = (p1 * (dp - delta1[None, :])).to(q1.dtype)
         dk1 = tl.dot(dz1, q1, dk1, input_precision=DOT_PREC)
         z2 = tl.dot(k2, tl.trans(q2), input_precision=DOT_PREC) * qk_scale + key_bias[:, None]
-        z2 = _masked_scores_t(z2, rows, offs_m, cols, n_q, n_k, causal_off, tile_mask, stride_mn, stride_ml,
-                              CAUSAL, BOUNDS, MASK_KIND)
+        z2 = _masked_scores_t(
+            z2, rows, offs_m, cols, n_q, n_k, causal_off, tile_mask, stride_mn, stride_ml, CAUSAL, BOUNDS, MASK_KIND
+        )
         lam_p2 = lam * tl.exp2(z2 - lse2[None, :])
         dz2 = (-lam_p2 * (dp - delta2[None, :])).to(q2.dtype)
         dk2 = tl.dot(dz2, q2, dk2, input_precision=DOT_PREC)
@@ -478,8 +756,21 @@ def _bwd_dkdv_inner(dk1, dk2, dva, dvb, k1, k2, va, vb, cols, key_bias,
 
 
 @triton.jit
-def _masked_scores_t(z, rows, local_rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml,
-                     CAUSAL: tl.constexpr, BOUNDS: tl.constexpr, MASK_KIND: tl.constexpr):
+def _masked_scores_t(
+    z,
+    rows,
+    local_rows,
+    cols,
+    n_q,
+    n_k,
+    causal_off,
+    mask_ptr,
+    stride_mn,
+    stride_ml,
+    CAUSAL: tl.constexpr,
+    BOUNDS: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+):
     """_masked_scores for a transposed tile z (keys, queries)."""
     if BOUNDS:
         ok = (rows[None, :] < n_q) & (cols[:, None] < n_k)
@@ -497,14 +788,55 @@ def _masked_scores_t(z, rows, local_rows, cols, n_q, n_k, causal_off, mask_ptr, 
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, Lam, Lse1, Lse2, Delta1, Delta2, Mask, CuSeqlens, DK, DV, DQ,
-                     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                     stride_vb, stride_vh, stride_vn, stride_db, stride_dn, stride_dh, stride_lb, stride_lh,
-                     stride_mb, stride_mh, stride_mn, stride_ml,
-                     H, H_KV, N, L, qk_scale, sm_scale,
-                     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     DOT_PREC: tl.constexpr):
+def _bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    Lam,
+    Lse1,
+    Lse2,
+    Delta1,
+    Delta2,
+    Mask,
+    CuSeqlens,
+    DK,
+    DV,
+    DQ,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_db,
+    stride_dn,
+    stride_dh,
+    stride_lb,
+    stride_lh,
+    stride_mb,
+    stride_mh,
+    stride_mn,
+    stride_ml,
+    H,
+    H_KV,
+    N,
+    L,
+    qk_scale,
+    sm_scale,
+    CAUSAL: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    VARLEN: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """Program (key tile, b·g): dK/dV of one key tile of group g, summed over the group's G heads in registers
     (no atomics for GQA); with ATOMIC_DQ it also scatters dQ into an fp32 buffer (DQ has query's strides)."""
     pid_n = tl.program_id(0)
@@ -566,12 +898,48 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lam, Lse1, Lse2, Delta1, Delta2, Mask, CuSeqle
                 a = full_end
                 z = n_q
             dk1, dk2, dva, dvb = _bwd_dkdv_inner(
-                dk1, dk2, dva, dvb, k1, k2, va, vb, cols, key_bias,
-                q_base + h * stride_qh, q_base + (H + h) * stride_qh, stride_qn, do_base, stride_dn,
-                Lse1 + lse_off, Lse2 + lse_off, Delta1 + lse_off, Delta2 + lse_off,
-                dq_base + h * stride_qh, dq_base + (H + h) * stride_qh, stride_qn, mask_ptr, stride_mn, stride_ml,
-                lam, n_q, n_k, causal_off, qk_scale, sm_scale, a, z,
-                CAUSAL, part != 1, MASK_KIND, ATOMIC_DQ, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PREC)
+                dk1,
+                dk2,
+                dva,
+                dvb,
+                k1,
+                k2,
+                va,
+                vb,
+                cols,
+                key_bias,
+                q_base + h * stride_qh,
+                q_base + (H + h) * stride_qh,
+                stride_qn,
+                do_base,
+                stride_dn,
+                Lse1 + lse_off,
+                Lse2 + lse_off,
+                Delta1 + lse_off,
+                Delta2 + lse_off,
+                dq_base + h * stride_qh,
+                dq_base + (H + h) * stride_qh,
+                stride_qn,
+                mask_ptr,
+                stride_mn,
+                stride_ml,
+                lam,
+                n_q,
+                n_k,
+                causal_off,
+                qk_scale,
+                sm_scale,
+                a,
+                z,
+                CAUSAL,
+                part != 1,
+                MASK_KIND,
+                ATOMIC_DQ,
+                BLOCK_M,
+                HEAD_DIM,
+                BLOCK_D,
+                DOT_PREC,
+            )
 
     ok = (cols[:, None] < n_k) & (offs_d[None, :] < HEAD_DIM)
     ptrs = cols[:, None] * stride_kn + offs_d[None, :]
@@ -585,11 +953,43 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lam, Lse1, Lse2, Delta1, Delta2, Mask, CuSeqle
 
 
 @triton.jit
-def _bwd_dq_inner(dq1, dq2, q1, q2, do_a, do_b, lse1, lse2, delta1, delta2, rows, local_rows,
-                  k1_base, k2_base, va_base, vb_base, stride_kn, stride_vn, mask_ptr, stride_mn, stride_ml,
-                  lam, n_q, n_k, causal_off, qk_scale, lo, hi,
-                  CAUSAL: tl.constexpr, BOUNDS: tl.constexpr, MASK_KIND: tl.constexpr,
-                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+def _bwd_dq_inner(
+    dq1,
+    dq2,
+    q1,
+    q2,
+    do_a,
+    do_b,
+    lse1,
+    lse2,
+    delta1,
+    delta2,
+    rows,
+    local_rows,
+    k1_base,
+    k2_base,
+    va_base,
+    vb_base,
+    stride_kn,
+    stride_vn,
+    mask_ptr,
+    stride_mn,
+    stride_ml,
+    lam,
+    n_q,
+    n_k,
+    causal_off,
+    qk_scale,
+    lo,
+    hi,
+    CAUSAL: tl.constexpr,
+    BOUNDS: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
@@ -601,27 +1001,67 @@ def _bwd_dq_inner(dq1, dq2, q1, q2, do_a, do_b, lse1, lse2, delta1, delta2, rows
         dp = tl.dot(do_a, tl.trans(va), input_precision=DOT_PREC)
         dp = tl.dot(do_b, tl.trans(vb), dp, input_precision=DOT_PREC)
         z1 = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC) * qk_scale
-        z1 = _masked_scores(z1, rows, local_rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml,
-                            CAUSAL, BOUNDS, MASK_KIND)
+        z1 = _masked_scores(
+            z1, rows, local_rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml, CAUSAL, BOUNDS, MASK_KIND
+        )
         dz1 = (tl.exp2(z1 - lse1[:, None]) * (dp - delta1[:, None])).to(k1.dtype)
         dq1 = tl.dot(dz1, k1, dq1, input_precision=DOT_PREC)
         z2 = tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) * qk_scale
-        z2 = _masked_scores(z2, rows, local_rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml,
-                            CAUSAL, BOUNDS, MASK_KIND)
+        z2 = _masked_scores(
+            z2, rows, local_rows, cols, n_q, n_k, causal_off, mask_ptr, stride_mn, stride_ml, CAUSAL, BOUNDS, MASK_KIND
+        )
         dz2 = (-lam * tl.exp2(z2 - lse2[:, None]) * (dp - delta2[:, None])).to(k2.dtype)
         dq2 = tl.dot(dz2, k2, dq2, input_precision=DOT_PREC)
     return dq1, dq2
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, Lam, Lse1, Lse2, Delta1, Delta2, Mask, CuSeqlens, DQ,
-                   stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                   stride_vb, stride_vh, stride_vn, stride_db, stride_dn, stride_dh, stride_lb, stride_lh,
-                   stride_mb, stride_mh, stride_mn, stride_ml,
-                   H, H_KV, N, L, qk_scale, sm_scale,
-                   CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, VARLEN: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   DOT_PREC: tl.constexpr):
+def _bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    Lam,
+    Lse1,
+    Lse2,
+    Delta1,
+    Delta2,
+    Mask,
+    CuSeqlens,
+    DQ,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_db,
+    stride_dn,
+    stride_dh,
+    stride_lb,
+    stride_lh,
+    stride_mb,
+    stride_mh,
+    stride_mn,
+    stride_ml,
+    H,
+    H_KV,
+    N,
+    L,
+    qk_scale,
+    sm_scale,
+    CAUSAL: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    VARLEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """Program (query tile, b·h): dq1 and dq2 of one query tile, recomputing the scores (no atomics, deterministic).
     DQ has query's strides."""
     pid_m = tl.program_id(0)
@@ -668,14 +1108,80 @@ def _bwd_dq_kernel(Q, K, V, DO, Lam, Lse1, Lse2, Delta1, Delta2, Mask, CuSeqlens
         hi = n_k
         full = n_k
     full = full // BLOCK_N * BLOCK_N
-    dq1, dq2 = _bwd_dq_inner(dq1, dq2, q1, q2, do_a, do_b, lse1, lse2, delta1, delta2, rows, tl.arange(0, BLOCK_M),
-                             k1_base, k2_base, va_base, vb_base, stride_kn, stride_vn, mask_ptr, stride_mn, stride_ml,
-                             lam, n_q, n_k, causal_off, qk_scale, 0, full,
-                             CAUSAL, False, MASK_KIND, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC)
-    dq1, dq2 = _bwd_dq_inner(dq1, dq2, q1, q2, do_a, do_b, lse1, lse2, delta1, delta2, rows, tl.arange(0, BLOCK_M),
-                             k1_base, k2_base, va_base, vb_base, stride_kn, stride_vn, mask_ptr, stride_mn, stride_ml,
-                             lam, n_q, n_k, causal_off, qk_scale, full, hi,
-                             CAUSAL, True, MASK_KIND, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC)
+    dq1, dq2 = _bwd_dq_inner(
+        dq1,
+        dq2,
+        q1,
+        q2,
+        do_a,
+        do_b,
+        lse1,
+        lse2,
+        delta1,
+        delta2,
+        rows,
+        tl.arange(0, BLOCK_M),
+        k1_base,
+        k2_base,
+        va_base,
+        vb_base,
+        stride_kn,
+        stride_vn,
+        mask_ptr,
+        stride_mn,
+        stride_ml,
+        lam,
+        n_q,
+        n_k,
+        causal_off,
+        qk_scale,
+        0,
+        full,
+        CAUSAL,
+        False,
+        MASK_KIND,
+        BLOCK_N,
+        HEAD_DIM,
+        BLOCK_D,
+        DOT_PREC,
+    )
+    dq1, dq2 = _bwd_dq_inner(
+        dq1,
+        dq2,
+        q1,
+        q2,
+        do_a,
+        do_b,
+        lse1,
+        lse2,
+        delta1,
+        delta2,
+        rows,
+        tl.arange(0, BLOCK_M),
+        k1_base,
+        k2_base,
+        va_base,
+        vb_base,
+        stride_kn,
+        stride_vn,
+        mask_ptr,
+        stride_mn,
+        stride_ml,
+        lam,
+        n_q,
+        n_k,
+        causal_off,
+        qk_scale,
+        full,
+        hi,
+        CAUSAL,
+        True,
+        MASK_KIND,
+        BLOCK_N,
+        HEAD_DIM,
+        BLOCK_D,
+        DOT_PREC,
+    )
     ok = (rows[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM)
     ptrs = rows[:, None] * stride_qn + offs_d[None, :]
     dq_base = DQ + batch * stride_qb + start * stride_qn

@@ -34,6 +34,7 @@ from typing import Literal
 
 import torch
 
+
 _LOG2E = 1.4426950408889634
 
 # Decoding kernel when cu_seqlens is None and N <= _DECODE_MAX_QUERIES and (H / H_kv)·N <= _DECODE_MAX_ROWS.
@@ -175,24 +176,84 @@ def _forward(p: _Problem, query, key, value, lam, path: str, save_o2: bool):
         part_ml = torch.empty(4, p.B * p.H_kv, splits, block_r, device=p.device, dtype=torch.float32)
         part_acc = torch.empty(2, p.B * p.H_kv, splits, block_r, 2 * p.block_d, device=p.device, dtype=torch.float32)
         kernels._decode_split_kernel[(p.B * p.H_kv, splits)](
-            query, key, value, p.mask, part_acc, part_ml, *common_strides, *p.mask_strides,
-            p.H, p.H_kv, p.N, p.L, p.qk_scale, blocks_per_split, splits,
-            CAUSAL=p.causal, MASK_KIND=p.mask_kind, BLOCK_R=block_r, BLOCK_N=block_n, HEAD_DIM=p.d,
-            BLOCK_D=p.block_d, DOT_PREC=p.dot_precision, num_warps=num_warps, num_stages=num_stages,
+            query,
+            key,
+            value,
+            p.mask,
+            part_acc,
+            part_ml,
+            *common_strides,
+            *p.mask_strides,
+            p.H,
+            p.H_kv,
+            p.N,
+            p.L,
+            p.qk_scale,
+            blocks_per_split,
+            splits,
+            CAUSAL=p.causal,
+            MASK_KIND=p.mask_kind,
+            BLOCK_R=block_r,
+            BLOCK_N=block_n,
+            HEAD_DIM=p.d,
+            BLOCK_D=p.block_d,
+            DOT_PREC=p.dot_precision,
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
         kernels._decode_combine_kernel[(p.B * p.H_kv,)](
-            part_acc, part_ml, lam, out, o2, lse1, lse2, *out.stride()[:3], *lse1.stride()[:2],
-            p.H, p.H_kv, p.N, splits,
-            SAVE_O2=save_o2, BLOCK_R=block_r, HEAD_DIM=p.d, BLOCK_D=p.block_d, num_warps=4 if block_r > 16 else 2,
+            part_acc,
+            part_ml,
+            lam,
+            out,
+            o2,
+            lse1,
+            lse2,
+            *out.stride()[:3],
+            *lse1.stride()[:2],
+            p.H,
+            p.H_kv,
+            p.N,
+            splits,
+            SAVE_O2=save_o2,
+            BLOCK_R=block_r,
+            HEAD_DIM=p.d,
+            BLOCK_D=p.block_d,
+            num_warps=4 if block_r > 16 else 2,
         )
     else:
         block_m, block_n, num_warps, num_stages = _config("fwd", p.device, p.block_d, p.dtype)
         kernels._fwd_kernel[(_cdiv(p.max_q, block_m), p.n_seq * p.H)](
-            query, key, value, lam, out, o2, lse1, lse2, p.mask, p.seq_arg, *common_strides,
-            *out.stride()[:3], *lse1.stride()[:2], *p.mask_strides, p.H, p.H_kv, p.N, p.L, p.qk_scale,
-            CAUSAL=p.causal, MASK_KIND=p.mask_kind, VARLEN=p.varlen, SAVE_O2=save_o2, BLOCK_M=block_m,
-            BLOCK_N=block_n, HEAD_DIM=p.d, BLOCK_D=p.block_d, DOT_PREC=p.dot_precision,
-            num_warps=num_warps, num_stages=num_stages,
+            query,
+            key,
+            value,
+            lam,
+            out,
+            o2,
+            lse1,
+            lse2,
+            p.mask,
+            p.seq_arg,
+            *common_strides,
+            *out.stride()[:3],
+            *lse1.stride()[:2],
+            *p.mask_strides,
+            p.H,
+            p.H_kv,
+            p.N,
+            p.L,
+            p.qk_scale,
+            CAUSAL=p.causal,
+            MASK_KIND=p.mask_kind,
+            VARLEN=p.varlen,
+            SAVE_O2=save_o2,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            HEAD_DIM=p.d,
+            BLOCK_D=p.block_d,
+            DOT_PREC=p.dot_precision,
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
     return out, o2, lse1, lse2
 
@@ -207,30 +268,100 @@ def _backward(p: _Problem, query, key, value, lam, out, o2, lse1, lse2, grad_out
     delta2 = torch.empty_like(lse1)  # (B, H, N): rowsum(dO ∘ O2)
     block = _INTERPRETER_CONFIG[0] if small else max(16, 4096 // p.block_d)  # 4096 elements of each row tile
     kernels._bwd_preprocess_kernel[(_cdiv(p.N, block), p.B * p.H)](
-        out, o2, grad_out, lam, delta1, delta2, *out.stride()[:3], *grad_out.stride()[:3], *lse1.stride()[:2],
-        p.H, p.N, BLOCK_M=block, HEAD_DIM=p.d, BLOCK_D=p.block_d,
+        out,
+        o2,
+        grad_out,
+        lam,
+        delta1,
+        delta2,
+        *out.stride()[:3],
+        *grad_out.stride()[:3],
+        *lse1.stride()[:2],
+        p.H,
+        p.N,
+        BLOCK_M=block,
+        HEAD_DIM=p.d,
+        BLOCK_D=p.block_d,
     )
-    strides = (*query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *grad_out.stride()[:3],
-               *lse1.stride()[:2], *p.mask_strides)
+    strides = (
+        *query.stride()[:3],
+        *key.stride()[:3],
+        *value.stride()[:3],
+        *grad_out.stride()[:3],
+        *lse1.stride()[:2],
+        *p.mask_strides,
+    )
     dkey, dvalue = torch.empty_like(key), torch.empty_like(value)
     dquery = torch.zeros_like(query, dtype=torch.float32) if atomic_dq else torch.empty_like(query)
     block_m, block_n, num_warps, num_stages = _config("bwd_dkdv", p.device, p.block_d, p.dtype)
     kernels._bwd_dkdv_kernel[(_cdiv(p.max_k, block_n), p.n_seq * p.H_kv)](
-        query, key, value, grad_out, lam, lse1, lse2, delta1, delta2, p.mask, p.seq_arg, dkey, dvalue, dquery,
-        *strides, p.H, p.H_kv, p.N, p.L, p.qk_scale, p.scaling,
-        CAUSAL=p.causal, MASK_KIND=p.mask_kind, VARLEN=p.varlen, ATOMIC_DQ=atomic_dq, BLOCK_M=block_m,
-        BLOCK_N=block_n, HEAD_DIM=p.d, BLOCK_D=p.block_d, DOT_PREC=p.dot_precision,
-        num_warps=num_warps, num_stages=num_stages,
+        query,
+        key,
+        value,
+        grad_out,
+        lam,
+        lse1,
+        lse2,
+        delta1,
+        delta2,
+        p.mask,
+        p.seq_arg,
+        dkey,
+        dvalue,
+        dquery,
+        *strides,
+        p.H,
+        p.H_kv,
+        p.N,
+        p.L,
+        p.qk_scale,
+        p.scaling,
+        CAUSAL=p.causal,
+        MASK_KIND=p.mask_kind,
+        VARLEN=p.varlen,
+        ATOMIC_DQ=atomic_dq,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HEAD_DIM=p.d,
+        BLOCK_D=p.block_d,
+        DOT_PREC=p.dot_precision,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if atomic_dq:
         dquery = dquery.to(query.dtype)
     else:
         block_m, block_n, num_warps, num_stages = _config("bwd_dq", p.device, p.block_d, p.dtype)
         kernels._bwd_dq_kernel[(_cdiv(p.max_q, block_m), p.n_seq * p.H)](
-            query, key, value, grad_out, lam, lse1, lse2, delta1, delta2, p.mask, p.seq_arg, dquery,
-            *strides, p.H, p.H_kv, p.N, p.L, p.qk_scale, p.scaling,
-            CAUSAL=p.causal, MASK_KIND=p.mask_kind, VARLEN=p.varlen, BLOCK_M=block_m, BLOCK_N=block_n,
-            HEAD_DIM=p.d, BLOCK_D=p.block_d, DOT_PREC=p.dot_precision, num_warps=num_warps, num_stages=num_stages,
+            query,
+            key,
+            value,
+            grad_out,
+            lam,
+            lse1,
+            lse2,
+            delta1,
+            delta2,
+            p.mask,
+            p.seq_arg,
+            dquery,
+            *strides,
+            p.H,
+            p.H_kv,
+            p.N,
+            p.L,
+            p.qk_scale,
+            p.scaling,
+            CAUSAL=p.causal,
+            MASK_KIND=p.mask_kind,
+            VARLEN=p.varlen,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            HEAD_DIM=p.d,
+            BLOCK_D=p.block_d,
+            DOT_PREC=p.dot_precision,
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
     dlam = -delta2.sum()  # dλ = -Σ dO ∘ (A2 V)
     return dquery, dkey, dvalue, dlam
@@ -248,8 +379,7 @@ class _DifferentialAttentionV1(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, lam, out, o2, lse1, lse2 = ctx.saved_tensors
-        dq, dk, dv, dlam = _backward(ctx.problem, query, key, value, lam, out, o2, lse1, lse2, grad_out,
-                                     ctx.atomic_dq)
+        dq, dk, dv, dlam = _backward(ctx.problem, query, key, value, lam, out, o2, lse1, lse2, grad_out, ctx.atomic_dq)
         return dq, dk, dv, dlam.reshape(lam.shape), None, None, None, None
 
 
@@ -301,8 +431,10 @@ def differential_attention_v1(
     if not isinstance(lam, torch.Tensor):
         lam = torch.tensor(float(lam))
     if not triton_available():
-        raise RuntimeError("differential_attention_v1 needs triton (pip install triton); check "
-                           "diff_transformer.kernels.is_available() before calling it")
+        raise RuntimeError(
+            "differential_attention_v1 needs triton (pip install triton); check "
+            "diff_transformer.kernels.is_available() before calling it"
+        )
     _validate(query, key, value, lam, attention_mask, cu_seqlens, path)
     B, _, N, _ = query.shape
     L = key.shape[2]
@@ -315,8 +447,9 @@ def differential_attention_v1(
         if max_seqlen is None:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     # The kernels need unit column stride and int32 offsets inside one head's (rows, d) slice.
-    query, key, value = (t if t.stride(-1) == 1 and t.stride(2) * t.shape[2] < 2**31 else t.contiguous()
-                         for t in (query, key, value))
+    query, key, value = (
+        t if t.stride(-1) == 1 and t.stride(2) * t.shape[2] < 2**31 else t.contiguous() for t in (query, key, value)
+    )
     lam32 = lam.reshape(1).to(device=query.device, dtype=torch.float32)  # autograd carries dλ back to lam's dtype
     if path == "auto":
         path = select_path(N, query.shape[1] // 2, key.shape[1] // 2, packed=cu_seqlens is not None)
@@ -334,12 +467,16 @@ def _validate(query, key, value, lam, attention_mask, cu_seqlens, path):
         raise ValueError(f"differential_attention_v1: {message}")
 
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        fail(f"query, key and value must be 4-D (B, 2H, N, d), (B, 2H_kv, L, d), (B, 2H_kv, L, d); got "
-             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+        fail(
+            f"query, key and value must be 4-D (B, 2H, N, d), (B, 2H_kv, L, d), (B, 2H_kv, L, d); got "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
     B, H2, N, d = query.shape
     if key.shape != value.shape:
-        fail(f"value must have key's shape (B, 2H_kv, L, d): its two d-wide halves as 2 H_kv heads; got key "
-             f"{tuple(key.shape)}, value {tuple(value.shape)}")
+        fail(
+            f"value must have key's shape (B, 2H_kv, L, d): its two d-wide halves as 2 H_kv heads; got key "
+            f"{tuple(key.shape)}, value {tuple(value.shape)}"
+        )
     if key.shape[0] != B or key.shape[3] != d:
         fail(f"key must be (B={B}, 2H_kv, L, d={d}); got {tuple(key.shape)}")
     if H2 % 2 or key.shape[1] % 2:
@@ -369,10 +506,17 @@ def _validate(query, key, value, lam, attention_mask, cu_seqlens, path):
         if cu_seqlens is not None:
             fail("pass either attention_mask or cu_seqlens (packed sequences need no mask), not both")
         m = attention_mask
-        if m.dim() != 4 or m.shape[0] not in (1, B) or m.shape[1] not in (1, H) or m.shape[2] != N \
-                or m.shape[3] < key.shape[2]:
-            fail(f"attention_mask must be (B or 1, 1 or H, N, >= L) = ({B}, 1, {N}, {key.shape[2]}); "
-                 f"got {tuple(m.shape)}")
+        if (
+            m.dim() != 4
+            or m.shape[0] not in (1, B)
+            or m.shape[1] not in (1, H)
+            or m.shape[2] != N
+            or m.shape[3] < key.shape[2]
+        ):
+            fail(
+                f"attention_mask must be (B or 1, 1 or H, N, >= L) = ({B}, 1, {N}, {key.shape[2]}); "
+                f"got {tuple(m.shape)}"
+            )
         if m.device != query.device:
             fail(f"attention_mask is on {m.device}, the inputs on {query.device}")
     if cu_seqlens is not None:
@@ -383,5 +527,7 @@ def _validate(query, key, value, lam, attention_mask, cu_seqlens, path):
         if path == "decode":
             fail("path='decode' does not take cu_seqlens; use 'auto' or 'prefill'")
     if path == "decode" and (H // H_kv) * N > 2 * _DECODE_MAX_ROWS:
-        fail(f"path='decode' runs at most {2 * _DECODE_MAX_ROWS} query rows per KV group ((H / H_kv)·N = "
-             f"{(H // H_kv) * N}); use 'auto' or 'prefill'")
+        fail(
+            f"path='decode' runs at most {2 * _DECODE_MAX_ROWS} query rows per KV group ((H / H_kv)·N = "
+            f"{(H // H_kv) * N}); use 'auto' or 'prefill'"
+        )

@@ -6,27 +6,52 @@ import argparse
 import logging
 
 
-SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup", "cosine_with_min_lr", "inverse_sqrt", "polynomial")
+SCHEDULERS = (
+    "cosine",
+    "linear",
+    "constant",
+    "constant_with_warmup",
+    "cosine_with_min_lr",
+    "inverse_sqrt",
+    "polynomial",
+)
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p = parser
-    p.add_argument("model", help="Diff checkpoint directory or Hub id (convert a Llama first: diff-transformer convert)")
-    p.add_argument("--data", nargs="+", required=True, metavar="FILE", help="training text: .txt files (one document each) or .jsonl")
+    p.add_argument(
+        "model", help="Diff checkpoint directory or Hub id (convert a Llama first: diff-transformer convert)"
+    )
+    p.add_argument(
+        "--data",
+        nargs="+",
+        required=True,
+        metavar="FILE",
+        help="training text: .txt files (one document each) or .jsonl",
+    )
     p.add_argument("--output", required=True, help="directory for checkpoints, TensorBoard logs and the final model")
     p.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
 
     data = p.add_argument_group("data")
     data.add_argument("--eval-data", nargs="+", metavar="FILE", help="held-out files (default: a split of --data)")
-    data.add_argument("--eval-fraction", type=float, default=0.05, help="share of --data blocks held out when no --eval-data; 0 = no eval")
-    data.add_argument("--block-size", type=int, default=None, help="tokens per training block (default: min(1024, context length))")
+    data.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=0.05,
+        help="share of --data blocks held out when no --eval-data; 0 = no eval",
+    )
+    data.add_argument(
+        "--block-size", type=int, default=None, help="tokens per training block (default: min(1024, context length))"
+    )
     data.add_argument("--no-bos", action="store_true", help="do not start every block with the tokenizer's bos token")
 
     opt = p.add_argument_group("optimisation")
     opt.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default: 1e-4)")
     opt.add_argument("--lr-scheduler", choices=SCHEDULERS, default="cosine")
     opt.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps")
-    opt.add_argument("--warmup-ratio", type=float, default=None, help="warm-up as a share of all steps (instead of --warmup-steps)")
+    opt.add_argument(
+        "--warmup-ratio", type=float, default=None, help="warm-up as a share of all steps (instead of --warmup-steps)"
+    )
     opt.add_argument("--weight-decay", type=float, default=0.0)
     opt.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping; 0 = off")
     opt.add_argument("--batch-size", type=int, default=8, help="blocks per device per micro-batch")
@@ -44,18 +69,31 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
 
     run = p.add_argument_group("precision and memory")
-    run.add_argument("--bf16", choices=("auto", "on", "off"), default="auto", help="bf16 autocast (auto: on where CUDA supports bf16)")
+    run.add_argument(
+        "--bf16",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="bf16 autocast (auto: on where CUDA supports bf16)",
+    )
     run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of the loaded weights")
     run.add_argument("--gradient-checkpointing", action="store_true")
-    run.add_argument("--attn-implementation", default=None, help="eager, sdpa, flash_attention_2, ... (default: transformers' choice)")
+    run.add_argument(
+        "--attn-implementation",
+        default=None,
+        help="eager, sdpa, flash_attention_2, ... (default: transformers' choice)",
+    )
 
     log = p.add_argument_group("evaluation, logging, checkpoints")
     log.add_argument("--eval-steps", type=int, default=None, help="evaluate every N steps (default: only at the end)")
-    log.add_argument("--eval-on-start", action="store_true", help="also evaluate before the first step (step-0 perplexity)")
+    log.add_argument(
+        "--eval-on-start", action="store_true", help="also evaluate before the first step (step-0 perplexity)"
+    )
     log.add_argument("--logging-steps", type=int, default=10, help="log loss, lr and λ every N steps")
     log.add_argument("--save-steps", type=int, default=500, help="write a checkpoint every N steps")
     log.add_argument("--save-total-limit", type=int, default=None, help="keep at most N checkpoints")
-    log.add_argument("--report-to", nargs="+", default=["tensorboard"], help="tensorboard (default, in OUTPUT/runs), none, ...")
+    log.add_argument(
+        "--report-to", nargs="+", default=["tensorboard"], help="tensorboard (default, in OUTPUT/runs), none, ..."
+    )
     log.add_argument("--quiet", action="store_true", help="no progress bars")
     log.add_argument(
         "--resume",
@@ -65,22 +103,38 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         metavar="CHECKPOINT",
         help="resume exactly from CHECKPOINT, or (no value / auto) from the last checkpoint in OUTPUT",
     )
-    log.add_argument("--overwrite", action="store_true", help="start over although OUTPUT holds checkpoints (they are deleted)")
-    log.add_argument("--any-model", action="store_true", help="allow a non-Diff MODEL (e.g. the source Llama, as a baseline)")
+    log.add_argument(
+        "--overwrite", action="store_true", help="start over although OUTPUT holds checkpoints (they are deleted)"
+    )
+    log.add_argument(
+        "--any-model", action="store_true", help="allow a non-Diff MODEL (e.g. the source Llama, as a baseline)"
+    )
 
     lora = p.add_argument_group("LoRA (PEFT)")
-    lora.add_argument("--lora", action="store_true", help="train LoRA adapters instead of all weights; saves the adapter")
+    lora.add_argument(
+        "--lora", action="store_true", help="train LoRA adapters instead of all weights; saves the adapter"
+    )
     lora.add_argument("--lora-r", type=int, default=8)
     lora.add_argument("--lora-alpha", type=int, default=16)
     lora.add_argument("--lora-dropout", type=float, default=0.05)
-    lora.add_argument("--lora-target-modules", nargs="+", default=None, help="default: PEFT's default for the model type")
-    lora.add_argument("--lora-freeze-lambda", action="store_true", help="do not train λ (default: diff_lambda is in modules_to_save)")
-    lora.add_argument("--load-in-4bit", action="store_true", help="QLoRA: load the base model in 4-bit NF4 (bitsandbytes; CUDA or CPU)")
+    lora.add_argument(
+        "--lora-target-modules", nargs="+", default=None, help="default: PEFT's default for the model type"
+    )
+    lora.add_argument(
+        "--lora-freeze-lambda", action="store_true", help="do not train λ (default: diff_lambda is in modules_to_save)"
+    )
+    lora.add_argument(
+        "--load-in-4bit",
+        action="store_true",
+        help="QLoRA: load the base model in 4-bit NF4 (bitsandbytes; CUDA or CPU)",
+    )
     return p
 
 
 def parse_train_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="diff-transformer train", description="Continued pretraining of a Diff model.")
+    parser = argparse.ArgumentParser(
+        prog="diff-transformer train", description="Continued pretraining of a Diff model."
+    )
     return add_train_arguments(parser).parse_args(argv)
 
 

@@ -89,7 +89,11 @@ class LambdaLoggingCallback(TrainerCallback):
         values = self.values(device=args.device)
         logs.update(values)
         # Trainer appended a copy of `logs` to log_history just before calling on_log.
-        if state.log_history and state.log_history[-1].get("step") == state.global_step and "loss" in state.log_history[-1]:
+        if (
+            state.log_history
+            and state.log_history[-1].get("step") == state.global_step
+            and "loss" in state.log_history[-1]
+        ):
             state.log_history[-1].update(values)
 
     def remove(self):

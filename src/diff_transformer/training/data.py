@@ -53,9 +53,13 @@ def read_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
         try:
             record = json.loads(line)
         except (json.JSONDecodeError, RecursionError) as error:
-            raise TrainingError(f"{path}:{number}: not valid JSON ({getattr(error, 'msg', 'nested too deeply')})") from None
+            raise TrainingError(
+                f"{path}:{number}: not valid JSON ({getattr(error, 'msg', 'nested too deeply')})"
+            ) from None
         if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-            raise TrainingError(f"{path}:{number}: no string field {text_field!r} (choose the field with --text-field)")
+            raise TrainingError(
+                f"{path}:{number}: no string field {text_field!r} (choose the field with --text-field)"
+            )
         yield record[text_field]
 
 

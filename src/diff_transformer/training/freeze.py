@@ -61,7 +61,9 @@ class DiffOnlyCallback(TrainerCallback):
         self.steps = steps
         differential_parameters(model)  # refuses a non-Diff model now, not when training starts
         self.frozen: list[torch.nn.Parameter] = []
-        self.partial: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] = []  # (param, old-row mask, old rows)
+        self.partial: list[
+            tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]
+        ] = []  # (param, old-row mask, old rows)
         self.hooks = []
 
     @property
@@ -79,8 +81,14 @@ class DiffOnlyCallback(TrainerCallback):
             elif new[name] is not None:
                 old = ~new[name]
                 self.partial.append((param, old, param.detach()[old].clone()))
-                self.hooks.append(param.register_hook(lambda grad, old=old: grad.masked_fill(old.view(-1, *[1] * (grad.dim() - 1)), 0)))
-        trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad) - sum(int(m.sum()) * p[0].numel() for p, m, _ in self.partial)
+                self.hooks.append(
+                    param.register_hook(
+                        lambda grad, old=old: grad.masked_fill(old.view(-1, *[1] * (grad.dim() - 1)), 0)
+                    )
+                )
+        trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad) - sum(
+            int(m.sum()) * p[0].numel() for p, m, _ in self.partial
+        )
         logger.info(f"--diff-only-steps: training {trained:,} differential parameters until step {self.steps}")
 
     def unfreeze(self):

@@ -45,7 +45,9 @@ class CausalLMTrainer(Trainer):
     The eval loss is already the mean NLL over every predicted token: all blocks have the same length and no padding,
     and Trainer weights each batch's mean loss by its number of blocks."""
 
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ):
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         loss = output.metrics.get(f"{metric_key_prefix}_loss")
         if loss is not None:
@@ -70,13 +72,16 @@ def resolve_resume(args, block_size: int) -> str | None:
     if args.resume is None:
         if _checkpoints(output) and not args.overwrite:
             raise TrainingError(
-                f"{output} already holds checkpoints: pass --resume to continue from the last one, or --overwrite to start over"
+                f"{output} already holds checkpoints: "
+                "pass --resume to continue from the last one, or --overwrite to start over"
             )
         return None
     if args.resume == "auto":
         last = get_last_checkpoint(str(output)) if output.is_dir() else None
         if last is None:
-            raise TrainingError(f"--resume: no {PREFIX_CHECKPOINT_DIR}-N directory in {output}; run without --resume first")
+            raise TrainingError(
+                f"--resume: no {PREFIX_CHECKPOINT_DIR}-N directory in {output}; run without --resume first"
+            )
         checkpoint = Path(last)
     else:
         checkpoint = Path(args.resume)
@@ -86,7 +91,8 @@ def resolve_resume(args, block_size: int) -> str | None:
     settings = state.get("stateful_callbacks", {}).get(RunSettingsCallback.__name__, {}).get("args", {})
     if settings.get("block_size", block_size) != block_size:
         raise TrainingError(
-            f"--resume {checkpoint}: that run packed blocks of {settings['block_size']} tokens, not {block_size}: pass "
+            f"--resume {checkpoint}: that run packed blocks of {settings['block_size']} tokens, "
+            f"not {block_size}: pass "
             f"--block-size {settings['block_size']} to continue it, or start a new run in another --output"
         )
     if settings.get("bos", not args.no_bos) != (not args.no_bos):
@@ -107,7 +113,9 @@ def _checkpoint_state(checkpoint: Path) -> dict:
 
     def incomplete(reason: str):
         if _step(checkpoint) < 0:  # not a checkpoint-N directory: maybe the user's own, never advise deleting it
-            return TrainingError(f"--resume {checkpoint}: not a Trainer checkpoint ({reason}): pass a checkpoint-N directory")
+            return TrainingError(
+                f"--resume {checkpoint}: not a Trainer checkpoint ({reason}): pass a checkpoint-N directory"
+            )
         earlier = [c for c in _checkpoints(checkpoint.parent) if 0 <= _step(c) < _step(checkpoint) and _complete(c)]
         hint = f"resume from {max(earlier, key=_step)} (--resume PATH)" if earlier else "start over with --overwrite"
         return TrainingError(f"--resume: {checkpoint} is incomplete ({reason}): delete it, or {hint}")
@@ -166,7 +174,8 @@ def load_config(args):
     if config.model_type != "diff" and not args.any_model:
         raise TrainingError(
             f"{args.model} is a {config.model_type!r} checkpoint, not a Diff model: convert it first "
-            f"(diff-transformer convert {args.model} OUT), or pass --any-model to train it as it is (e.g. as a baseline)"
+            f"(diff-transformer convert {args.model} OUT), "
+            "or pass --any-model to train it as it is (e.g. as a baseline)"
         )
     return config
 
@@ -179,7 +188,9 @@ def check_output(args) -> Path:
     """--output must not be the model (or overlap it), a file, or a model that is no training run (the final save
     would overwrite it) unless --overwrite."""
     _, local = resolve_model(args.model, error=TrainingError)
-    output = check_target(args.output, name="--output", sources={"MODEL": local} if local else None, error=TrainingError)
+    output = check_target(
+        args.output, name="--output", sources={"MODEL": local} if local else None, error=TrainingError
+    )
     if os.path.lexists(output) and not output.is_dir():
         raise TrainingError(f"--output {args.output} is a file: pass a directory (it is created if missing)")
     if output.is_dir() and not args.overwrite and not _checkpoints(output):
@@ -196,7 +207,9 @@ def check_output(args) -> Path:
 def check_args(args, config) -> int:
     """Validate the options that do not need the data; returns the block size."""
     context = getattr(config, "max_position_embeddings", None)
-    block_size = args.block_size if args.block_size is not None else min(DEFAULT_BLOCK_SIZE, context or DEFAULT_BLOCK_SIZE)
+    block_size = (
+        args.block_size if args.block_size is not None else min(DEFAULT_BLOCK_SIZE, context or DEFAULT_BLOCK_SIZE)
+    )
     if block_size < 2:
         raise TrainingError(f"--block-size {block_size} must be at least 2")
     if context is not None and block_size > context:
@@ -248,7 +261,10 @@ def load_model(args, training_args):
 
         compute = torch.bfloat16 if training_args.bf16 else torch.float32
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute, bnb_4bit_use_double_quant=True
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=compute,
+            bnb_4bit_use_double_quant=True,
         )
         kwargs["device_map"] = {"": training_args.device}
     model = load_causal_lm(args.model, error=TrainingError, **kwargs)
