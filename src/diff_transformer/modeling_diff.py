@@ -28,7 +28,7 @@ from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -42,6 +42,15 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_diff import DiffConfig
+
+
+try:
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # transformers < 5.23 (vLLM's pins): the int / 1-D forms `generate` and Llama use
+
+    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        positions = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return hidden_states[:, positions, :]
 
 
 try:  # `transformers.initialization` respects `_is_hf_initialized`, so loaded weights are never overwritten.
