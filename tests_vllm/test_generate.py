@@ -1,9 +1,7 @@
 """vLLM's greedy tokens equal `DiffForCausalLM.generate`'s, for V1 and V2, one process and tensor parallel 2."""
 
 import pytest
-
-from conftest import reference_greedy, run_vllm_generate
-
+from vllm_helpers import reference_greedy, run_vllm_generate
 
 MODELS = ["v1-random", "v2-random", "tiny-llama-v2", "tiny-llama-v1"]
 

