@@ -18,6 +18,7 @@ Imports vLLM: only `vllm_plugin.register` touches this module, by name, so impor
 """
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -247,7 +248,10 @@ class DiffModel(nn.Module):
 class DiffForCausalLM(nn.Module):
     """vLLM's `DiffForCausalLM` (architecture name of `diff_transformer.DiffForCausalLM` checkpoints)."""
 
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
