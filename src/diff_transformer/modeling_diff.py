@@ -34,7 +34,7 @@ from transformers.modeling_layers import (
     GradientCheckpointingLayer,
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -68,6 +68,15 @@ def _fused_kernels():
 def fused_kernel_available(device: torch.device) -> bool:
     kernels = _fused_kernels()
     return kernels is not None and kernels.is_available(device)
+
+
+try:
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # transformers < 5.23 (vLLM's pins): the int / 1-D forms `generate` and Llama use
+
+    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        positions = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return hidden_states[:, positions, :]
 
 
 # `transformers.initialization` respects `_is_hf_initialized`, so loaded weights are never overwritten (guarded by

@@ -1,0 +1,286 @@
+"""Diff Transformer V1 and V2 as vLLM models, built from vLLM's own layers (see `vllm_plugin` for registration).
+
+Reads the checkpoints `DiffForCausalLM.save_pretrained` and the converter write, with the same tensor names. The
+layout of q/k/v rows is head-major (see `modeling_diff.py`), so vLLM's `QKVParallelLinear` splits them over
+tensor-parallel ranks into whole differential heads:
+
+* V2: q_proj holds 2H query heads of size d (heads 2h and 2h+1 form differential head h), k/v_proj H_kv heads of
+  size d: exactly a Llama with 2H heads. One attention call; head h outputs `a_2h - sigmoid(W_λ x)_h a_2h+1`.
+* V1: q_proj holds, per differential head, [q1 | q2] (2d rows); k_proj per group [k1 | k2]; v_proj per group the
+  2d-wide value [first half | second half]. The KV cache stores one head of size 2d per group for K ([k1 | k2]) and
+  for V: the bytes of a Llama with 2 H_kv heads of size d. The two maps of head h become two query heads of size
+  2d, [q1 | 0] and [0 | q2], so `q·k` is `q1·k1` or `q2·k2`, and ONE stock attention call (scale 1/√d) returns
+  `A1 v` and `A2 v` with the whole 2d-wide v for both maps. Cost: half of each query is zeros, so QKᵀ does twice
+  the multiply-adds of the d-wide product (AV is 2d wide for both maps whatever the design), and the backend must
+  support head size 2d.
+
+Imports vLLM: only `vllm_plugin.register` touches this module, by name, so importing `diff_transformer` never does.
+"""
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+from torch import nn
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
+
+from .configuration_diff import DiffConfig
+
+
+def _check_tensor_parallel(config: DiffConfig, tp_size: int) -> None:
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} does not divide num_attention_heads={heads}: a differential head "
+            "(its query pair and λ) cannot be split over ranks. Pick a tensor_parallel_size that divides it."
+        )
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} and num_key_value_heads={kv_heads}: one must divide the other so that "
+            "key/value groups are split or replicated whole. Pick another tensor_parallel_size."
+        )
+
+
+class DiffMLP(nn.Module):
+    def __init__(self, config: DiffConfig, quant_config, prefix: str):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported by the vLLM model: only 'silu' is.")
+        bias = config.mlp_bias
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=bias, quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj",
+        )  # fmt: skip
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, bias=bias, quant_config=quant_config,
+            prefix=f"{prefix}.down_proj",
+        )  # fmt: skip
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, _ = self.gate_up_proj(x)
+        x, _ = self.down_proj(self.act_fn(x))
+        return x
+
+
+class DiffLambdaV1(nn.Module):
+    """λ = exp(λq1·λk1) - exp(λq2·λk2) + λ_init: one fp32 scalar per layer, replicated on every rank."""
+
+    def __init__(self, head_dim: int, lambda_init: float):
+        super().__init__()
+        self.lambda_init = lambda_init
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            setattr(self, name, nn.Parameter(torch.zeros(head_dim, dtype=torch.float32), requires_grad=False))
+
+    def forward(self) -> torch.Tensor:
+        lambda_1 = torch.exp(torch.sum(self.lambda_q1.float() * self.lambda_k1.float()))
+        lambda_2 = torch.exp(torch.sum(self.lambda_q2.float() * self.lambda_k2.float()))
+        return lambda_1 - lambda_2 + self.lambda_init  # () fp32
+
+
+class DiffLambdaV2(nn.Module):
+    """λ = sigmoid(W_λ x), one value per token and differential head; W_λ's rows are split with the heads (TP)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, prefix: str):
+        super().__init__()
+        # Kept in fp32 and never quantized, as in the transformers model (`_keep_in_fp32_modules`).
+        self.proj = ColumnParallelLinear(
+            hidden_size, num_heads, bias=False, params_dtype=torch.float32, prefix=f"{prefix}.proj"
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        gate, _ = self.proj(hidden_states.float())
+        return torch.sigmoid(gate)  # (T, H_local) fp32
+
+
+class DiffAttention(nn.Module):
+    def __init__(self, config: DiffConfig, layer_idx: int, cache_config, quant_config, prefix: str):
+        super().__init__()
+        tp_size = get_tensor_model_parallel_world_size()
+        _check_tensor_parallel(config, tp_size)
+        self.version = config.diff_version
+        H, H_kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.head_dim = d
+        self.num_heads = H // tp_size  # differential heads on this rank
+        self.num_kv_heads = max(1, H_kv // tp_size)
+        bias = config.attention_bias
+
+        # V1 groups each head's [q1 | q2] (and each group's [k1 | k2], [v halves]) as one 2d-wide "head", V2 has
+        # 2H query heads of size d: either way the rows of one projection head are contiguous in the checkpoint.
+        if self.version == 1:
+            proj_head, proj_heads, self.attn_head = 2 * d, H, 2 * d
+        else:
+            proj_head, proj_heads, self.attn_head = d, 2 * H, d
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, proj_head, proj_heads, H_kv, bias=bias, quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
+        )  # fmt: skip
+        self.q_size = self.num_heads * 2 * d
+        self.kv_size = self.num_kv_heads * (2 * d if self.version == 1 else d)
+        o_in = H * (2 * d if self.version == 1 else d)
+        self.o_proj = RowParallelLinear(o_in, config.hidden_size, bias=bias, quant_config=quant_config,
+                                        prefix=f"{prefix}.o_proj")  # fmt: skip
+
+        # Every sub-head (q1, q2, k1, k2, V2's heads) is rotated on its own d dimensions, as in the transformers model.
+        self.rotary_emb = get_rope(
+            d, max_position=config.max_position_embeddings, is_neox_style=True,
+            rope_parameters=getattr(config, "rope_parameters", None),
+        )  # fmt: skip
+        self.attn = Attention(
+            2 * self.num_heads, self.attn_head, d**-0.5, num_kv_heads=self.num_kv_heads, cache_config=cache_config,
+            quant_config=quant_config, prefix=f"{prefix}.attn",
+        )  # fmt: skip
+
+        if self.version == 1:
+            self.lambda_init = config.lambda_init_for_layer(layer_idx)
+            self.diff_lambda = DiffLambdaV1(d, self.lambda_init)
+            self.subln = RMSNorm(2 * d, eps=config.rms_norm_eps)
+        else:
+            self.diff_lambda = DiffLambdaV2(config.hidden_size, H, prefix=f"{prefix}.diff_lambda")
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        T, d, H = hidden_states.shape[0], self.head_dim, self.num_heads
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)  # d-wide sub-heads: (T, 2H*d), (T, 2H_kv*d) or (T, H_kv*d)
+
+        if self.version == 2:
+            out = self.attn(q, k, v).view(T, H, 2, d)  # (T, H, 2, d): query heads (2h, 2h+1)
+            lam = self.diff_lambda(hidden_states).unsqueeze(-1).to(out.dtype)  # (T, H, 1)
+            out = out[:, :, 0] - lam * out[:, :, 1]  # (T, H, d)
+        else:
+            q = q.view(T, H, 2, d)  # (T, H, 2, d): [q1 | q2] of every head
+            zeros = torch.zeros_like(q[:, :, 0])
+            q = torch.stack(
+                (torch.cat((q[:, :, 0], zeros), dim=-1), torch.cat((zeros, q[:, :, 1]), dim=-1)), dim=2
+            )  # (T, H, 2, 2d): [q1 | 0], [0 | q2] against keys [k1 | k2]
+            out = self.attn(q.reshape(T, H * 2 * 2 * d), k, v).view(T, H, 2, 2 * d)  # (T, H, 2, 2d): A1 v, A2 v
+            lam = self.diff_lambda().to(out.dtype)
+            out = out[:, :, 0] - lam * out[:, :, 1]  # (T, H, 2d)
+            out = self.subln(out.reshape(T * H, 2 * d)) * (1.0 - self.lambda_init)  # (T*H, 2d)
+        out, _ = self.o_proj(out.reshape(T, -1))
+        return out
+
+
+class DiffDecoderLayer(nn.Module):
+    def __init__(self, config: DiffConfig, layer_idx: int, cache_config, quant_config, prefix: str):
+        super().__init__()
+        self.self_attn = DiffAttention(config, layer_idx, cache_config, quant_config, prefix=f"{prefix}.self_attn")
+        self.mlp = DiffMLP(config, quant_config, prefix=f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)  # fused add + norm
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+@support_torch_compile
+class DiffModel(nn.Module):
+    # Llama's per-projection tensors load into vLLM's fused qkv_proj / gate_up_proj as shards.
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_stacked={
+            ".q_proj": (".qkv_proj", "q"),
+            ".k_proj": (".qkv_proj", "k"),
+            ".v_proj": (".qkv_proj", "v"),
+            ".gate_proj": (".gate_up_proj", 0),
+            ".up_proj": (".gate_up_proj", 1),
+        }
+    )
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DiffDecoderLayer(
+                config, i, vllm_config.cache_config, vllm_config.quant_config, prefix=f"{prefix}.layers.{i}"
+            )
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
+
+
+class DiffForCausalLM(nn.Module):
+    """vLLM's `DiffForCausalLM` (architecture name of `diff_transformer.DiffForCausalLM` checkpoints)."""
+
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.model = DiffModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config,
+            prefix=maybe_prefix(prefix, "lm_head"),
+        )  # fmt: skip
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        # Tied embeddings: lm_head.weight is embed_tokens.weight, and the loader writes a shared tensor only once.
+        return AutoWeightsLoader(self).load_weights(weights)
