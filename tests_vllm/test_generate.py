@@ -3,6 +3,7 @@
 import pytest
 from vllm_helpers import reference_greedy, run_vllm_generate
 
+
 MODELS = ["v1-random", "v2-random", "tiny-llama-v2", "tiny-llama-v1"]
 
 

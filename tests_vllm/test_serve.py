@@ -1,4 +1,5 @@
-"""`vllm serve` on loopback answers /v1/chat/completions with the transformers model's greedy text, 8 requests at once."""
+"""`vllm serve` on loopback answers /v1/chat/completions with the transformers model's greedy text, 8 requests at
+once."""
 
 import json
 import os
@@ -17,6 +18,7 @@ from transformers import AutoTokenizer
 from vllm_helpers import HERE, vllm_env
 
 from diff_transformer import DiffForCausalLM
+
 
 MAX_TOKENS = 24
 QUESTIONS = [

