@@ -31,6 +31,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+
 TINY_LLAMA = Path(__file__).resolve().parent.parent / "src" / "diff_transformer" / "assets" / "tiny-llama"
 QUESTIONS = [
     "Who is Mr. Darcy?", "Tell me a story.", "What did Emma say?", "Where is Pemberley?", "Who is Lily?",
