@@ -446,5 +446,18 @@ def main(argv=None) -> int:
         return 2
 
 
+def run_as_process(argv=None) -> int:
+    """The console command: `main`, then, under torchrun, the ranks leave together and the process group's threads
+    are joined before the interpreter exits (otherwise a rank could abort at exit now and then: "terminate called
+    without an active exception"). `main` itself leaves the process group alone, for scripts that call it."""
+    status = main(argv)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return status
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_as_process())

@@ -426,11 +426,6 @@ def run(args) -> int:
         if metrics:
             line += f"; held-out loss {metrics['eval_loss']:.4f}, perplexity {metrics['eval_perplexity']:.3f}"
         print(line + f"\nsaved to {args.output}", flush=True)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # Under torchrun: the ranks leave together and the process group's threads are joined before the interpreter
-        # exits (otherwise a rank could abort at exit: "terminate called without an active exception").
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
     return 0
 
 
