@@ -1,0 +1,555 @@
+"""Multi-needle retrieval at toy scale: a Llama, Diff V1 and Diff V2 trained from scratch on the same data.
+
+    python examples/multi_needle.py --output runs/multi_needle                  # ~15 min per model on 2 idle cores
+    python examples/multi_needle.py --output /tmp/mn --steps 40 --eval-per-cell 4  # a quick look (~3 min)
+
+The task follows the paper's multi-needle test (Diff Transformer, §3.3, Table 2): N needles "the magic number of
+CITY is NUMBER ." are hidden at random depths in a haystack of Jane Austen's prose (data/corpus.txt), and the model is
+asked for R of them at the end: "what is the magic number of CITY ? NUMBER ." Toy-scale choices, all ours:
+
+- a word-level vocabulary (the corpus's most frequent lowercased words, `<unk>` for the rest, plus 64 cities and the
+  numbers 10..99 as single tokens), so an answer is one token and accuracy is the argmax at the "?" position;
+- training asks for every needle of a sequence (N uniform in 1..6), in random order, and the loss is the
+  cross-entropy on the answer tokens only: the haystack is not modelled, as in a retrieval fine-tune;
+- three models of equal parameter count: Llama with H heads of size d; V1 with H/2 differential heads of the same d
+  (the paper's matching: the same parameters as the Llama plus 6d per layer); V2 with H differential heads of d (2H
+  query heads over the Llama's K/V, as V2 specifies) and a narrower MLP to pay for its second query and W_λ;
+- the same seeded data stream, steps, batch, learning-rate schedule and initialisation seed for all three.
+
+Evaluation, on held-out haystack (data/heldout.txt) and fresh needles: accuracy for (N, R) = (1, 1), (2, 2), (4, 2),
+(6, 2) as in the paper's Table 2, with the first queried needle at depths 0, 0.25, 0.5, 0.75, 1 of the haystack and
+the others at random depths; and attention at the first "?" position with `diff_transformer.analysis`:
+"answer" = the signed weight on the queried needle's 8 tokens over the row's total |weight|, "noise" = the |weight| on
+every other token over the same total (docs/multi_needle.md gives the definitions and how they are aggregated).
+
+Writes to --output: results.json (every figure, the training curves, the configs), accuracy.png, attention.png,
+maps.png (one head of each model on one example) and models/<name>-seed<k>/ (save_pretrained + the word-level
+tokenizer, so `diff-transformer inspect` works on them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from diff_transformer import DiffConfig, DiffForCausalLM
+from diff_transformer.analysis import attention_maps, layer_metrics
+
+
+REPO = Path(__file__).resolve().parent.parent
+SPECIALS = ["<s>", "</s>", "<pad>", "<unk>"]
+NEEDLE_WORDS = ["the", "magic", "number", "of", "is", "what", "?", "."]
+CITIES = (
+    "amsterdam athens auckland bangkok barcelona beijing berlin bogota boston brussels budapest cairo chicago "
+    "copenhagen dakar delhi denver dubai dublin geneva hanoi havana helsinki istanbul jakarta karachi kyoto lagos "
+    "lima lisbon madrid manila melbourne miami milan montreal moscow mumbai munich nairobi naples osaka oslo "
+    "ottawa prague quito riga rome santiago seattle seoul shanghai singapore stockholm sydney taipei tehran tokyo "
+    "toronto tunis valencia vienna warsaw zurich"
+).split()
+NUMBERS = [str(n) for n in range(10, 100)]
+NEEDLE_LEN = 8  # the magic number of CITY is NUMBER .
+QUERY_LEN = 10  # what is the magic number of CITY ? NUMBER .
+EVAL_CELLS = [(1, 1), (2, 2), (4, 2), (6, 2)]  # (N needles, R retrieved): the paper's Table 2
+DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
+WORD = re.compile(r"[a-z]+|[^\sa-z]")
+
+
+# ---- Data ----
+
+
+def words(path: Path) -> list[str]:
+    return WORD.findall(path.read_text(encoding="utf-8").lower())
+
+
+def build_tokenizer(corpus: list[str], size: int) -> PreTrainedTokenizerFast:
+    """Word-level: specials, the needle's words, cities, numbers, then the corpus's most frequent other words."""
+    fixed = SPECIALS + NEEDLE_WORDS + CITIES + NUMBERS
+    taken = set(fixed)
+    frequent = [w for w, _ in collections.Counter(corpus).most_common() if w not in taken]
+    vocab = {w: i for i, w in enumerate(fixed + frequent[: size - len(fixed)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+class NeedleTask:
+    """Draws sequences [<s>] haystack-with-needles queries; knows where each answer and needle sits."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, haystack: list[str], length: int):
+        vocab = tokenizer.get_vocab()
+        unk = vocab["<unk>"]
+        self.haystack = np.array([vocab.get(w, unk) for w in haystack], dtype=np.int64)
+        self.bos = vocab["<s>"]
+        self.the, self.magic, self.number, self.of, self.is_, self.what, self.question, self.dot = (
+            vocab[w] for w in NEEDLE_WORDS
+        )
+        self.cities = np.array([vocab[c] for c in CITIES])
+        self.numbers = np.array([vocab[n] for n in NUMBERS])
+        self.length = length
+
+    def needle(self, city: int, number: int) -> list[int]:
+        return [self.the, self.magic, self.number, self.of, city, self.is_, number, self.dot]
+
+    def query(self, city: int, number: int) -> list[int]:
+        return [self.what, self.is_, self.the, self.magic, self.number, self.of, city, self.question, number, self.dot]
+
+    def sample(self, rng, n_needles: int, n_queries: int, first_depth: float | None = None, length: int | None = None):
+        """One sequence of exactly `length` tokens (default: `self.length`). The first queried needle goes at
+        `first_depth` (a fraction of the haystack) when given; every other needle at a random depth. Returns
+        (ids, answers, needle_starts): answers are (position of "?", answer token) in query order, needle_starts where
+        the queried needles begin, same order."""
+        length = length or self.length
+        hay_len = length - 1 - NEEDLE_LEN * n_needles - QUERY_LEN * n_queries
+        start = rng.integers(0, len(self.haystack) - hay_len)
+        hay = self.haystack[start : start + hay_len].tolist()
+        cities = rng.choice(self.cities, size=n_needles, replace=False)
+        numbers = rng.choice(self.numbers, size=n_needles)
+        asked = rng.permutation(n_needles)[:n_queries]
+        cuts = rng.integers(0, hay_len + 1, size=n_needles)
+        if first_depth is not None:
+            cuts[asked[0]] = round(first_depth * hay_len)
+        order = np.argsort(cuts, kind="stable")
+        ids, starts, previous = [self.bos], {}, 0
+        for k in order:
+            ids += hay[previous : cuts[k]]
+            starts[k] = len(ids)
+            ids += self.needle(cities[k], numbers[k])
+            previous = cuts[k]
+        ids += hay[previous:]
+        answers = []
+        for k in asked:
+            q = self.query(cities[k], numbers[k])
+            answers.append((len(ids) + q.index(self.question), int(numbers[k])))
+            ids += q
+        assert len(ids) == length
+        return ids, answers, [starts[k] for k in asked]
+
+    def training_batch(self, rng: np.random.Generator, batch: int, max_needles: int, min_length: int):
+        """(B, L) ids and (B, L) labels, -100 except at the answer positions (labels[i, t] = token at t + 1).
+        L is drawn per batch, uniform in [min_length, self.length]: short haystacks early in training let a model
+        find the retrieval circuit sooner, long ones teach it to ignore more text."""
+        length = int(rng.integers(min_length, self.length + 1))
+        ids = torch.empty(batch, length, dtype=torch.long)
+        labels = torch.full((batch, length), -100, dtype=torch.long)
+        for b in range(batch):
+            n = int(rng.integers(1, max_needles + 1))
+            seq, answers, _ = self.sample(rng, n, n, length=length)
+            ids[b] = torch.tensor(seq)
+            for position, answer in answers:
+                labels[b, position] = answer
+        return ids, labels
+
+
+# ---- Models of equal parameter count ----
+
+
+def build_configs(args, vocab_size: int) -> dict[str, object]:
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.layers,
+        max_position_embeddings=args.length,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        rope_theta=10000.0,
+    )
+    d = args.hidden_size // args.heads
+    llama = LlamaConfig(
+        **common,
+        intermediate_size=args.intermediate_size,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        head_dim=d,
+    )
+    v1 = DiffConfig(
+        **common,
+        diff_version=1,
+        intermediate_size=args.intermediate_size,
+        num_attention_heads=args.heads // 2,
+        num_key_value_heads=args.heads // 2,
+        head_dim=d,
+    )
+    # V2 adds a second query (D x D) and W_λ (D x H) per layer; a narrower MLP (3 D x I) pays for them.
+    extra = args.hidden_size * args.hidden_size + args.hidden_size * args.heads
+    v2_intermediate = args.intermediate_size - round(extra / (3 * args.hidden_size))
+    v2 = DiffConfig(
+        **common,
+        diff_version=2,
+        intermediate_size=v2_intermediate,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        head_dim=d,
+    )
+    return {"llama": llama, "v1": v1, "v2": v2}
+
+
+def build_model(name: str, config, seed: int):
+    torch.manual_seed(seed)
+    cls = LlamaForCausalLM if name == "llama" else DiffForCausalLM
+    return cls(config).float()
+
+
+# ---- Training and evaluation ----
+
+
+def answer_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    hidden = model.model(input_ids=ids).last_hidden_state  # (B, L, D)
+    picked = labels != -100
+    logits = model.lm_head(hidden[picked])  # (answers, V): the LM head only where there is an answer
+    return F.cross_entropy(logits.float(), labels[picked])
+
+
+def train(name, model, task, args, seed, log):
+    rng = np.random.default_rng(1000 + seed)  # the data stream: the same for every model of a seed
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, args.steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / warmup)
+            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, args.steps - warmup)))))
+        ),
+    )
+    model.train()
+    curve, started, recent = [], time.perf_counter(), []
+    for step in range(1, args.steps + 1):
+        ids, labels = task.training_batch(rng, args.batch_size, args.max_needles, args.min_length)
+        loss = answer_loss(model, ids, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        schedule.step()
+        opt.zero_grad(set_to_none=True)
+        recent.append(loss.item())
+        if step % args.log_every == 0 or step == args.steps:
+            curve.append({"step": step, "loss": float(np.mean(recent)), "seconds": time.perf_counter() - started})
+            log(
+                f"  {name} seed {seed} step {step}/{args.steps}: answer loss {curve[-1]['loss']:.3f} "
+                f"({curve[-1]['seconds']:.0f} s)"
+            )
+            recent = []
+    model.eval()
+    return curve
+
+
+@torch.no_grad()
+def evaluate_accuracy(model, task, args, seed):
+    """Accuracy per (N, R) over all answers, and per depth of the first queried needle."""
+    rng = np.random.default_rng(10_000 + seed)
+    results = {}
+    for n, r in EVAL_CELLS:
+        correct_all, correct_depth = [], {}
+        for depth in DEPTHS:
+            samples = [task.sample(rng, n, r, first_depth=depth) for _ in range(args.eval_per_cell)]
+            hits_first = []
+            for i in range(0, len(samples), args.eval_batch):
+                chunk = samples[i : i + args.eval_batch]
+                logits = model(input_ids=torch.tensor([s[0] for s in chunk])).logits  # (B, L, V)
+                for b, (_, answers, _) in enumerate(chunk):
+                    hits = [int(logits[b, pos].argmax()) == answer for pos, answer in answers]
+                    correct_all += hits
+                    hits_first.append(hits[0])
+            correct_depth[str(depth)] = float(np.mean(hits_first))
+        results[f"N={n},R={r}"] = {"accuracy": float(np.mean(correct_all)), "by_depth": correct_depth}
+    return results
+
+
+@torch.no_grad()
+def evaluate_attention(model, task, args, seed, n_needles=6, n_queries=2):
+    """answer / noise / entropy / negative fraction per (layer, head), averaged over examples, at the first "?"."""
+    rng = np.random.default_rng(20_000 + seed)
+    totals = collections.defaultdict(float)
+    count = 0
+    for depth in DEPTHS:
+        for _ in range(args.attention_per_depth):
+            ids, answers, starts = task.sample(rng, n_needles, n_queries, first_depth=depth)
+            entries = attention_maps(model, torch.tensor([ids]))
+            position, answer = answers[0]
+            metrics = layer_metrics(entries, span=(starts[0], starts[0] + NEEDLE_LEN), queries=[position])
+            for key in ("answer", "noise", "entropy", "negative_fraction", "lambda"):
+                totals[key] = totals[key] + metrics[key].double()
+            count += 1
+    return {key: (value / count).tolist() for key, value in totals.items()}
+
+
+def summarize_attention(attn: dict) -> dict:
+    """Aggregates of the (layers, H) grids: mean over every head and layer, and the head that retrieves most."""
+    answer, noise = torch.tensor(attn["answer"]), torch.tensor(attn["noise"])
+    layer, head = divmod(int(answer.argmax()), answer.shape[1])
+    return {
+        "answer_mean": float(answer.mean()),
+        "noise_mean": float(noise.mean()),
+        "retrieval_head": [layer, head],
+        "answer_retrieval_head": float(answer[layer, head]),
+        "noise_retrieval_head": float(noise[layer, head]),
+        "answer_last_layer": float(answer[-1].mean()),
+        "noise_last_layer": float(noise[-1].mean()),
+    }
+
+
+# ---- Figures ----
+
+
+def plot(results: dict, task: NeedleTask, tokenizer, models_dir: Path, out: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["models"])
+    colors = {"llama": "tab:gray", "v1": "tab:blue", "v2": "tab:orange"}
+    cells = [f"N={n},R={r}" for n, r in EVAL_CELLS]
+
+    def seeds_of(name, getter):
+        return np.array([getter(run) for run in results["models"][name]["seeds"]])
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), constrained_layout=True)
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        acc = np.stack([seeds_of(name, lambda run, c=c: run["accuracy"][c]["accuracy"]) for c in cells], 1)
+        x = np.arange(len(cells)) + (i - (len(names) - 1) / 2) * width
+        axes[0].bar(x, acc.mean(0), width, color=colors[name], label=name)
+        if len(acc) > 1:
+            axes[0].plot(np.repeat(x[None], len(acc), 0).T, acc.T, "k.", ms=3)
+        deep = np.stack(
+            [seeds_of(name, lambda run, d=d: run["accuracy"]["N=6,R=2"]["by_depth"][str(d)]) for d in DEPTHS], 1
+        )
+        axes[1].plot(DEPTHS, deep.mean(0), "o-", color=colors[name], label=name)
+    axes[0].set_xticks(range(len(cells)), cells)
+    axes[0].set_ylabel("accuracy (all answers)")
+    axes[0].set_ylim(0, 1.05)
+    axes[0].set_title("multi-needle retrieval (dots: seeds)")
+    axes[0].legend()
+    axes[1].set_xlabel("depth of the first queried needle")
+    axes[1].set_ylabel("accuracy of its answer")
+    axes[1].set_ylim(0, 1.05)
+    axes[1].set_title("N=6, R=2 by depth (mean over seeds)")
+    fig.savefig(out / "accuracy.png", dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), constrained_layout=True)
+    for name in names:
+        for key, ax in zip(("answer", "noise"), axes):
+            grid = np.stack([np.array(run["attention"][key]) for run in results["models"][name]["seeds"]])
+            per_layer = grid.mean(0).mean(-1)  # mean over seeds and heads -> (layers,)
+            best = grid.mean(0).max(-1)
+            ax.plot(range(len(per_layer)), per_layer, "o-", color=colors[name], label=f"{name}: mean over heads")
+            ax.plot(
+                range(len(best)),
+                best if key == "answer" else grid.mean(0).min(-1),
+                "s--",
+                color=colors[name],
+                alpha=0.6,
+                label=f"{name}: {'best' if key == 'answer' else 'least noisy'} head",
+            )
+    axes[0].set_title('attention to the answer needle at "?" (N=6, R=2)')
+    axes[1].set_title("attention noise: |weight| elsewhere")
+    for ax in axes:
+        ax.set_xlabel("layer")
+        ax.set_xticks(range(len(per_layer)))
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend(fontsize=7)
+    fig.savefig(out / "attention.png", dpi=110)
+    plt.close(fig)
+
+    # One example, the retrieval head of each model (first seed), keys around the answer needle.
+    rng = np.random.default_rng(7)
+    ids, answers, starts = task.sample(rng, 6, 2, first_depth=0.5)
+    position = answers[0][0]
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    panels = []
+    for name in names:
+        run = results["models"][name]["seeds"][0]
+        layer, head = run["attention_summary"]["retrieval_head"]
+        model = (LlamaForCausalLM if name == "llama" else DiffForCausalLM).from_pretrained(models_dir / run["model"])
+        entries = attention_maps(model.eval(), torch.tensor([ids]))
+        panels.append((name, layer, head, entries[layer].differential[0, head, position].numpy()))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 2.2 * len(panels)), constrained_layout=True)
+    for ax, (name, layer, head, row) in zip(np.atleast_1d(axes), panels):
+        keys = np.arange(position + 1)
+        ax.bar(keys, row[: position + 1], width=1.0, color=np.where(row[: position + 1] < 0, "tab:red", colors[name]))
+        for s in starts:
+            ax.axvspan(s - 0.5, s + NEEDLE_LEN - 0.5, color="gold" if s == starts[0] else "lightgray", alpha=0.4)
+        ax.axhline(0, color="k", lw=0.5)
+        ax.set_ylabel("weight")
+        ax.set_title(
+            f"{name}, layer {layer} head {head}: the row of '?' asking for "
+            f"'{tokens[position - 1]}' (gold: its needle, gray: the other needles)",
+            fontsize=9,
+        )
+    np.atleast_1d(axes)[-1].set_xlabel("key position")
+    fig.savefig(out / "maps.png", dpi=110)
+    plt.close(fig)
+
+
+# ---- Tables (markdown, for docs/multi_needle.md) ----
+
+
+def tables(results: dict) -> str:
+    """Accuracy per (N, R) and per depth, and the attention aggregates: mean over seeds, then each seed's value."""
+    names = list(results["models"])
+    cells = [f"N={n},R={r}" for n, r in EVAL_CELLS]
+
+    def cell(values, digits=2):
+        values = np.array(values, dtype=float)
+        each = " / ".join(f"{v:.{digits}f}" for v in values)
+        return f"**{values.mean():.{digits}f}**" + (f" ({each})" if len(values) > 1 else "")
+
+    def runs(name):
+        return results["models"][name]["seeds"]
+
+    lines = ["| model | parameters | train time / seed | " + " | ".join(cells) + " |", "|---" * (len(cells) + 3) + "|"]
+    for name in names:
+        seconds = np.mean([run["train_seconds"] for run in runs(name)])
+        accs = [cell([run["accuracy"][c]["accuracy"] for run in runs(name)]) for c in cells]
+        lines.append(
+            f"| {name} | {results['models'][name]['parameters']:,} | {seconds / 60:.1f} min | "
+            + " | ".join(accs)
+            + " |"
+        )
+    lines += [
+        "",
+        "| model (N=6, R=2) | " + " | ".join(f"depth {d}" for d in DEPTHS) + " |",
+        "|---" * (len(DEPTHS) + 1) + "|",
+    ]
+    for name in names:
+        deep = [cell([run["accuracy"]["N=6,R=2"]["by_depth"][str(d)] for run in runs(name)]) for d in DEPTHS]
+        lines.append(f"| {name} | " + " | ".join(deep) + " |")
+    keys = [
+        ("answer_mean", "answer, mean of all heads"),
+        ("noise_mean", "noise, mean of all heads"),
+        ("answer_retrieval_head", "answer, retrieval head"),
+        ("noise_retrieval_head", "noise, retrieval head"),
+    ]
+    extra = ["retrieval head (layer, head)", "negative weights, mean of all heads", "λ per layer (mean of heads)"]
+    header = ['model (N=6, R=2, at the first "?")'] + [k[1] for k in keys] + extra
+    lines += ["", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for name in names:
+        row = [cell([run["attention_summary"][k] for run in runs(name)], 3) for k, _ in keys]
+        heads = " / ".join(str(tuple(run["attention_summary"]["retrieval_head"])) for run in runs(name))
+        negative = cell([np.mean(run["attention"]["negative_fraction"]) for run in runs(name)], 3)
+        lam = np.array([np.mean(run["attention"]["lambda"], 1) for run in runs(name)])  # (seeds, layers), NaN: Llama
+        lam_text = "—" if np.isnan(lam).all() else ", ".join(f"{v:.2f}" for v in lam.mean(0))
+        lines.append(f"| {name} | " + " | ".join(row) + f" | {heads} | {negative} | {lam_text} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- Driver ----
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output", type=Path, required=True)
+    p.add_argument("--models", default="llama,v1,v2")
+    p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--length", type=int, default=384, help="tokens per evaluation sequence; training's longest")
+    p.add_argument("--min-length", type=int, default=128, help="training's shortest sequence")
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--intermediate-size", type=int, default=384)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4, help="the Llama's heads; V1 gets half, V2 as many")
+    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--max-needles", type=int, default=6)
+    p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--eval-per-cell", type=int, default=40, help="sequences per (N, R, depth)")
+    p.add_argument("--eval-batch", type=int, default=20)
+    p.add_argument("--attention-per-depth", type=int, default=8)
+    p.add_argument("--plot-only", action="store_true", help="redraw the figures from --output's results.json")
+    args = p.parse_args(argv)
+    shortest = 1 + args.max_needles * (NEEDLE_LEN + QUERY_LEN) + 16
+    if args.min_length < shortest or args.length < args.min_length:
+        p.error(
+            f"--min-length {args.min_length} / --length {args.length}: sequences need at least {shortest} tokens "
+            f"for --max-needles {args.max_needles} (needles, queries and some haystack), and --length >= "
+            "--min-length; raise them or lower --max-needles"
+        )
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = args.output
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = (out / "log.txt").open("a", encoding="utf-8")
+
+    def log(line):
+        print(line, flush=True)
+        log_file.write(line + "\n")
+        log_file.flush()
+
+    corpus, heldout = words(REPO / "data" / "corpus.txt"), words(REPO / "data" / "heldout.txt")
+    tokenizer = build_tokenizer(corpus, args.vocab_size)
+    train_task = NeedleTask(tokenizer, corpus, args.length)
+    eval_task = NeedleTask(tokenizer, heldout, args.length)
+    if args.plot_only:
+        results = json.loads((out / "results.json").read_text())
+        plot(results, eval_task, tokenizer, out / "models", out)
+        (out / "tables.md").write_text(tables(results))
+        return
+    configs = build_configs(args, len(tokenizer))
+    names = args.models.split(",")
+    results = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "models": {}}
+    for name in names:
+        results["models"][name] = {"config": configs[name].to_dict(), "seeds": []}
+    for seed in range(args.seeds):
+        for name in names:
+            model = build_model(name, configs[name], seed)
+            params = sum(p.numel() for p in model.parameters())
+            results["models"][name]["parameters"] = params
+            log(f"{name} seed {seed}: {params:,} parameters")
+            started = time.perf_counter()
+            curve = train(name, model, train_task, args, seed, log)
+            seconds = time.perf_counter() - started
+            accuracy = evaluate_accuracy(model, eval_task, args, seed)
+            attention = evaluate_attention(model, eval_task, args, seed)
+            summary = summarize_attention(attention)
+            model_dir = f"{name}-seed{seed}"
+            model.save_pretrained(out / "models" / model_dir)
+            tokenizer.save_pretrained(out / "models" / model_dir)
+            results["models"][name]["seeds"].append(
+                {
+                    "seed": seed,
+                    "model": model_dir,
+                    "train_seconds": seconds,
+                    "curve": curve,
+                    "accuracy": accuracy,
+                    "attention": attention,
+                    "attention_summary": summary,
+                }
+            )
+            log(
+                f"{name} seed {seed}: trained in {seconds:.0f} s; "
+                + ", ".join(f"{c} {v['accuracy']:.2f}" for c, v in accuracy.items())
+                + f"; answer {summary['answer_mean']:.3f} noise {summary['noise_mean']:.3f} (mean over heads), "
+                f"retrieval head {summary['retrieval_head']}: answer {summary['answer_retrieval_head']:.3f} "
+                f"noise {summary['noise_retrieval_head']:.3f}"
+            )
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+    plot(results, eval_task, tokenizer, out / "models", out)
+    (out / "tables.md").write_text(tables(results))
+    log(f"wrote {out / 'results.json'}, tables.md, accuracy.png, attention.png, maps.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""examples/multi_needle.py: the task it builds is the one docs/multi_needle.md describes, and the script runs."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def mn():
+    spec = importlib.util.spec_from_file_location("multi_needle", REPO / "examples" / "multi_needle.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def task(mn):
+    corpus = mn.words(REPO / "data" / "heldout.txt")
+    return mn.NeedleTask(mn.build_tokenizer(corpus, 600), corpus, 200), mn
+
+
+def test_every_answer_is_the_number_of_the_asked_city(task):
+    task, mn = task
+    rng = np.random.default_rng(0)
+    for n, r in [(1, 1), (3, 2), (6, 6)]:
+        for depth in (None, 0.0, 0.5, 1.0):
+            ids, answers, starts = task.sample(rng, n, r, first_depth=depth)
+            assert len(ids) == 200 and ids[0] == task.bos
+            needles, needle_starts = {}, []  # city -> number, read back from the token stream
+            for i in range(len(ids) - 3):
+                if ids[i : i + 4] == [task.the, task.magic, task.number, task.of] and (
+                    i == 0 or ids[i - 1] != task.is_
+                ):
+                    assert ids[i + 5] == task.is_ and ids[i + 7] == task.dot
+                    needles[ids[i + 4]] = ids[i + 6]
+                    needle_starts.append(i)
+            assert len(needles) == n  # distinct cities, every needle intact
+            assert len(answers) == r
+            for (position, answer), start in zip(answers, starts):
+                assert ids[position] == task.question and ids[position + 1] == answer
+                city = ids[position - 1]
+                assert needles[city] == answer and ids[start + 4] == city and ids[start + 6] == answer
+            if depth is not None:
+                hay_len = 200 - 1 - mn.NEEDLE_LEN * n - mn.QUERY_LEN * r
+                before = sum(1 for s in needle_starts if s < starts[0])
+                hay_before = starts[0] - 1 - mn.NEEDLE_LEN * before  # haystack tokens before the first asked needle
+                assert hay_before == round(depth * hay_len)
+
+
+def test_training_labels_are_the_answers_only(task):
+    task, _ = task
+    rng = np.random.default_rng(1)
+    ids, labels = task.training_batch(rng, 4, 6, min_length=120)
+    assert 120 <= ids.shape[1] <= 200 and labels.shape == ids.shape
+    picked = labels != -100
+    assert (ids[picked] == task.question).all()  # the loss sits on "?" positions ...
+    shifted = torch.cat([ids[:, 1:], ids[:, :1]], 1)
+    assert (labels[picked] == shifted[picked]).all()  # ... predicting the next token, the number
+    assert picked.sum(1).min() >= 1 and (ids == task.question).sum() == picked.sum()  # every query is trained
+
+
+def test_the_three_models_have_equal_parameter_counts(mn):
+    args = mn.parse_args(["--output", "unused"])
+    configs = mn.build_configs(args, vocab_size=2048)
+    counts = {name: sum(p.numel() for p in mn.build_model(name, c, 0).parameters()) for name, c in configs.items()}
+    assert abs(counts["v1"] / counts["llama"] - 1) < 1e-3 and abs(counts["v2"] / counts["llama"] - 1) < 1e-3
+    assert configs["v1"].num_attention_heads == args.heads // 2 and configs["v2"].num_attention_heads == args.heads
+
+
+def test_script_trains_evaluates_and_writes_its_outputs(mn, tmp_path):
+    small = ["--length", "128", "--min-length", "128", "--hidden-size", "32", "--intermediate-size", "64",
+             "--layers", "2", "--steps", "2", "--batch-size", "2", "--eval-per-cell", "1", "--eval-batch", "5",
+             "--attention-per-depth", "1", "--vocab-size", "400"]  # fmt: skip
+    mn.main(["--output", str(tmp_path), *small])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["models"]) == {"llama", "v1", "v2"}
+    for name, model in results["models"].items():
+        run = model["seeds"][0]
+        assert len(run["curve"]) == 1 and np.isfinite(run["curve"][0]["loss"])
+        assert set(run["accuracy"]) == {"N=1,R=1", "N=2,R=2", "N=4,R=2", "N=6,R=2"}
+        answer, noise = np.array(run["attention"]["answer"]), np.array(run["attention"]["noise"])
+        assert answer.shape == (2, model["config"]["num_attention_heads"])
+        if name == "llama":  # a softmax row: answer + noise = 1
+            np.testing.assert_allclose(answer + noise, 1, atol=1e-5)
+        assert (tmp_path / "models" / f"{name}-seed0" / "model.safetensors").is_file()
+    for name in ("accuracy.png", "attention.png", "maps.png", "tables.md"):
+        assert (tmp_path / name).stat().st_size > 0
+
+
+def test_sequences_too_short_for_the_needles_are_refused(mn, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        mn.parse_args(["--output", "x", "--min-length", "64"])
+    assert exit_info.value.code == 2 and "raise them or lower --max-needles" in capsys.readouterr().err
