@@ -62,6 +62,7 @@ NEEDLE_LEN = 8  # the magic number of CITY is NUMBER .
 QUERY_LEN = 10  # what is the magic number of CITY ? NUMBER .
 EVAL_CELLS = [(1, 1), (2, 2), (4, 2), (6, 2)]  # (N needles, R retrieved): the paper's Table 2
 DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
+EVAL_LENGTHS = [128, 256, 384]  # accuracy by context length (those up to --length)
 WORD = re.compile(r"[a-z]+|[^\sa-z]")
 
 
@@ -270,6 +271,22 @@ def evaluate_accuracy(model, task, args, seed):
 
 
 @torch.no_grad()
+def accuracy_by_length(model, task, args, seed):
+    """Accuracy per (N, R) over all answers at each context length, needles at random depths."""
+    rng = np.random.default_rng(30_000 + seed)
+    results = {}
+    for length in [n for n in EVAL_LENGTHS if n <= args.length]:
+        for n, r in EVAL_CELLS:
+            hits = []
+            for _ in range(0, 2 * args.eval_per_cell, args.eval_batch):
+                chunk = [task.sample(rng, n, r, length=length) for _ in range(args.eval_batch)]
+                logits = model(input_ids=torch.tensor([s[0] for s in chunk])).logits  # (B, L, V)
+                hits += [int(logits[b, pos].argmax()) == a for b, (_, ans, _) in enumerate(chunk) for pos, a in ans]
+            results.setdefault(str(length), {})[f"N={n},R={r}"] = float(np.mean(hits))
+    return results
+
+
+@torch.no_grad()
 def evaluate_attention(model, task, args, seed, n_needles=6, n_queries=2):
     """answer / noise / entropy / negative fraction per (layer, head), averaged over examples, at the first "?"."""
     rng = np.random.default_rng(20_000 + seed)
@@ -302,6 +319,26 @@ def summarize_attention(attn: dict) -> dict:
     }
 
 
+def evaluate(model, task, args, seed) -> dict:
+    attention = evaluate_attention(model, task, args, seed)
+    return {
+        "accuracy": evaluate_accuracy(model, task, args, seed),
+        "accuracy_by_length": accuracy_by_length(model, task, args, seed),
+        "attention": attention,
+        "attention_summary": summarize_attention(attention),
+    }
+
+
+def describe(run: dict) -> str:
+    summary = run["attention_summary"]
+    return (
+        ", ".join(f"{c} {v['accuracy']:.2f}" for c, v in run["accuracy"].items())
+        + f"; answer {summary['answer_mean']:.3f} noise {summary['noise_mean']:.3f} (mean over heads), "
+        f"retrieval head {summary['retrieval_head']}: answer {summary['answer_retrieval_head']:.3f} "
+        f"noise {summary['noise_retrieval_head']:.3f}"
+    )
+
+
 # ---- Figures ----
 
 
@@ -318,7 +355,7 @@ def plot(results: dict, task: NeedleTask, tokenizer, models_dir: Path, out: Path
     def seeds_of(name, getter):
         return np.array([getter(run) for run in results["models"][name]["seeds"]])
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), constrained_layout=True)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8), constrained_layout=True)
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         acc = np.stack([seeds_of(name, lambda run, c=c: run["accuracy"][c]["accuracy"]) for c in cells], 1)
@@ -330,6 +367,14 @@ def plot(results: dict, task: NeedleTask, tokenizer, models_dir: Path, out: Path
             [seeds_of(name, lambda run, d=d: run["accuracy"]["N=6,R=2"]["by_depth"][str(d)]) for d in DEPTHS], 1
         )
         axes[1].plot(DEPTHS, deep.mean(0), "o-", color=colors[name], label=name)
+        lengths = sorted(results["models"][name]["seeds"][0]["accuracy_by_length"], key=int)
+        for cell, style in (("N=6,R=2", "o-"), ("N=2,R=2", "s--")):
+            by_length = np.stack(
+                [seeds_of(name, lambda run, n=n, c=cell: run["accuracy_by_length"][n][c]) for n in lengths], 1
+            )
+            axes[2].plot(
+                [int(n) for n in lengths], by_length.mean(0), style, color=colors[name], label=f"{name} {cell}"
+            )
     axes[0].set_xticks(range(len(cells)), cells)
     axes[0].set_ylabel("accuracy (all answers)")
     axes[0].set_ylim(0, 1.05)
@@ -339,6 +384,11 @@ def plot(results: dict, task: NeedleTask, tokenizer, models_dir: Path, out: Path
     axes[1].set_ylabel("accuracy of its answer")
     axes[1].set_ylim(0, 1.05)
     axes[1].set_title("N=6, R=2 by depth (mean over seeds)")
+    axes[2].set_xlabel("context length (tokens)")
+    axes[2].set_ylabel("accuracy (all answers)")
+    axes[2].set_ylim(0, 1.05)
+    axes[2].set_title("by context length (mean over seeds)")
+    axes[2].legend(fontsize=7)
     fig.savefig(out / "accuracy.png", dpi=110)
     plt.close(fig)
 
@@ -430,6 +480,12 @@ def tables(results: dict) -> str:
     for name in names:
         deep = [cell([run["accuracy"]["N=6,R=2"]["by_depth"][str(d)] for run in runs(name)]) for d in DEPTHS]
         lines.append(f"| {name} | " + " | ".join(deep) + " |")
+    lengths = sorted(runs(names[0])[0]["accuracy_by_length"], key=int)
+    lines += ["", "| model | context | " + " | ".join(cells) + " |", "|---" * (len(cells) + 2) + "|"]
+    for name in names:
+        for n in lengths:
+            accs = [cell([run["accuracy_by_length"][n][c] for run in runs(name)]) for c in cells]
+            lines.append(f"| {name} | {n} | " + " | ".join(accs) + " |")
     keys = [
         ("answer_mean", "answer, mean of all heads"),
         ("noise_mean", "noise, mean of all heads"),
@@ -474,6 +530,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-batch", type=int, default=20)
     p.add_argument("--attention-per-depth", type=int, default=8)
     p.add_argument("--plot-only", action="store_true", help="redraw the figures from --output's results.json")
+    p.add_argument("--evaluate-only", action="store_true", help="re-evaluate --output's saved models, then plot")
     args = p.parse_args(argv)
     shortest = 1 + args.max_needles * (NEEDLE_LEN + QUERY_LEN) + 16
     if args.min_length < shortest or args.length < args.min_length:
@@ -502,8 +559,15 @@ def main(argv=None):
     tokenizer = build_tokenizer(corpus, args.vocab_size)
     train_task = NeedleTask(tokenizer, corpus, args.length)
     eval_task = NeedleTask(tokenizer, heldout, args.length)
-    if args.plot_only:
+    if args.plot_only or args.evaluate_only:
         results = json.loads((out / "results.json").read_text())
+        for name, model_results in results["models"].items() if args.evaluate_only else ():
+            for run in model_results["seeds"]:
+                cls = LlamaForCausalLM if name == "llama" else DiffForCausalLM
+                model = cls.from_pretrained(out / "models" / run["model"]).eval()
+                run.update(evaluate(model, eval_task, args, run["seed"]))
+                log(f"{name} seed {run['seed']} re-evaluated: " + describe(run))
+            (out / "results.json").write_text(json.dumps(results, indent=1))
         plot(results, eval_task, tokenizer, out / "models", out)
         (out / "tables.md").write_text(tables(results))
         return
@@ -521,30 +585,13 @@ def main(argv=None):
             started = time.perf_counter()
             curve = train(name, model, train_task, args, seed, log)
             seconds = time.perf_counter() - started
-            accuracy = evaluate_accuracy(model, eval_task, args, seed)
-            attention = evaluate_attention(model, eval_task, args, seed)
-            summary = summarize_attention(attention)
             model_dir = f"{name}-seed{seed}"
             model.save_pretrained(out / "models" / model_dir)
             tokenizer.save_pretrained(out / "models" / model_dir)
-            results["models"][name]["seeds"].append(
-                {
-                    "seed": seed,
-                    "model": model_dir,
-                    "train_seconds": seconds,
-                    "curve": curve,
-                    "accuracy": accuracy,
-                    "attention": attention,
-                    "attention_summary": summary,
-                }
-            )
-            log(
-                f"{name} seed {seed}: trained in {seconds:.0f} s; "
-                + ", ".join(f"{c} {v['accuracy']:.2f}" for c, v in accuracy.items())
-                + f"; answer {summary['answer_mean']:.3f} noise {summary['noise_mean']:.3f} (mean over heads), "
-                f"retrieval head {summary['retrieval_head']}: answer {summary['answer_retrieval_head']:.3f} "
-                f"noise {summary['noise_retrieval_head']:.3f}"
-            )
+            run = {"seed": seed, "model": model_dir, "train_seconds": seconds, "curve": curve}
+            run.update(evaluate(model, eval_task, args, seed))
+            results["models"][name]["seeds"].append(run)
+            log(f"{name} seed {seed}: trained in {seconds:.0f} s; " + describe(run))
             (out / "results.json").write_text(json.dumps(results, indent=1))
     plot(results, eval_task, tokenizer, out / "models", out)
     (out / "tables.md").write_text(tables(results))

@@ -90,8 +90,17 @@ def test_script_trains_evaluates_and_writes_its_outputs(mn, tmp_path):
         if name == "llama":  # a softmax row: answer + noise = 1
             np.testing.assert_allclose(answer + noise, 1, atol=1e-5)
         assert (tmp_path / "models" / f"{name}-seed0" / "model.safetensors").is_file()
+        assert set(run["accuracy_by_length"]) == {"128"}  # the lengths up to --length
     for name in ("accuracy.png", "attention.png", "maps.png", "tables.md"):
         assert (tmp_path / name).stat().st_size > 0
+    # Re-evaluating the saved models reproduces the figures (same seeds, same weights).
+    mn.main(["--output", str(tmp_path), *small, "--evaluate-only"])
+    again = json.loads((tmp_path / "results.json").read_text())
+    for name, model in results["models"].items():
+        before, after = model["seeds"][0], again["models"][name]["seeds"][0]
+        assert after["accuracy"] == before["accuracy"] and after["accuracy_by_length"] == before["accuracy_by_length"]
+        for key in ("answer", "noise", "entropy"):
+            np.testing.assert_allclose(after["attention"][key], before["attention"][key], atol=1e-6)
 
 
 def test_sequences_too_short_for_the_needles_are_refused(mn, capsys):
