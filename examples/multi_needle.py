@@ -44,7 +44,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from diff_transformer import DiffConfig, DiffForCausalLM
-from diff_transformer.analysis import attention_maps, layer_metrics
+from diff_transformer.analysis import attention_maps, layer_metrics, span_mass
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -137,6 +137,11 @@ class NeedleTask:
             ids += q
         assert len(ids) == length
         return ids, answers, [starts[k] for k in asked]
+
+    def needle_starts(self, ids: list[int]) -> list[int]:
+        """Where every needle begins (a query's "the magic number of" follows "is", a needle's never does)."""
+        head = [self.the, self.magic, self.number, self.of]
+        return [i for i in range(1, len(ids) - 3) if ids[i : i + 4] == head and ids[i - 1] != self.is_]
 
     def training_batch(self, rng: np.random.Generator, batch: int, max_needles: int, min_length: int):
         """(B, L) ids and (B, L) labels, -100 except at the answer positions (labels[i, t] = token at t + 1).
@@ -288,7 +293,10 @@ def accuracy_by_length(model, task, args, seed):
 
 @torch.no_grad()
 def evaluate_attention(model, task, args, seed, n_needles=6, n_queries=2):
-    """answer / noise / entropy / negative fraction per (layer, head), averaged over examples, at the first "?"."""
+    """Per (layer, head), averaged over examples, at the first "?" (the row that predicts the answer): answer, noise,
+    entropy, negative fraction, λ; "distractors" = the signed weight on the other needles (part of the noise) over
+    the row's Σ|w|; "answer_at_city" = answer in the row before, the query's CITY token, where a model may also look
+    the needle up."""
     rng = np.random.default_rng(20_000 + seed)
     totals = collections.defaultdict(float)
     count = 0
@@ -297,8 +305,15 @@ def evaluate_attention(model, task, args, seed, n_needles=6, n_queries=2):
             ids, answers, starts = task.sample(rng, n_needles, n_queries, first_depth=depth)
             entries = attention_maps(model, torch.tensor([ids]))
             position, answer = answers[0]
-            metrics = layer_metrics(entries, span=(starts[0], starts[0] + NEEDLE_LEN), queries=[position])
-            for key in ("answer", "noise", "entropy", "negative_fraction", "lambda"):
+            span = (starts[0], starts[0] + NEEDLE_LEN)
+            metrics = layer_metrics(entries, span=span, queries=[position])
+            metrics["answer_at_city"] = layer_metrics(entries, span=span, queries=[position - 1])["answer"]
+            metrics["distractors"] = sum(
+                torch.stack([span_mass(e.differential, e.mask, (s, s + NEEDLE_LEN), [position]) for e in entries])
+                for s in task.needle_starts(ids)
+                if s != starts[0]
+            )
+            for key in ("answer", "noise", "distractors", "answer_at_city", "entropy", "negative_fraction", "lambda"):
                 totals[key] = totals[key] + metrics[key].double()
             count += 1
     return {key: (value / count).tolist() for key, value in totals.items()}
@@ -316,6 +331,8 @@ def summarize_attention(attn: dict) -> dict:
         "noise_retrieval_head": float(noise[layer, head]),
         "answer_last_layer": float(answer[-1].mean()),
         "noise_last_layer": float(noise[-1].mean()),
+        "distractors_mean": float(torch.tensor(attn["distractors"]).mean()),
+        "answer_at_city_best": float(torch.tensor(attn["answer_at_city"]).max()),
     }
 
 
@@ -491,6 +508,8 @@ def tables(results: dict) -> str:
         ("noise_mean", "noise, mean of all heads"),
         ("answer_retrieval_head", "answer, retrieval head"),
         ("noise_retrieval_head", "noise, retrieval head"),
+        ("distractors_mean", "other needles, mean of all heads"),
+        ("answer_at_city_best", "answer at the query's CITY, best head"),
     ]
     extra = ["retrieval head (layer, head)", "negative weights, mean of all heads", "λ per layer (mean of heads)"]
     header = ['model (N=6, R=2, at the first "?")'] + [k[1] for k in keys] + extra

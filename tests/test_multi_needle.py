@@ -54,6 +54,14 @@ def test_every_answer_is_the_number_of_the_asked_city(task):
                 assert hay_before == round(depth * hay_len)
 
 
+def test_needle_starts_finds_every_needle_and_no_query(task):
+    task, _ = task
+    ids, answers, starts = task.sample(np.random.default_rng(2), 5, 3)
+    found = task.needle_starts(ids)
+    assert len(found) == 5 and set(starts) <= set(found)
+    assert all(ids[s + 7] == task.dot and s < answers[0][0] - 9 for s in found)
+
+
 def test_training_labels_are_the_answers_only(task):
     task, _ = task
     rng = np.random.default_rng(1)
@@ -87,8 +95,10 @@ def test_script_trains_evaluates_and_writes_its_outputs(mn, tmp_path):
         assert set(run["accuracy"]) == {"N=1,R=1", "N=2,R=2", "N=4,R=2", "N=6,R=2"}
         answer, noise = np.array(run["attention"]["answer"]), np.array(run["attention"]["noise"])
         assert answer.shape == (2, model["config"]["num_attention_heads"])
-        if name == "llama":  # a softmax row: answer + noise = 1
+        distractors = np.array(run["attention"]["distractors"])
+        if name == "llama":  # a softmax row: answer + noise = 1, and the other needles are part of the noise
             np.testing.assert_allclose(answer + noise, 1, atol=1e-5)
+            assert (distractors > 0).all() and (distractors < noise).all()
         assert (tmp_path / "models" / f"{name}-seed0" / "model.safetensors").is_file()
         assert set(run["accuracy_by_length"]) == {"128"}  # the lengths up to --length
     for name in ("accuracy.png", "attention.png", "maps.png", "tables.md"):
