@@ -1,16 +1,19 @@
 """Multi-needle retrieval at toy scale: a Llama, Diff V1 and Diff V2 trained from scratch on the same data.
 
-    python examples/multi_needle.py --output runs/multi_needle                  # ~15 min per model on 2 idle cores
+    python examples/multi_needle.py --output runs/multi_needle                 # ~12 min per model on 2 idle cores
+    python examples/multi_needle.py --output runs/multi_needle --seeds 3       # three seeds, one after the other
     python examples/multi_needle.py --output /tmp/mn --steps 40 --eval-per-cell 4  # a quick look (~3 min)
+    python examples/multi_needle.py --output runs/multi_needle --evaluate-only # re-evaluate the saved models
 
-The task follows the paper's multi-needle test (Diff Transformer, §3.3, Table 2): N needles "the magic number of
+The task follows the paper's multi-needle test (Diff Transformer, §3.4, Table 2): N needles "the magic number of
 CITY is NUMBER ." are hidden at random depths in a haystack of Jane Austen's prose (data/corpus.txt), and the model is
 asked for R of them at the end: "what is the magic number of CITY ? NUMBER ." Toy-scale choices, all ours:
 
 - a word-level vocabulary (the corpus's most frequent lowercased words, `<unk>` for the rest, plus 64 cities and the
   numbers 10..99 as single tokens), so an answer is one token and accuracy is the argmax at the "?" position;
 - training asks for every needle of a sequence (N uniform in 1..6), in random order, and the loss is the
-  cross-entropy on the answer tokens only: the haystack is not modelled, as in a retrieval fine-tune;
+  cross-entropy on the answer tokens only: the haystack is not modelled, as in a retrieval fine-tune; each batch's
+  length is uniform in 128..384 tokens (evaluation: 384, and 128/256 for accuracy by length);
 - three models of equal parameter count: Llama with H heads of size d; V1 with H/2 differential heads of the same d
   (the paper's matching: the same parameters as the Llama plus 6d per layer); V2 with H differential heads of d (2H
   query heads over the Llama's K/V, as V2 specifies) and a narrower MLP to pay for its second query and W_λ;
@@ -22,9 +25,9 @@ the others at random depths; and attention at the first "?" position with `diff_
 "answer" = the signed weight on the queried needle's 8 tokens over the row's total |weight|, "noise" = the |weight| on
 every other token over the same total (docs/multi_needle.md gives the definitions and how they are aggregated).
 
-Writes to --output: results.json (every figure, the training curves, the configs), accuracy.png, attention.png,
-maps.png (one head of each model on one example) and models/<name>-seed<k>/ (save_pretrained + the word-level
-tokenizer, so `diff-transformer inspect` works on them).
+Writes to --output: results.json (every figure, the training curves, the configs), tables.md, curves.png,
+accuracy.png, attention.png, maps.png (one head of each model on one example) and models/<name>-seed<k>/
+(save_pretrained + the word-level tokenizer, so `diff-transformer inspect` works on them).
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ NEEDLE_LEN = 8  # the magic number of CITY is NUMBER .
 QUERY_LEN = 10  # what is the magic number of CITY ? NUMBER .
 EVAL_CELLS = [(1, 1), (2, 2), (4, 2), (6, 2)]  # (N needles, R retrieved): the paper's Table 2
 DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
+# The training loss of a model that copies one of the sequence's N numbers at random: answers are weighted by N, as
+# every needle is asked for, so sum(N ln N) / sum(N) over N = 1..6.
+COPY_ANY_LOSS = sum(n * math.log(n) for n in range(1, 7)) / sum(range(1, 7))
 EVAL_LENGTHS = [128, 256, 384]  # accuracy by context length (those up to --length)
 WORD = re.compile(r"[a-z]+|[^\sa-z]")
 
@@ -392,6 +398,8 @@ def plot(results: dict, task: NeedleTask, tokenizer, models_dir: Path, out: Path
             axes[2].plot(
                 [int(n) for n in lengths], by_length.mean(0), style, color=colors[name], label=f"{name} {cell}"
             )
+    for i, (n, _) in enumerate(EVAL_CELLS):  # copying one of the context's N numbers at random
+        axes[0].hlines(1 / n, i - 0.45, i + 0.45, colors="k", linestyles="--", lw=0.8, label="1/N" if i == 0 else None)
     axes[0].set_xticks(range(len(cells)), cells)
     axes[0].set_ylabel("accuracy (all answers)")
     axes[0].set_ylim(0, 1.05)
@@ -432,6 +440,24 @@ def plot(results: dict, task: NeedleTask, tokenizer, models_dir: Path, out: Path
         ax.set_ylim(-0.02, 1.02)
         ax.legend(fontsize=7)
     fig.savefig(out / "attention.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3.8), constrained_layout=True)
+    for name in names:
+        for k, run in enumerate(results["models"][name]["seeds"]):
+            steps = [point["step"] for point in run["curve"]]
+            ax.plot(steps, [point["loss"] for point in run["curve"]], color=colors[name], alpha=1 if k == 0 else 0.5,
+                    label=name if k == 0 else None)  # fmt: skip
+    ax.axhline(math.log(len(NUMBERS)), color="k", ls=":", lw=0.8)
+    ax.axhline(COPY_ANY_LOSS, color="k", ls="--", lw=0.8)
+    ax.text(steps[-1], math.log(len(NUMBERS)), "any number 10..99", ha="right", va="bottom", fontsize=7)
+    ax.text(steps[-1], COPY_ANY_LOSS, "a number of the context, at random", ha="right", va="bottom", fontsize=7)
+    ax.set_xlabel("step")
+    ax.set_ylabel("answer loss (training batches)")
+    ax.set_ylim(0, 6)
+    ax.set_title("training (lighter: further seeds)")
+    ax.legend()
+    fig.savefig(out / "curves.png", dpi=110)
     plt.close(fig)
 
     # One example, the retrieval head of each model (first seed), keys around the answer needle.
@@ -540,8 +566,8 @@ def parse_args(argv=None):
     p.add_argument("--intermediate-size", type=int, default=384)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4, help="the Llama's heads; V1 gets half, V2 as many")
-    p.add_argument("--steps", type=int, default=1200)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--steps", type=int, default=2400)
+    p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--max-needles", type=int, default=6)
     p.add_argument("--log-every", type=int, default=20)

@@ -101,7 +101,7 @@ def test_script_trains_evaluates_and_writes_its_outputs(mn, tmp_path):
             assert (distractors > 0).all() and (distractors < noise).all()
         assert (tmp_path / "models" / f"{name}-seed0" / "model.safetensors").is_file()
         assert set(run["accuracy_by_length"]) == {"128"}  # the lengths up to --length
-    for name in ("accuracy.png", "attention.png", "maps.png", "tables.md"):
+    for name in ("curves.png", "accuracy.png", "attention.png", "maps.png", "tables.md"):
         assert (tmp_path / name).stat().st_size > 0
     # Re-evaluating the saved models reproduces the figures (same seeds, same weights).
     mn.main(["--output", str(tmp_path), *small, "--evaluate-only"])
