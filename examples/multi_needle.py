@@ -476,7 +476,7 @@ def plot(results: dict, task: NeedleTask, tokenizer, models_dir: Path, out: Path
     for ax, (name, layer, head, row) in zip(np.atleast_1d(axes), panels):
         keys = np.arange(position + 1)
         ax.bar(keys, row[: position + 1], width=1.0, color=np.where(row[: position + 1] < 0, "tab:red", colors[name]))
-        for s in starts:
+        for s in task.needle_starts(ids):
             ax.axvspan(s - 0.5, s + NEEDLE_LEN - 0.5, color="gold" if s == starts[0] else "lightgray", alpha=0.4)
         ax.axhline(0, color="k", lw=0.5)
         ax.set_ylabel("weight")
