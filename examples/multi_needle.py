@@ -210,10 +210,13 @@ def build_configs(args, vocab_size: int) -> dict[str, object]:
     return {"llama": llama, "v1": v1, "v2": v2}
 
 
+def model_class(name: str):
+    return LlamaForCausalLM if name == "llama" else DiffForCausalLM
+
+
 def build_model(name: str, config, seed: int):
     torch.manual_seed(seed)
-    cls = LlamaForCausalLM if name == "llama" else DiffForCausalLM
-    return cls(config).float()
+    return model_class(name)(config).float()
 
 
 # ---- Training and evaluation ----
@@ -260,6 +263,16 @@ def train(name, model, task, args, seed, log):
 
 
 @torch.no_grad()
+def answer_hits(model, samples) -> list[list[bool]]:
+    """For each sample of one length: whether the argmax at each "?" is the asked number, in query order."""
+    logits = model(input_ids=torch.tensor([ids for ids, _, _ in samples])).logits  # (B, L, V)
+    return [
+        [int(logits[b, pos].argmax()) == answer for pos, answer in answers]
+        for b, (_, answers, _) in enumerate(samples)
+    ]
+
+
+@torch.no_grad()
 def evaluate_accuracy(model, task, args, seed):
     """Accuracy per (N, R) over all answers, and per depth of the first queried needle."""
     rng = np.random.default_rng(10_000 + seed)
@@ -270,10 +283,7 @@ def evaluate_accuracy(model, task, args, seed):
             samples = [task.sample(rng, n, r, first_depth=depth) for _ in range(args.eval_per_cell)]
             hits_first = []
             for i in range(0, len(samples), args.eval_batch):
-                chunk = samples[i : i + args.eval_batch]
-                logits = model(input_ids=torch.tensor([s[0] for s in chunk])).logits  # (B, L, V)
-                for b, (_, answers, _) in enumerate(chunk):
-                    hits = [int(logits[b, pos].argmax()) == answer for pos, answer in answers]
+                for hits in answer_hits(model, samples[i : i + args.eval_batch]):
                     correct_all += hits
                     hits_first.append(hits[0])
             correct_depth[str(depth)] = float(np.mean(hits_first))
@@ -291,8 +301,7 @@ def accuracy_by_length(model, task, args, seed):
             hits = []
             for _ in range(0, 2 * args.eval_per_cell, args.eval_batch):
                 chunk = [task.sample(rng, n, r, length=length) for _ in range(args.eval_batch)]
-                logits = model(input_ids=torch.tensor([s[0] for s in chunk])).logits  # (B, L, V)
-                hits += [int(logits[b, pos].argmax()) == a for b, (_, ans, _) in enumerate(chunk) for pos, a in ans]
+                hits += [hit for sample_hits in answer_hits(model, chunk) for hit in sample_hits]
             results.setdefault(str(length), {})[f"N={n},R={r}"] = float(np.mean(hits))
     return results
 
@@ -310,15 +319,16 @@ def evaluate_attention(model, task, args, seed, n_needles=6, n_queries=2):
         for _ in range(args.attention_per_depth):
             ids, answers, starts = task.sample(rng, n_needles, n_queries, first_depth=depth)
             entries = attention_maps(model, torch.tensor([ids]))
-            position, answer = answers[0]
-            span = (starts[0], starts[0] + NEEDLE_LEN)
-            metrics = layer_metrics(entries, span=span, queries=[position])
-            metrics["answer_at_city"] = layer_metrics(entries, span=span, queries=[position - 1])["answer"]
-            metrics["distractors"] = sum(
-                torch.stack([span_mass(e.differential, e.mask, (s, s + NEEDLE_LEN), [position]) for e in entries])
-                for s in task.needle_starts(ids)
-                if s != starts[0]
-            )
+            position = answers[0][0]
+
+            def mass(start, row):  # (layers, H): span_mass of the needle at `start` in `row`
+                return torch.stack(
+                    [span_mass(e.differential, e.mask, (start, start + NEEDLE_LEN), [row]) for e in entries]
+                )
+
+            metrics = layer_metrics(entries, span=(starts[0], starts[0] + NEEDLE_LEN), queries=[position])
+            metrics["answer_at_city"] = mass(starts[0], position - 1)
+            metrics["distractors"] = sum(mass(s, position) for s in task.needle_starts(ids) if s != starts[0])
             for key in ("answer", "noise", "distractors", "answer_at_city", "entropy", "negative_fraction", "lambda"):
                 totals[key] = totals[key] + metrics[key].double()
             count += 1
@@ -469,7 +479,7 @@ def plot(results: dict, task: NeedleTask, tokenizer, models_dir: Path, out: Path
     for name in names:
         run = results["models"][name]["seeds"][0]
         layer, head = run["attention_summary"]["retrieval_head"]
-        model = (LlamaForCausalLM if name == "llama" else DiffForCausalLM).from_pretrained(models_dir / run["model"])
+        model = model_class(name).from_pretrained(models_dir / run["model"])
         entries = attention_maps(model.eval(), torch.tensor([ids]))
         panels.append((name, layer, head, entries[layer].differential[0, head, position].numpy()))
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 2.2 * len(panels)), constrained_layout=True)
@@ -608,8 +618,7 @@ def main(argv=None):
         results = json.loads((out / "results.json").read_text())
         for name, model_results in results["models"].items() if args.evaluate_only else ():
             for run in model_results["seeds"]:
-                cls = LlamaForCausalLM if name == "llama" else DiffForCausalLM
-                model = cls.from_pretrained(out / "models" / run["model"]).eval()
+                model = model_class(name).from_pretrained(out / "models" / run["model"]).eval()
                 run.update(evaluate(model, eval_task, args, run["seed"]))
                 log(f"{name} seed {run['seed']} re-evaluated: " + describe(run))
             (out / "results.json").write_text(json.dumps(results, indent=1))
