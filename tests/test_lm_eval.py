@@ -62,7 +62,7 @@ def sorted_docs(docs):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, one_torch_thread):
     """{"llama"|"v2"|"v1": (metrics, samples)} of the shipped tiny Llama and its two conversions, plus their paths."""
     root = tmp_path_factory.mktemp("lm_eval")
     paths = {"llama": TINY_LLAMA}
@@ -70,19 +70,12 @@ def runs(tmp_path_factory):
         paths[f"v{version}"] = convert_llama_to_diff(
             TINY_LLAMA, root / f"v{version}", diff_version=version, progress=False
         )
-    threads = torch.get_num_threads()
-    try:
-        # One intra-op thread (as test_serving.py): on a loaded 2-core machine the three runs took 65 s with 2
-        # threads and 3 s with 1.
-        torch.set_num_threads(1)
-        with pytest.MonkeyPatch.context() as mp:
-            # Both libraries read the offline flags at import; and any connection at all fails.
-            mp.setattr(constants, "HF_HUB_OFFLINE", True)
-            mp.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-            mp.setattr(socket.socket, "connect", no_network)
-            return {name: (*evaluate(path), path) for name, path in paths.items()}
-    finally:
-        torch.set_num_threads(threads)
+    with pytest.MonkeyPatch.context() as mp:
+        # Both libraries read the offline flags at import; and any connection at all fails.
+        mp.setattr(constants, "HF_HUB_OFFLINE", True)
+        mp.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+        mp.setattr(socket.socket, "connect", no_network)
+        return {name: (*evaluate(path), path) for name, path in paths.items()}
 
 
 def no_network(*args):

@@ -46,14 +46,8 @@ CB_OPTIONS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread here too (see `Server`): on a loaded 2-core machine, greedy decoding of the tiny V1 model
-    measured 5.1 s with 2 threads and 0.21 s with 1. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# One intra-op thread here too (see `Server`), restored afterwards.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
