@@ -5,17 +5,23 @@ import diff_transformer  # noqa: F401  (registers the Auto classes)
 from diff_transformer import DiffConfig, DiffForCausalLM
 
 
+# The sizes every tiny test model shares: Diff (tiny_config) and the Llama / DiffLlama it is compared with.
+TINY_SIZES = dict(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    pad_token_id=0,
+)
+
+
 def tiny_config(diff_version=2, **overrides):
     values = dict(
-        vocab_size=97,
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        TINY_SIZES,
         max_position_embeddings=4096,
         diff_version=diff_version,
-        pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
     )

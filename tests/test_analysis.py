@@ -24,7 +24,7 @@ from diff_transformer.analysis import (
     span_mass,
 )
 
-from conftest import tiny_model
+from conftest import TINY_SIZES, tiny_model
 
 
 def batch():
@@ -135,15 +135,7 @@ def test_remote_code_model(tmp_path, diff_version):
 
 def test_llama_maps_and_metrics():
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-    )
+    config = LlamaConfig(**TINY_SIZES)
     model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
     ids, mask = batch()
     entries = attention_maps(model, ids, mask)
@@ -161,16 +153,7 @@ def test_llama_maps_and_metrics():
 
 def test_diffllama_maps_and_lambda():
     torch.manual_seed(0)
-    config = DiffLlamaConfig(
-        vocab_size=97,
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-        lambda_std_dev=0.3,
-    )
+    config = DiffLlamaConfig(**TINY_SIZES, lambda_std_dev=0.3)
     model = DiffLlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
     ids, mask = batch()
     entries = attention_maps(model, ids, mask)
