@@ -27,7 +27,9 @@ every other token over the same total (docs/multi_needle.md gives the definition
 
 Writes to --output: results.json (every figure, the training curves, the configs), tables.md, curves.png,
 accuracy.png, attention.png, maps.png (one head of each model on one example) and models/<name>-seed<k>/
-(save_pretrained + the word-level tokenizer, so `diff-transformer inspect` works on them).
+(save_pretrained + the word-level tokenizer, so `diff-transformer inspect` works on them). A training run wants a new
+or empty --output (--overwrite trains into a non-empty one, replacing only the files above); --evaluate-only and
+--plot-only want one that holds a run's results.json.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from diff_transformer import DiffConfig, DiffForCausalLM
 from diff_transformer.analysis import attention_maps, layer_metrics, span_mass
+from diff_transformer.errors import UserError
+from diff_transformer.safe_output import check_target
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -565,7 +569,8 @@ def tables(results: dict) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--output", type=Path, required=True)
+    p.add_argument("--output", required=True, help="a new directory (checked: not empty, ., ~ or /)")
+    p.add_argument("--overwrite", action="store_true", help="train into a non-empty --output, replacing what it wrote")
     p.add_argument("--models", default="llama,v1,v2")
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--threads", type=int, default=None)
@@ -587,6 +592,15 @@ def parse_args(argv=None):
     p.add_argument("--plot-only", action="store_true", help="redraw the figures from --output's results.json")
     p.add_argument("--evaluate-only", action="store_true", help="re-evaluate --output's saved models, then plot")
     args = p.parse_args(argv)
+    try:
+        args.output = check_target(args.output, name="--output")
+    except UserError as error:
+        p.error(str(error))
+    reusing = args.plot_only or args.evaluate_only
+    if reusing and not (args.output / "results.json").is_file():
+        p.error(f"--output {args.output} holds no results.json: run the experiment into it first")
+    if not reusing and args.output.is_dir() and any(args.output.iterdir()) and not args.overwrite:
+        p.error(f"--output {args.output} is not empty: pass a new directory, or --overwrite to train into it")
     shortest = 1 + args.max_needles * (NEEDLE_LEN + QUERY_LEN) + 16
     if args.min_length < shortest or args.length < args.min_length:
         p.error(

@@ -117,3 +117,29 @@ def test_sequences_too_short_for_the_needles_are_refused(mn, capsys):
     with pytest.raises(SystemExit) as exit_info:
         mn.parse_args(["--output", "x", "--min-length", "64"])
     assert exit_info.value.code == 2 and "raise them or lower --max-needles" in capsys.readouterr().err
+
+
+def test_outputs_that_would_overwrite_are_refused(mn, tmp_path, monkeypatch, capsys):
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "mine.txt").write_text("the user's")
+    monkeypatch.chdir(user)
+    for argv, message in [
+        (["--output", ""], "is empty"),
+        (["--output", "."], "is the current directory"),
+        (["--output", str(tmp_path)], "is a parent of the current directory"),
+        (["--output", str(user / "..")], "is a parent of the current directory"),
+        (["--output", str(tmp_path / "new"), "--plot-only"], "holds no results.json"),
+        (["--output", str(tmp_path / "new"), "--evaluate-only"], "holds no results.json"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            mn.parse_args(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, argv
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        mn.parse_args(["--output", "user"])
+    assert (
+        exit_info.value.code == 2 and "is not empty: pass a new directory, or --overwrite" in capsys.readouterr().err
+    )
+    assert mn.parse_args(["--output", "user", "--overwrite"]).output == user
+    assert [p.name for p in user.iterdir()] == ["mine.txt"]
