@@ -641,7 +641,8 @@ def main(argv=None):
         return
     configs = build_configs(args, len(tokenizer))
     names = args.models.split(",")
-    results = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "models": {}}
+    settings = {k: v for k, v in vars(args).items() if k not in ("output", "overwrite", "plot_only", "evaluate_only")}
+    results = {"args": settings, "models": {}}  # the experiment's settings; where it was written is not one
     for name in names:
         results["models"][name] = {"config": configs[name].to_dict(), "seeds": []}
     for seed in range(args.seeds):
