@@ -279,7 +279,7 @@ def test_inspect_errors_are_one_line(tmp_path, capsys):
 
 
 def test_head_figure_and_metric_grid(diff_version):
-    from diff_transformer.plotting import head_figure, metric_grid
+    from diff_transformer.analysis.plotting import head_figure, metric_grid
 
     model = tiny_model(diff_version)
     ids, mask = batch()

@@ -1,4 +1,4 @@
-"""Model cards: `save_pretrained`, `push_to_hub` and the converter write one card (modelcard_diff.diff_model_card)."""
+"""Model cards: `save_pretrained`, `push_to_hub` and the converter write one card (`integrations.hub`)."""
 
 import json
 import math

@@ -371,7 +371,7 @@ def test_side_files_card_and_custom_code(tmp_path):
     assert (out / "generation_config.json").read_bytes() == (src / "generation_config.json").read_bytes()
     assert not (out / "pytorch_model.bin").exists()
     package = Path(__file__).resolve().parents[1] / "src" / "diff_transformer"
-    for name in ("configuration_diff.py", "modeling_diff.py", "modelcard_diff.py"):
+    for name in ("configuration_diff.py", "modeling_diff.py"):
         assert (out / name).read_bytes() == (package / name).read_bytes()
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DiffForCausalLM"]

@@ -25,7 +25,7 @@ PACKAGE = Path(diff_transformer.__file__).parent
 TINY_LLAMA = PACKAGE / "assets" / "tiny-llama"
 TEXT = "It is a truth universally acknowledged"
 CHAT = [{"role": "user", "content": "Who is Mr. Darcy?"}]
-CODE_FILES = ("configuration_diff.py", "modeling_diff.py", "modelcard_diff.py")
+CODE_FILES = ("configuration_diff.py", "modeling_diff.py")
 # What our repos may hold: weights only as safetensors, never a pickle (.bin/.pt/.pth/.pkl/.ckpt).
 ALLOWED_SUFFIXES = (".safetensors", ".json", ".py", ".md", ".jinja", ".txt", ".gitattributes")
 

@@ -227,7 +227,7 @@ def test_save_reload_equal_and_auto_classes(tmp_path, diff_version):
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").exists()
     assert not list(tmp_path.glob("*.bin"))
-    for name in ("configuration_diff.py", "modeling_diff.py", "modelcard_diff.py"):
+    for name in ("configuration_diff.py", "modeling_diff.py"):
         assert (tmp_path / name).exists()
     config = AutoConfig.from_pretrained(tmp_path)
     assert isinstance(config, DiffConfig) and config.diff_version == diff_version

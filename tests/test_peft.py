@@ -214,9 +214,7 @@ REMOTE = textwrap.dedent(
     """
     import json, sys
     import torch
-    from peft import AutoPeftModelForCausalLM, LoraConfig, get_peft_model
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from transformers import AutoModelForCausalLM
+    from peft import AutoPeftModelForCausalLM
 
     cases, ids = json.loads(sys.argv[1]), torch.tensor(json.loads(sys.argv[2]))
     report = {}
@@ -226,13 +224,9 @@ REMOTE = textwrap.dedent(
         )
         with torch.no_grad():
             logits = reloaded(ids).logits
-        fresh = get_peft_model(
-            AutoModelForCausalLM.from_pretrained(base, trust_remote_code=True), LoraConfig(task_type="CAUSAL_LM")
-        )
         report[version] = {
             "base_module": type(reloaded.get_base_model()).__module__,
             "logits": logits.flatten().tolist(),
-            "default_targets": sorted(n for n, m in fresh.named_modules() if isinstance(m, BaseTunerLayer)),
         }
     report["imported_diff_transformer"] = any(m.startswith("diff_transformer") for m in sys.modules)
     print(json.dumps(report))
@@ -257,15 +251,10 @@ def test_adapter_on_converted_model_reloads_as_remote_code(tmp_path, converted, 
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     report = run_json(REMOTE, json.dumps(cases), json.dumps(ids.tolist()), env=env)
     assert report["imported_diff_transformer"] is False
-    layers = AutoModelForCausalLM.from_pretrained(converted[1]).config.num_hidden_layers
     for version in converted:
         got = report[str(version)]
         assert got["base_module"].startswith("transformers_modules.")
         torch.testing.assert_close(torch.tensor(got["logits"]), expected[version], rtol=0, atol=1e-5)
-        # PEFT's llama default also applies to model_type "diff" loaded as custom code.
-        assert got["default_targets"] == sorted(
-            f"base_model.model.model.layers.{i}.self_attn.{p}" for i in range(layers) for p in ("q_proj", "v_proj")
-        )
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; run on a lent H100)")

@@ -6,8 +6,8 @@ from importlib.metadata import entry_points, version
 import pytest
 from vllm_helpers import HERE
 
-from diff_transformer.vllm_model import _check_tensor_parallel
-from diff_transformer.vllm_plugin import register
+from diff_transformer.integrations.vllm.model import _check_tensor_parallel
+from diff_transformer.integrations.vllm.plugin import register
 
 
 def pinned(name):

@@ -14,8 +14,9 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
-from .backends import register_diff_triton
 from .configuration_diff import DiffConfig
+from .integrations import install as _install_integrations
+from .integrations.peft import register_peft_defaults
 from .layers import DifferentialAttention, differential_attention
 from .modeling_diff import (
     DiffAttention,
@@ -29,7 +30,6 @@ from .modeling_diff import (
     DiffModel,
     DiffPreTrainedModel,
 )
-from .peft_support import register_if_peft_imported, register_peft_defaults
 
 
 __version__ = "0.1.0"
@@ -50,12 +50,10 @@ DiffForSequenceClassification.register_for_auto_class("AutoModelForSequenceClass
 DiffForTokenClassification.register_for_auto_class("AutoModelForTokenClassification")
 DiffForQuestionAnswering.register_for_auto_class("AutoModelForQuestionAnswering")
 
-# attn_implementation="diff_triton": V1's fused Triton kernel on CUDA (sdpa elsewhere).
-register_diff_triton()
-
-# PEFT picks default target modules by model_type: give "diff" Llama's. peft is not imported here (slow); Diff
-# models constructed after it is imported register too (see peft_support).
-register_if_peft_imported()
+# What the package adds to the model classes and to transformers (see `integrations`): the "diff_triton" attention
+# backend (V1's fused kernel), the model card on save/push, PEFT's default target modules for "diff" (peft is not
+# imported here: it is slow; Diff models constructed after it is imported register too).
+_install_integrations()
 
 __all__ = [
     "DiffConfig",

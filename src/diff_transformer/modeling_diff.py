@@ -18,7 +18,6 @@ from the `diff_transformer` package once it is imported (see `_fused_kernels`).
 
 import copy
 import enum
-import os
 import sys
 from collections.abc import Callable
 
@@ -49,7 +48,6 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_diff import DiffConfig
-from .modelcard_diff import TRANSFORMERS_PLACEHOLDER_CARD, diff_model_card
 
 
 def _fused_kernels():
@@ -444,31 +442,8 @@ class DiffDecoderLayer(GradientCheckpointingLayer):
 # come first in the model classes' bases, so their methods wrap transformers' with `super()`.
 
 
-def add_diff_to_peft_default_targets() -> None:
-    """Give `model_type="diff"` every PEFT default that "llama" has (LoRA and its relatives: q_proj/v_proj; IA3,
-    LN tuning, ...), so `LoraConfig(task_type="CAUSAL_LM")` needs no `target_modules`: Diff's module names are Llama's.
-
-    Relies on: PEFT has no registration API; its tuners look `model_type` up in the module-level dicts
-    `peft.utils.constants.TRANSFORMERS_MODELS_TO_*` when `target_modules` is None, so adding a key is all it takes.
-    Guarded by tests/test_peft.py::test_defaults_registered_on_construction_and_on_request. Needs peft installed.
-    """
-    from peft.utils import constants
-
-    for name, mapping in vars(constants).items():
-        if name.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(mapping, dict) and "llama" in mapping:
-            mapping.setdefault("diff", mapping["llama"])
-
-
 class _PreTrainedModelHooks:
     """Hooks of every Diff model class (mixed into `DiffPreTrainedModel`)."""
-
-    def __init__(self, config: DiffConfig, *inputs, **kwargs):
-        super().__init__(config, *inputs, **kwargs)
-        # PEFT defaults (see `add_diff_to_peft_default_targets`). Runs wherever this file does (package or Hub custom
-        # code), but never imports peft: it is optional and slow to import (it pulls in bitsandbytes when installed).
-        # Anyone about to call get_peft_model has imported it.
-        if "peft" in sys.modules:
-            add_diff_to_peft_default_targets()
 
     def train(self, mode: bool = True):
         # Relies on: bitsandbytes (0.50) `Linear4bit.forward` repacking a CPU 4-bit layer into an AVX512-BF16 inference
@@ -497,40 +472,6 @@ class _PreTrainedModelHooks:
                 f"key/value groups. Use a tensor-parallel size that divides both."
             )
         return super().maybe_distribute_model(model, distributed_config, mesh_manager)
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`, plus a model card (README.md, see `diff_model_card`) unless the directory
-        already has one: a card that is there (the user's, or one from an earlier save) is never replaced.
-
-        Relies on: `save_pretrained`'s first positional argument after the directory being `is_main_process`.
-        Guarded by tests/test_card.py (test_save_pretrained_writes_a_card_with_architecture_and_lambda,
-        test_a_readme_already_in_the_directory_is_kept, test_only_the_main_process_writes_the_card).
-        """
-        readme = os.path.join(save_directory, "README.md")
-        had_card = os.path.isfile(readme)
-        super().save_pretrained(save_directory, *args, **kwargs)
-        is_main_process = kwargs.get("is_main_process", args[0] if args else True)
-        if is_main_process and not had_card and not os.path.isfile(readme):
-            diff_model_card(self.config, os.path.basename(os.path.normpath(save_directory))).save(readme)
-
-    def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
-        # Relies on: both push paths (`PushToHubMixin.push_to_hub`, `save_pretrained(push_to_hub=True)`) writing
-        # README.md (`create_and_tag_model_card`) just before calling `_upload_modified_files`: the Hub repo's own card
-        # if it has one (kept), else transformers' generic placeholder, which becomes this model's card here, keeping
-        # the tags transformers collected (`model_tags`, `tags=`). Guarded by tests/test_card.py
-        # (test_push_to_hub_uploads_the_diff_card_not_transformers_placeholder,
-        # test_push_keeps_a_card_already_on_the_hub,
-        # test_save_pretrained_push_to_hub_writes_the_card_locally_and_on_the_hub).
-        readme = os.path.join(working_dir, "README.md")
-        if os.path.isfile(readme):
-            from huggingface_hub import ModelCard
-
-            pushed = ModelCard.load(readme)
-            if TRANSFORMERS_PLACEHOLDER_CARD in pushed.text:
-                card = diff_model_card(self.config, repo_id)
-                card.data.tags += [tag for tag in pushed.data.tags or [] if tag not in card.data.tags]
-                card.save(readme)
-        return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
 
 
 class _TaskHeadHooks:

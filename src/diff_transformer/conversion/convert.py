@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..configuration_diff import AUTO_MAP
-from ..modelcard_diff import diff_model_card
+from ..integrations.hub import diff_model_card
 from ..safe_output import Staging, check_target
 from .dtypes import cast_dtype, from_safetensors_code, parse_dtype
 from .errors import ConversionError, one_line
@@ -29,7 +29,7 @@ from .source import SourceCheckpoint, check_float_dtypes, open_source, read_weig
 from .writer import ShardWriter
 
 
-CUSTOM_CODE_FILES = ("configuration_diff.py", "modeling_diff.py", "modelcard_diff.py")
+CUSTOM_CODE_FILES = ("configuration_diff.py", "modeling_diff.py")
 
 # Llama / DiffLlama config fields that DiffConfig shares with the same meaning (the head geometry is set separately).
 _COPIED_FIELDS = (

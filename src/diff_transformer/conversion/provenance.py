@@ -1,6 +1,6 @@
 """Provenance of a converted checkpoint, stored in its config as `DiffConfig.conversion`.
 
-The card itself is written by `modelcard_diff.diff_model_card`, the one generator shared with `save_pretrained` and
+The card itself is written by `integrations.hub.diff_model_card`, the one generator shared with `save_pretrained` and
 `push_to_hub`: keeping the provenance in the config (not only in the README) means a converted model that is
 re-saved or pushed later still names its base model.
 """

@@ -276,7 +276,7 @@ def load_model(args, training_args):
 def add_lora(model, args):
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    from ..peft_support import register_peft_defaults
+    from ..integrations.peft import register_peft_defaults
 
     register_peft_defaults()  # LoRA's default targets for "diff", whatever imported peft first
 

@@ -1,4 +1,4 @@
-"""Diff Transformer V1 and V2 as vLLM models, built from vLLM's own layers (see `vllm_plugin` for registration).
+"""Diff Transformer V1 and V2 as vLLM models, built from vLLM's own layers (see `plugin` for registration).
 
 Reads the checkpoints `DiffForCausalLM.save_pretrained` and the converter write, with the same tensor names. The
 layout of q/k/v rows is head-major (see `modeling_diff.py`), so vLLM's `QKVParallelLinear` splits them over
@@ -14,7 +14,7 @@ tensor-parallel ranks into whole differential heads:
   the multiply-adds of the d-wide product (AV is 2d wide for both maps whatever the design), and the backend must
   support head size 2d.
 
-Imports vLLM: only `vllm_plugin.register` touches this module, by name, so importing `diff_transformer` never does.
+Imports vLLM: only `plugin.register` touches this module, by name, so importing `diff_transformer` never does.
 """
 
 from collections.abc import Iterable
@@ -39,7 +39,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 
-from .configuration_diff import DiffConfig
+from ...configuration_diff import DiffConfig
 
 
 def _check_tensor_parallel(config: DiffConfig, tp_size: int) -> None:

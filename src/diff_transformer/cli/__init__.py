@@ -16,7 +16,7 @@ def _demo(args) -> int:
     generating."""
     if args.scratch:
         return _scratch_demo(args)
-    from diff_transformer.demo import run_demo
+    from diff_transformer.cli.demo import run_demo
 
     kwargs = {"prompt": args.prompt} if args.prompt else {}
     return run_demo(args.output, overwrite=args.overwrite, **kwargs)
@@ -24,7 +24,7 @@ def _demo(args) -> int:
 
 def _scratch_demo(args) -> int:
     """Build small Diff models of both versions, save them, reload through AutoModelForCausalLM, generate."""
-    from diff_transformer.demo import SCRATCH_MARK, demo_output
+    from diff_transformer.cli.demo import SCRATCH_MARK, demo_output
 
     if args.output is None:
         with tempfile.TemporaryDirectory(prefix="diff-demo-") as tmp:
@@ -214,8 +214,8 @@ def _inspect(args) -> int:
     import torch
 
     from diff_transformer.analysis import attention_maps, layer_metrics, model_kind
+    from diff_transformer.analysis.plotting import _matplotlib, head_figure
     from diff_transformer.loading import load_causal_lm, resolve_model
-    from diff_transformer.plotting import _matplotlib, head_figure
 
     Figure, _ = _matplotlib()  # before anything loads: a missing matplotlib is one line
     figure_types = set(Figure().canvas.get_supported_filetypes())
@@ -292,7 +292,7 @@ def _inspect(args) -> int:
     _write_atomically(out, lambda path: figure.savefig(path, dpi=args.dpi))
     print(f"wrote {out} ({name}, layer {args.layer}, head {args.head})")
     if grid_out is not None:
-        from diff_transformer.plotting import metric_grid
+        from diff_transformer.analysis.plotting import metric_grid
 
         grid = metric_grid(metrics[args.metric], args.metric, title=f"{title}: {args.metric}")
         _write_atomically(grid_out, lambda path: grid.savefig(path, dpi=args.dpi))
@@ -334,7 +334,7 @@ def _train(args) -> int:
 
 
 def _serve(args) -> int:
-    from diff_transformer.serving import main as serve
+    from diff_transformer.integrations.serving import main as serve
 
     return serve(args.serve_args)
 
@@ -457,7 +457,3 @@ def run_as_process(argv=None) -> int:
         dist.barrier()
         dist.destroy_process_group()
     return status
-
-
-if __name__ == "__main__":
-    sys.exit(run_as_process())

@@ -1,12 +1,16 @@
-"""The model card (README.md) of a Diff checkpoint.
+"""The model card (README.md) of a Diff checkpoint, and the hooks that write it on `save_pretrained` and `push_to_hub`.
 
-Written from a custom-code file (not from the diff_transformer package) so that a model loaded as Hub custom code
-writes the same card when it is saved or pushed: `modeling_diff.py` imports it relatively, and transformers copies a
-custom-code file's relative imports next to it when saving (the converter copies it too). Only huggingface_hub (a
-dependency of transformers) and `.configuration_diff` are imported.
+One generator (`diff_model_card`) serves `save_pretrained`, both push paths and the converter. It lives in the
+package, not in the checkpoint's custom code (which is the model and nothing else): a model loaded as Hub custom code
+where the package is not installed saves and pushes as any custom-code model does (transformers' own card on push).
 """
 
-from .configuration_diff import DiffConfig
+import os
+
+from transformers import PreTrainedModel
+
+from ..configuration_diff import DiffConfig
+from ..modeling_diff import DiffPreTrainedModel
 
 
 # The text of the card transformers writes when a repo has none (`transformers.utils.hub.create_and_tag_model_card`).
@@ -183,7 +187,7 @@ pipe = pipeline("{pipeline_tag}", model=model, tokenizer=tokenizer)
 {example}
 ```
 
-The checkpoint carries its code (`configuration_diff.py`, `modeling_diff.py`, `modelcard_diff.py`), hence
+The checkpoint carries its code (`configuration_diff.py`, `modeling_diff.py`), hence
 `trust_remote_code=True`. With `pip install diff-transformer`, `import diff_transformer` registers the model with the
 Auto classes (no remote code needed), and `diff-transformer serve` serves it through transformers' OpenAI-compatible
 server.
@@ -191,4 +195,46 @@ server.
     return ModelCard(f"---\n{_card_data(config).to_yaml()}\n---\n{body}")
 
 
-__all__ = ["diff_model_card", "TRANSFORMERS_PLACEHOLDER_CARD"]
+def _save_pretrained(self, save_directory, *args, **kwargs):
+    """`PreTrainedModel.save_pretrained`, plus a model card (README.md, see `diff_model_card`) unless the directory
+    already has one: a card that is there (the user's, or one from an earlier save) is never replaced.
+
+    Relies on: `save_pretrained`'s first positional argument after the directory being `is_main_process`.
+    Guarded by tests/test_card.py (test_save_pretrained_writes_a_card_with_architecture_and_lambda,
+    test_a_readme_already_in_the_directory_is_kept, test_only_the_main_process_writes_the_card).
+    """
+    readme = os.path.join(save_directory, "README.md")
+    had_card = os.path.isfile(readme)
+    PreTrainedModel.save_pretrained(self, save_directory, *args, **kwargs)
+    is_main_process = kwargs.get("is_main_process", args[0] if args else True)
+    if is_main_process and not had_card and not os.path.isfile(readme):
+        diff_model_card(self.config, os.path.basename(os.path.normpath(save_directory))).save(readme)
+
+
+def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
+    # Relies on: both push paths (`PushToHubMixin.push_to_hub`, `save_pretrained(push_to_hub=True)`) writing
+    # README.md (`create_and_tag_model_card`) just before calling `_upload_modified_files`: the Hub repo's own card
+    # if it has one (kept), else transformers' generic placeholder, which becomes this model's card here, keeping
+    # the tags transformers collected (`model_tags`, `tags=`). Guarded by tests/test_card.py
+    # (test_push_to_hub_uploads_the_diff_card_not_transformers_placeholder,
+    # test_push_keeps_a_card_already_on_the_hub,
+    # test_save_pretrained_push_to_hub_writes_the_card_locally_and_on_the_hub).
+    readme = os.path.join(working_dir, "README.md")
+    if os.path.isfile(readme):
+        from huggingface_hub import ModelCard
+
+        pushed = ModelCard.load(readme)
+        if TRANSFORMERS_PLACEHOLDER_CARD in pushed.text:
+            card = diff_model_card(self.config, repo_id)
+            card.data.tags += [tag for tag in pushed.data.tags or [] if tag not in card.data.tags]
+            card.save(readme)
+    return PreTrainedModel._upload_modified_files(self, working_dir, repo_id, *args, **kwargs)
+
+
+def install_card_hooks(model_class: type = DiffPreTrainedModel) -> None:
+    """Write the card on `model_class.save_pretrained` and `push_to_hub` (the package's models, every head)."""
+    model_class.save_pretrained = _save_pretrained
+    model_class._upload_modified_files = _upload_modified_files
+
+
+__all__ = ["diff_model_card", "install_card_hooks", "TRANSFORMERS_PLACEHOLDER_CARD"]

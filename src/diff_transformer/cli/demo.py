@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import UserError
-from .safe_output import OutputError, Staging, check_target, write_manifest, wrote_this
+from ..errors import UserError
+from ..safe_output import OutputError, Staging, check_target, write_manifest, wrote_this
 
 
 ASSET_MODEL = "tiny-llama"
@@ -257,7 +257,7 @@ def _load_source(log: _Log, src: Path, heldout_text: str) -> _Loaded:
 
 def _convert_into(log: _Log, src: Path, out: Path, replace: bool, keep: bool) -> None:
     """[2] convert_llama_to_diff into `out`; a kept output gets the manifest that lets a later run replace it."""
-    from .conversion import convert_llama_to_diff
+    from ..conversion import convert_llama_to_diff
 
     t = time.perf_counter()
     convert_llama_to_diff(src, out, diff_version=2, progress=False, overwrite=replace)
@@ -274,7 +274,7 @@ def _convert_into(log: _Log, src: Path, out: Path, replace: bool, keep: bool) ->
 
 def _verify(log: _Log, src: Path, out: Path) -> None:
     """[3] verify_conversion: random token sequences, logits and greedy continuations."""
-    from .conversion import verify_conversion
+    from ..conversion import verify_conversion
 
     t = time.perf_counter()
     report = verify_conversion(src, out)
@@ -297,7 +297,7 @@ def _load_converted(log: _Log, out: Path, source: _Loaded, heldout_text: str) ->
     """[4] The converted checkpoint through the Auto classes, on the source's held-out text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .modeling_diff import DiffForCausalLM
+    from ..modeling_diff import DiffForCausalLM
 
     t = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
