@@ -47,11 +47,16 @@ def softmax_rows(logits, mask):
     return torch.softmax(logits, dim=-1)
 
 
+def qk_norm(sd, name, x, config):
+    """Qwen3's q_norm / k_norm: an RMSNorm over every d-wide query or key (sub-)head, when the checkpoint has one."""
+    return rms_norm(x, sd[name + ".weight"], config.rms_norm_eps) if name + ".weight" in sd else x
+
+
 def attention_v1(sd, p, config, layer_idx, x, cos, sin, mask):
     H, H_kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     n = x.shape[0]
-    q = linear(sd, p + "q_proj", x).view(n, H, 2, d)
-    k = linear(sd, p + "k_proj", x).view(n, H_kv, 2, d)
+    q = qk_norm(sd, p + "q_norm", linear(sd, p + "q_proj", x).view(n, H, 2, d), config)
+    k = qk_norm(sd, p + "k_norm", linear(sd, p + "k_proj", x).view(n, H_kv, 2, d), config)
     v = linear(sd, p + "v_proj", x).view(n, H_kv, 2 * d)
     lq1, lk1, lq2, lk2 = (sd[p + f"diff_lambda.lambda_{n_}"].float() for n_ in ("q1", "k1", "q2", "k2"))
     lambda_init = config.lambda_init if config.lambda_init is not None else 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
@@ -73,8 +78,8 @@ def attention_v1(sd, p, config, layer_idx, x, cos, sin, mask):
 def attention_v2(sd, p, config, layer_idx, x, cos, sin, mask):
     H, H_kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     n = x.shape[0]
-    q = linear(sd, p + "q_proj", x).view(n, 2 * H, d)
-    k = linear(sd, p + "k_proj", x).view(n, H_kv, d)
+    q = qk_norm(sd, p + "q_norm", linear(sd, p + "q_proj", x).view(n, 2 * H, d), config)
+    k = qk_norm(sd, p + "k_norm", linear(sd, p + "k_proj", x).view(n, H_kv, d), config)
     v = linear(sd, p + "v_proj", x).view(n, H_kv, d)
     lam = torch.sigmoid(x @ sd[p + "diff_lambda.proj.weight"].T)  # (N, H)
     group = lambda j: j // (2 * H // H_kv)  # noqa: E731

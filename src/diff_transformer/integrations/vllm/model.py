@@ -40,6 +40,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 
 from ...configuration_diff import DiffConfig
+from .fields import check_config
 
 
 def _check_tensor_parallel(config: DiffConfig, tp_size: int) -> None:
@@ -109,78 +110,113 @@ class DiffLambdaV2(nn.Module):
 
 
 class DiffAttention(nn.Module):
-    def __init__(self, config: DiffConfig, layer_idx: int, cache_config, quant_config, prefix: str):
+    """What both versions share: the fused q/k/v projection, `o_proj`, Qwen3's q/k norms, RoPE on every d-wide
+    sub-head, and one stock `Attention` call. `head_size` is the width of one projection head (its rows are contiguous
+    in the checkpoint, so tensor parallelism splits whole heads), attended and fed to `o_proj` at that width;
+    `query_heads` how many such heads q_proj holds."""
+
+    def __init__(self, config: DiffConfig, head_size: int, query_heads: int, cache_config, quant_config, prefix: str):
         super().__init__()
         tp_size = get_tensor_model_parallel_world_size()
         _check_tensor_parallel(config, tp_size)
-        self.version = config.diff_version
         H, H_kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.head_dim = d
         self.num_heads = H // tp_size  # differential heads on this rank
         self.num_kv_heads = max(1, H_kv // tp_size)
-        bias = config.attention_bias
+        out_bias = config.attention_bias if config.attention_out_bias is None else config.attention_out_bias
 
-        # V1 groups each head's [q1 | q2] (and each group's [k1 | k2], [v halves]) as one 2d-wide "head", V2 has
-        # 2H query heads of size d: either way the rows of one projection head are contiguous in the checkpoint.
-        if self.version == 1:
-            proj_head, proj_heads, self.attn_head = 2 * d, H, 2 * d
-        else:
-            proj_head, proj_heads, self.attn_head = d, 2 * H, d
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, proj_head, proj_heads, H_kv, bias=bias, quant_config=quant_config,
+            config.hidden_size, head_size, query_heads, H_kv, bias=config.attention_bias, quant_config=quant_config,
             prefix=f"{prefix}.qkv_proj",
         )  # fmt: skip
-        self.q_size = self.num_heads * 2 * d
-        self.kv_size = self.num_kv_heads * (2 * d if self.version == 1 else d)
-        o_in = H * (2 * d if self.version == 1 else d)
-        self.o_proj = RowParallelLinear(o_in, config.hidden_size, bias=bias, quant_config=quant_config,
-                                        prefix=f"{prefix}.o_proj")  # fmt: skip
-
+        self.q_size = self.num_heads * 2 * d  # both versions: 2 d-wide query sub-heads per differential head
+        self.kv_size = self.num_kv_heads * head_size
+        self.o_proj = RowParallelLinear(
+            H * head_size, config.hidden_size, bias=out_bias, quant_config=quant_config, prefix=f"{prefix}.o_proj"
+        )
+        # Qwen3: one d-sized RMSNorm over every query/key sub-head before RoPE (V1: q1, q2, k1, k2 alike).
+        self.q_norm = RMSNorm(d, eps=config.rms_norm_eps) if config.use_qk_norm else None
+        self.k_norm = RMSNorm(d, eps=config.rms_norm_eps) if config.use_qk_norm else None
         # Every sub-head (q1, q2, k1, k2, V2's heads) is rotated on its own d dimensions, as in the transformers model.
         self.rotary_emb = get_rope(
             d, max_position=config.max_position_embeddings, is_neox_style=True,
             rope_parameters=getattr(config, "rope_parameters", None),
         )  # fmt: skip
         self.attn = Attention(
-            2 * self.num_heads, self.attn_head, d**-0.5, num_kv_heads=self.num_kv_heads, cache_config=cache_config,
+            2 * self.num_heads, head_size, d**-0.5, num_kv_heads=self.num_kv_heads, cache_config=cache_config,
             quant_config=quant_config, prefix=f"{prefix}.attn",
         )  # fmt: skip
 
-        if self.version == 1:
-            self.lambda_init = config.lambda_init_for_layer(layer_idx)
-            self.diff_lambda = DiffLambdaV1(d, self.lambda_init)
-            self.subln = RMSNorm(2 * d, eps=config.rms_norm_eps)
-        else:
-            self.diff_lambda = DiffLambdaV2(config.hidden_size, H, prefix=f"{prefix}.diff_lambda")
+    def _sub_head_norm(self, norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
+        if norm is None:
+            return x
+        return norm(x.reshape(-1, self.head_dim)).view(x.shape)  # every d-wide sub-head on its own
+
+    def project(self, positions: torch.Tensor, hidden_states: torch.Tensor):
+        """q (T, 2H*d), k and v (T, H_kv*head_size), normed and rotated."""
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self._sub_head_norm(self.q_norm, q), self._sub_head_norm(self.k_norm, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return q, k, v
+
+
+class DiffAttentionV2(DiffAttention):
+    """V2: a Llama attention with 2H query heads of size d (heads 2h, 2h+1 form differential head h) over H_kv
+    key/value heads; head h outputs `a_2h - sigmoid(W_λ x)_h a_2h+1`."""
+
+    def __init__(self, config: DiffConfig, layer_idx: int, cache_config, quant_config, prefix: str):
+        H, d = config.num_attention_heads, config.head_dim
+        super().__init__(config, d, 2 * H, cache_config, quant_config, prefix)
+        self.diff_lambda = DiffLambdaV2(config.hidden_size, H, prefix=f"{prefix}.diff_lambda")
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         T, d, H = hidden_states.shape[0], self.head_dim, self.num_heads
-        qkv, _ = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)  # d-wide sub-heads: (T, 2H*d), (T, 2H_kv*d) or (T, H_kv*d)
-
-        if self.version == 2:
-            out = self.attn(q, k, v).view(T, H, 2, d)  # (T, H, 2, d): query heads (2h, 2h+1)
-            lam = self.diff_lambda(hidden_states).unsqueeze(-1).to(out.dtype)  # (T, H, 1)
-            out = out[:, :, 0] - lam * out[:, :, 1]  # (T, H, d)
-        else:
-            q = q.view(T, H, 2, d)  # (T, H, 2, d): [q1 | q2] of every head
-            zeros = torch.zeros_like(q[:, :, 0])
-            q = torch.stack(
-                (torch.cat((q[:, :, 0], zeros), dim=-1), torch.cat((zeros, q[:, :, 1]), dim=-1)), dim=2
-            )  # (T, H, 2, 2d): [q1 | 0], [0 | q2] against keys [k1 | k2]
-            out = self.attn(q.reshape(T, H * 2 * 2 * d), k, v).view(T, H, 2, 2 * d)  # (T, H, 2, 2d): A1 v, A2 v
-            lam = self.diff_lambda().to(out.dtype)
-            out = out[:, :, 0] - lam * out[:, :, 1]  # (T, H, 2d)
-            out = self.subln(out.reshape(T * H, 2 * d)) * (1.0 - self.lambda_init)  # (T*H, 2d)
-        out, _ = self.o_proj(out.reshape(T, -1))
+        q, k, v = self.project(positions, hidden_states)
+        out = self.attn(q, k, v).view(T, H, 2, d)  # (T, H, 2, d): query heads (2h, 2h+1)
+        lam = self.diff_lambda(hidden_states).unsqueeze(-1).to(out.dtype)  # (T, H, 1)
+        out = out[:, :, 0] - lam * out[:, :, 1]  # (T, H, d)
+        out, _ = self.o_proj(out.reshape(T, H * d))
         return out
+
+
+class DiffAttentionV1(DiffAttention):
+    """V1: per differential head [q1 | q2] (2d rows of q_proj), per group [k1 | k2] and a 2d-wide value. The KV cache
+    stores one head of size 2d per group for K and V; the two maps of head h become two query heads of size 2d,
+    [q1 | 0] and [0 | q2], so ONE stock attention call (scale 1/√d) returns `A1 v` and `A2 v`."""
+
+    def __init__(self, config: DiffConfig, layer_idx: int, cache_config, quant_config, prefix: str):
+        H, d = config.num_attention_heads, config.head_dim
+        super().__init__(config, 2 * d, H, cache_config, quant_config, prefix)
+        self.lambda_init = config.lambda_init_for_layer(layer_idx)
+        self.diff_lambda = DiffLambdaV1(d, self.lambda_init)
+        self.subln = RMSNorm(2 * d, eps=config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        T, d, H = hidden_states.shape[0], self.head_dim, self.num_heads
+        q, k, v = self.project(positions, hidden_states)
+        q = q.view(T, H, 2, d)  # (T, H, 2, d): [q1 | q2] of every head
+        zeros = torch.zeros_like(q[:, :, 0])
+        q = torch.stack(
+            (torch.cat((q[:, :, 0], zeros), dim=-1), torch.cat((zeros, q[:, :, 1]), dim=-1)), dim=2
+        )  # (T, H, 2, 2d): [q1 | 0], [0 | q2] against keys [k1 | k2]
+        out = self.attn(q.reshape(T, H * 2 * 2 * d), k, v).view(T, H, 2, 2 * d)  # (T, H, 2, 2d): A1 v, A2 v
+        lam = self.diff_lambda().to(out.dtype)
+        out = out[:, :, 0] - lam * out[:, :, 1]  # (T, H, 2d)
+        out = self.subln(out.reshape(T * H, 2 * d)) * (1.0 - self.lambda_init)  # (T*H, 2d)
+        out, _ = self.o_proj(out.reshape(T, H * 2 * d))
+        return out
+
+
+ATTENTION_CLASSES = {1: DiffAttentionV1, 2: DiffAttentionV2}
 
 
 class DiffDecoderLayer(nn.Module):
     def __init__(self, config: DiffConfig, layer_idx: int, cache_config, quant_config, prefix: str):
         super().__init__()
-        self.self_attn = DiffAttention(config, layer_idx, cache_config, quant_config, prefix=f"{prefix}.self_attn")
+        self.self_attn = ATTENTION_CLASSES[config.diff_version](
+            config, layer_idx, cache_config, quant_config, prefix=f"{prefix}.self_attn"
+        )
         self.mlp = DiffMLP(config, quant_config, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -214,6 +250,11 @@ class DiffModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
+        check_config(config)
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError(
+                "pipeline_parallel_size > 1 is not supported by diff-transformer's vLLM model: use tensor parallelism."
+            )
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -228,11 +269,7 @@ class DiffModel(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors=None,
-        inputs_embeds: torch.Tensor | None = None,
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
     ) -> torch.Tensor:
         hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         residual = None
@@ -276,7 +313,9 @@ class DiffForCausalLM(nn.Module):
         intermediate_tensors=None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        # vLLM's model runners pass `intermediate_tensors` by keyword to every model; they are only set under pipeline
+        # parallelism, which `DiffModel` refuses when it is built (no `SupportsPP`), so here they are always None.
+        return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
