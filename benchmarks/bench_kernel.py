@@ -86,7 +86,7 @@ def llama_sdpa(q, k, v, causal):
 
 
 def v1_sdpa_model(q, k, v, lam, causal):
-    """modeling_diff._forward_v1's attention on sdpa today (prefill: V 2d wide per map; decode: four calls)."""
+    """DiffAttentionV1's attention on sdpa (modeling_diff.py; prefill: V 2d wide per map; decode: four calls)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     B, _, N, _ = q.shape
@@ -169,7 +169,7 @@ def sweep(batch, length):
 
 def register_report():
     """Registers, spill stack and shared memory per thread of every sweep candidate, compiled for sm_90 (H100)."""
-    from diff_transformer.kernels import _offline
+    import kernel_registers  # benchmarks/, next to this script
 
     base = dict(CAUSAL=True, MASK_KIND=0, VARLEN=False, HEAD_DIM=D, BLOCK_D=D, DOT_PREC="tf32")
     kernels = {
@@ -188,7 +188,7 @@ def register_report():
                 constexprs.pop("VARLEN")
             else:
                 constexprs["BLOCK_M"] = block_m
-            usage = _offline.resource_usage(_offline.compile_kernel(name, constexprs, warps, stages))
+            usage = kernel_registers.resource_usage(kernel_registers.compile_kernel(name, constexprs, warps, stages))
             print(
                 f"| {kind} | {block_m}, {block_n}, {warps}, {stages} | {usage['registers']} | "
                 f"{usage['stack_bytes']} | {usage['shared_bytes']} |",
