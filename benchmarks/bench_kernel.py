@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
+import bench_common  # first: it puts the checkout's src/ first on sys.path
+
+
+# isort: split
 import torch
 import torch.nn.functional as F
-
-
-_REPO = Path(__file__).resolve().parent.parent
-if (_REPO / "src" / "diff_transformer").is_dir():
-    sys.path.insert(0, str(_REPO / "src"))
 
 
 HEADS, KV_HEADS = 32, 8  # Llama; V1: H = 16, H_kv = 4 on the same tensors
@@ -223,7 +221,7 @@ def main(argv=None):
     from diff_transformer.kernels import diff_attention_v1 as op
 
     device = torch.cuda.get_device_name()
-    results = {"device": device, "torch": torch.__version__, "prefill": [], "decode": []}
+    results = {**bench_common.provenance(), "device": device, "prefill": [], "decode": []}
     print(f"# {device}, torch {torch.__version__}", flush=True)
     if args.sweep:
         results["sweep"] = {k: list(v) for k, v in sweep(1, args.length).items()}
