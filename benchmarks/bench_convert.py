@@ -21,12 +21,13 @@ import json
 import os
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench_common import median, proc_status_kb  # it also puts the checkout's src/ first on sys.path
 
 
 RESULTS = Path(__file__).with_name("results_convert.md")
@@ -67,13 +68,7 @@ def maxrss_bytes() -> int:
 
 def hwm_bytes() -> int:
     """Peak RSS of this process image (VmHWM, reset by exec); falls back to ru_maxrss off Linux."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return maxrss_bytes()
+    return proc_status_kb("VmHWM") * 1024 or maxrss_bytes()
 
 
 # ----------------------------------------------------------------------------------------------- generation
@@ -272,8 +267,8 @@ def main() -> None:
 
         def med(task, key):
             if key == "inc":
-                return statistics.median(r["peak_rss"] - r["start_rss"] for r in runs[task])
-            return statistics.median(r[key] for r in runs[task])
+                return median(r["peak_rss"] - r["start_rss"] for r in runs[task])
+            return median(r[key] for r in runs[task])
 
         wall_ratio = med("convert", "wall_s") / med("baseline", "wall_s")
         rss_ratio = med("convert", "inc") / largest

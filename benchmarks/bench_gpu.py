@@ -70,14 +70,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gc
 import importlib
 import importlib.util
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -85,26 +83,36 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_common import (  # first: it puts the checkout's src/ first on sys.path
+    StepClock,
+    config_kwargs,
+    cpu_name,
+    greedy_generate,
+    make_log,
+    median_ratio,
+    n_params,
+    proc_status_kb,
+    provenance,
+    random_ids,
+    reset_peak_rss,
+    rotated,
+    same_matrices_model,
+    timed,
+)
+
+
+# isort: split
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers.cache_utils import StaticCache
+from transformers.generation import CompileConfig
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from diff_transformer import DiffConfig, DiffForCausalLM
+
 
 _HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(_HERE))  # bench_model's helpers; it puts the checkout's src/ first on sys.path
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import transformers  # noqa: E402
-from transformers import (  # noqa: E402
-    DiffLlamaConfig,
-    DiffLlamaForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-)
-from transformers.cache_utils import StaticCache  # noqa: E402
-from transformers.generation import CompileConfig, LogitsProcessor, LogitsProcessorList  # noqa: E402
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
-
-from diff_transformer import DiffConfig, DiffForCausalLM  # noqa: E402
-
-from bench_model import cpu_name, git_rev, n_params, random_ids  # noqa: E402
 
 
 MODELS = ("llama", "diffllama", "v1", "v2", "v2wide")
@@ -187,27 +195,10 @@ def metric_specs(size: dict) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------- models
 def model_config(name: str, size: dict, args):
-    common = dict(
-        vocab_size=size["vocab"],
-        hidden_size=size["hidden"],
-        intermediate_size=size["intermediate"],
-        num_hidden_layers=size["layers"],
-        head_dim=size["head_dim"],
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        max_position_embeddings=max([*size["prefill"], size["prompt"] + size["new_tokens"], size["train_seq"]]),
-    )
+    common = config_kwargs(size, max([*size["prefill"], size["prompt"] + size["new_tokens"], size["train_seq"]]))
     n_h, n_kv = size["heads"], size["kv_heads"]
-    if name == "llama":
-        return LlamaForCausalLM, LlamaConfig(num_attention_heads=n_h, num_key_value_heads=n_kv, **common)
-    if name == "diffllama":
-        return DiffLlamaForCausalLM, DiffLlamaConfig(num_attention_heads=n_h, num_key_value_heads=n_kv, **common)
-    if name == "v1":  # 2H = Llama's heads, 2H_kv = Llama's KV heads: identical matrices
-        heads = dict(num_attention_heads=n_h // 2, num_key_value_heads=n_kv // 2)
-        return DiffForCausalLM, DiffConfig(diff_version=1, **heads, **common)
+    if name in ("llama", "diffllama", "v1"):
+        return same_matrices_model(name, size, common)
     if name == "v2":  # the authors' comparison: 2H = Llama's query heads, Llama's KV heads
         return DiffForCausalLM, DiffConfig(
             diff_version=2, num_attention_heads=n_h // 2, num_key_value_heads=n_kv, **common
@@ -308,8 +299,8 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.dev.device)
             self.before = torch.cuda.memory_allocated(self.dev.device)
         else:
-            self.hwm_ok = _reset_hwm()
-            self.before = _proc_kb("VmRSS") * 1024
+            self.hwm_ok = reset_peak_rss()
+            self.before = proc_status_kb("VmRSS") * 1024
         return self
 
     def __exit__(self, *exc):
@@ -319,32 +310,12 @@ class PeakMemory:
             self.dev.sync()
             self.delta = torch.cuda.max_memory_allocated(self.dev.device) - self.before
         elif self.hwm_ok:
-            self.delta = _proc_kb("VmHWM") * 1024 - self.before
+            self.delta = proc_status_kb("VmHWM") * 1024 - self.before
         return False
 
     @property
     def mib(self) -> float:
         return (self.resident + max(self.delta, 0)) / 2**20
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS (Linux >= 4.0)
-        return True
-    except OSError:
-        return False
-
-
-def _proc_kb(field: str) -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def one_line(exc: BaseException) -> str:
@@ -412,14 +383,6 @@ def probe(model, backend: str, dev: Device, smoke: bool, vocab: int) -> str | No
 
 
 # ------------------------------------------------------------------------------------------------- measurements
-def timed(dev: Device, fn) -> float:
-    dev.sync()
-    t0 = time.perf_counter()
-    fn()
-    dev.sync()
-    return time.perf_counter() - t0
-
-
 class Trainer:
     """AdamW on one model; the optimizer state stays resident between steps, as in a real run."""
 
@@ -440,7 +403,7 @@ class Trainer:
         try:
             resident = tensor_bytes(self.model.parameters()) + optimizer_bytes(self.opt)
             with PeakMemory(self.dev, resident) as mem:
-                dt = timed(self.dev, lambda: [self.step(fn, ids) for _ in range(steps)])
+                dt = timed(lambda: [self.step(fn, ids) for _ in range(steps)], self.dev.sync)
         finally:
             self.opt.zero_grad(set_to_none=True)
             self.model.eval()
@@ -449,28 +412,14 @@ class Trainer:
 
 def measure_prefill(model, ids, dev: Device) -> dict:
     with PeakMemory(dev, tensor_bytes(model.parameters())) as mem, torch.inference_mode():
-        dt = timed(dev, lambda: model.model(input_ids=ids, use_cache=True))
+        dt = timed(lambda: model.model(input_ids=ids, use_cache=True), dev.sync)
     return {"value": dt, "peak_mib": mem.mib}
-
-
-class FirstStepClock(LogitsProcessor):
-    """No-op logits processor: syncs and timestamps the first call (prefill done), counts the decode steps."""
-
-    def __init__(self, dev: Device):
-        self.dev, self.t_first, self.calls = dev, None, 0
-
-    def __call__(self, input_ids, scores):
-        if self.calls == 0:
-            self.dev.sync()
-            self.t_first = time.perf_counter()
-        self.calls += 1
-        return scores
 
 
 def measure_decode(model, ids, new_tokens: int, dev: Device, cache=None, compile_config=None) -> dict:
     """Greedy generate; with `cache` (a StaticCache reused across calls, so its addresses and the compiled graph
     stay put) generate compiles the decode step, else it runs eagerly on a DynamicCache."""
-    clock = FirstStepClock(dev)
+    clock = StepClock(dev.sync)
     if cache is not None:
         cache.reset()
         kwargs = dict(past_key_values=cache, compile_config=compile_config)
@@ -479,27 +428,15 @@ def measure_decode(model, ids, new_tokens: int, dev: Device, cache=None, compile
     with PeakMemory(dev, tensor_bytes(model.parameters()) + cache_bytes(cache)) as mem:
         dev.sync()
         t0 = time.perf_counter()
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            pad_token_id=0,
-            logits_processor=LogitsProcessorList([clock]),
-            use_cache=True,
-            **kwargs,
-        )
+        greedy_generate(model, ids, new_tokens, clock, use_cache=True, **kwargs)
         dev.sync()
         t_end = time.perf_counter()
-    if out.shape[1] != ids.shape[1] + new_tokens or clock.calls < 2:
-        raise RuntimeError(f"generate returned {tuple(out.shape)} after {clock.calls} steps")
-    batch = ids.shape[0]
+    batch, t_first = ids.shape[0], clock.times[0]
     return {
-        "value": batch * (clock.calls - 1) / (t_end - clock.t_first),
+        "value": batch * (len(clock.times) - 1) / (t_end - t_first),
         "peak_mib": mem.mib,
         "total_s": t_end - t0,
-        "prefill_s": clock.t_first - t0,
+        "prefill_s": t_first - t0,
         "compiled": bool(cache is not None and hasattr(model, "_compiled_call")),
     }
 
@@ -686,8 +623,8 @@ def _paired_ratio(r: dict, ref: dict | None):
     if r.get("group") != ref.get("group"):
         return statistics.median(r["values"]) / statistics.median(ref["values"])
     ref_by_rep = dict(zip(ref["reps"], ref["values"]))
-    ratios = [v / ref_by_rep[i] for i, v in zip(r["reps"], r["values"]) if i in ref_by_rep]
-    return statistics.median(ratios) if ratios else None
+    pairs = [(v, ref_by_rep[i]) for i, v in zip(r["reps"], r["values"]) if i in ref_by_rep]
+    return median_ratio(*zip(*pairs)) if pairs else None
 
 
 def best_config(data, summary, metric, model):
@@ -857,6 +794,7 @@ class Runner:
     def __init__(self, args, size, dev: Device, dtype, results: Results):
         self.args, self.size, self.dev, self.dtype, self.res = args, size, dev, dtype, results
         self.t_start = time.perf_counter()
+        self.log = make_log(self.t_start)
         self.budget_hit = False
         self.compile_times: dict[float, list[float]] = {}  # seconds of first (compiling) calls, by kind of compile
         self.group = ""  # configs measured in the same group (run, pass) were interleaved: their ratios pair by rep
@@ -864,9 +802,6 @@ class Runner:
 
     def compile_est(self, default: float) -> float:
         return 0.0 if self.args.smoke else max(self.compile_times.get(default, []), default=default)
-
-    def log(self, msg: str):
-        print(f"[{time.perf_counter() - self.t_start:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
     def left(self) -> float:
         if not self.args.time_budget:
@@ -932,7 +867,7 @@ class Runner:
                 break
             t_rep = time.perf_counter()
             names = list(live)
-            order = names[rep % len(names) :] + names[: rep % len(names)]
+            order = rotated(names, rep)
             for c in order:
                 rec = entry["configs"][c]
                 try:
@@ -1001,7 +936,7 @@ def section_attention(runner: Runner, models: dict, backends: list[str]):
 def _wrap_time(dev: Device, fn, resident: int):
     def measure():
         with PeakMemory(dev, resident) as mem:
-            dt = timed(dev, fn)
+            dt = timed(fn, dev.sync)
         return {"value": dt, "peak_mib": mem.mib}
 
     return measure
@@ -1018,7 +953,7 @@ def _layer_measure(r: Runner, model, backend: str):
         try:
             resident = tensor_bytes(model.model.layers[0].self_attn.parameters())
             with PeakMemory(r.dev, resident) as mem:
-                dt = timed(r.dev, state["fn"])
+                dt = timed(state["fn"], r.dev.sync)
         finally:
             model.eval()
         return {"value": dt, "peak_mib": mem.mib}
@@ -1142,17 +1077,13 @@ def environment(dev: Device, dtype, args) -> dict:
         except Exception:  # noqa: BLE001
             driver = "unknown"
     return {
-        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        **provenance(),
         "device": torch.cuda.get_device_name(dev.device) if dev.cuda else f"CPU: {cpu_name()}",
         "driver": driver,
         "cuda": torch.version.cuda or "n/a",
         "cudnn": str(torch.backends.cudnn.version()) if dev.cuda else "n/a",
-        "torch": torch.__version__,
         "triton": version("triton"),
-        "transformers": transformers.__version__,
         "flash_attn": version("flash_attn"),
-        "python": platform.python_version(),
-        "git": git_rev(),
         "dtype": str(dtype).replace("torch.", ""),
         "reps": args.reps,
         "argv": sys.argv[1:],

@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
+import bench_common  # first: it puts the checkout's src/ first on sys.path
+
+
+# isort: split
 import torch
 import torch.nn.functional as F
-
-
-_REPO = Path(__file__).resolve().parent.parent
-if (_REPO / "src" / "diff_transformer").is_dir():
-    sys.path.insert(0, str(_REPO / "src"))
 
 
 HEADS, KV_HEADS = 32, 8  # Llama; V1: H = 16, H_kv = 4 on the same tensors
@@ -86,7 +84,7 @@ def llama_sdpa(q, k, v, causal):
 
 
 def v1_sdpa_model(q, k, v, lam, causal):
-    """modeling_diff._forward_v1's attention on sdpa today (prefill: V 2d wide per map; decode: four calls)."""
+    """DiffAttentionV1's attention on sdpa (modeling_diff.py; prefill: V 2d wide per map; decode: four calls)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     B, _, N, _ = q.shape
@@ -169,7 +167,7 @@ def sweep(batch, length):
 
 def register_report():
     """Registers, spill stack and shared memory per thread of every sweep candidate, compiled for sm_90 (H100)."""
-    from diff_transformer.kernels import _offline
+    import kernel_registers  # benchmarks/, next to this script
 
     base = dict(CAUSAL=True, MASK_KIND=0, VARLEN=False, HEAD_DIM=D, BLOCK_D=D, DOT_PREC="tf32")
     kernels = {
@@ -188,7 +186,7 @@ def register_report():
                 constexprs.pop("VARLEN")
             else:
                 constexprs["BLOCK_M"] = block_m
-            usage = _offline.resource_usage(_offline.compile_kernel(name, constexprs, warps, stages))
+            usage = kernel_registers.resource_usage(kernel_registers.compile_kernel(name, constexprs, warps, stages))
             print(
                 f"| {kind} | {block_m}, {block_n}, {warps}, {stages} | {usage['registers']} | "
                 f"{usage['stack_bytes']} | {usage['shared_bytes']} |",
@@ -223,7 +221,7 @@ def main(argv=None):
     from diff_transformer.kernels import diff_attention_v1 as op
 
     device = torch.cuda.get_device_name()
-    results = {"device": device, "torch": torch.__version__, "prefill": [], "decode": []}
+    results = {**bench_common.provenance(), "device": device, "prefill": [], "decode": []}
     print(f"# {device}, torch {torch.__version__}", flush=True)
     if args.sweep:
         results["sweep"] = {k: list(v) for k, v in sweep(1, args.length).items()}

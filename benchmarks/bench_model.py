@@ -68,35 +68,40 @@ V2 >= 0.9x, V1 >= 0.85x; peak memory <= 1.2x; training step <= 1.35x. A PASS/MIS
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-
-_REPO = Path(__file__).resolve().parent.parent
-if (_REPO / "src" / "diff_transformer").is_dir():  # benchmark the checkout, installed or not
-    sys.path.insert(0, str(_REPO / "src"))
-
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from transformers import (  # noqa: E402
-    DiffLlamaConfig,
-    DiffLlamaForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
+from bench_common import (  # first: it puts the checkout's src/ first on sys.path
+    StepClock,
+    config_kwargs,
+    cpu_name,
+    greedy_generate,
+    make_log,
+    median,
+    median_ratio,
+    n_params,
+    proc_status_kb,
+    provenance,
+    random_ids,
+    reset_peak_rss,
+    rotated,
+    rss_bytes,
+    same_matrices_model,
+    timed,
 )
-from transformers.generation import LogitsProcessor, LogitsProcessorList  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
 
-from diff_transformer import DiffConfig, DiffForCausalLM  # noqa: E402
+
+# isort: split
+import torch
+from transformers.utils import logging as hf_logging
+
+from diff_transformer import DiffConfig, DiffForCausalLM
 
 
 hf_logging.set_verbosity_error()
@@ -145,28 +150,10 @@ QUICK = dict(
 
 # ----------------------------------------------------------------------------------------------------------- models
 def model_config(name: str, size: dict, v2_heads: int | None = None, v2_kv_heads: int | None = None):
-    common = dict(
-        vocab_size=size["vocab"],
-        hidden_size=size["hidden"],
-        intermediate_size=size["intermediate"],
-        num_hidden_layers=size["layers"],
-        max_position_embeddings=max(8192, size["mem_seq"], size["prompt"] + size["new_tokens"]),
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        head_dim=size["head_dim"],
-    )
+    common = config_kwargs(size, max(8192, size["mem_seq"], size["prompt"] + size["new_tokens"]))
     n_h, n_kv = size["heads"], size["kv_heads"]
-    if name == "llama":
-        return LlamaForCausalLM, LlamaConfig(num_attention_heads=n_h, num_key_value_heads=n_kv, **common)
-    if name == "diffllama":
-        return DiffLlamaForCausalLM, DiffLlamaConfig(num_attention_heads=n_h, num_key_value_heads=n_kv, **common)
-    if name == "v1":  # 2H = Llama's heads, 2H_kv = Llama's KV heads: identical matrices
-        return DiffForCausalLM, DiffConfig(
-            diff_version=1, num_attention_heads=n_h // 2, num_key_value_heads=n_kv // 2, **common
-        )
+    if name in ("llama", "diffllama", "v1"):
+        return same_matrices_model(name, size, common)
     if name == "v2":  # H = Llama's heads (2H query heads), H_kv = half Llama's KV heads: 4 D^2 like Llama
         H = v2_heads or n_h
         H_kv = v2_kv_heads or max(1, n_kv // 2)
@@ -189,10 +176,6 @@ def build(name: str, size: dict, args, seed: int = 0, base_only: bool = False):
     return model
 
 
-def n_params(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
 def describe(name: str, model) -> str:
     c = model.config
     if name in ("llama", "diffllama"):
@@ -201,49 +184,22 @@ def describe(name: str, model) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------- measurements
-class StepTimer(LogitsProcessor):
-    """No-op logits processor that timestamps every generation step (called once per forward)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        self.times.append(time.perf_counter())
-        return scores
-
-
-def random_ids(n: int, vocab: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (1, n), generator=g)
-
-
 def time_prefill(base, ids) -> float:
     with torch.inference_mode():
-        t0 = time.perf_counter()
-        base(input_ids=ids, use_cache=True)
-        return time.perf_counter() - t0
+        return timed(lambda: base(input_ids=ids, use_cache=True))
 
 
 def time_decode(lm, ids, new_tokens: int) -> dict:
-    timer = StepTimer()
+    timer = StepClock()
     with torch.inference_mode():
         t0 = time.perf_counter()
-        out = lm.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            pad_token_id=0,
-            logits_processor=LogitsProcessorList([timer]),
-        )
+        greedy_generate(lm, ids, new_tokens, timer)
         total = time.perf_counter() - t0
-    assert out.shape[1] == ids.shape[1] + new_tokens, out.shape
     steps = len(timer.times)
     decode_s = timer.times[-1] - timer.times[0]
     intervals = [b - a for a, b in zip(timer.times, timer.times[1:])]
     return {
-        "tok_s": 1.0 / statistics.median(intervals),
+        "tok_s": 1.0 / median(intervals),
         "tok_s_mean": (steps - 1) / decode_s,
         "total_s": total,
         "prefill_s": timer.times[0] - t0,
@@ -263,19 +219,6 @@ def time_train(lm, ids) -> float:
 
 
 # --------------------------------------------------------------------------------------- memory (subprocess worker)
-def _proc_status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 class _Sampler(threading.Thread):
     def __init__(self, interval: float = 0.001):
         super().__init__(daemon=True)
@@ -283,13 +226,13 @@ class _Sampler(threading.Thread):
 
     def run(self):
         while not self._stop_evt.is_set():
-            self.peak = max(self.peak, _rss_bytes())
+            self.peak = max(self.peak, rss_bytes())
             time.sleep(self.interval)
 
     def stop(self):
         self._stop_evt.set()
         self.join()
-        self.peak = max(self.peak, _rss_bytes())
+        self.peak = max(self.peak, rss_bytes())
 
 
 def memory_worker(name: str, size: dict, args) -> dict:
@@ -299,13 +242,8 @@ def memory_worker(name: str, size: dict, args) -> dict:
         base(input_ids=random_ids(16, size["vocab"], 1), use_cache=False)
     ids = random_ids(size["mem_seq"], size["vocab"], 2)
     gc.collect()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-        hwm_ok = True
-    except OSError:
-        hwm_ok = False
-    rss_before = _rss_bytes()
+    hwm_ok = reset_peak_rss()
+    rss_before = rss_bytes()
     sampler = _Sampler()
     sampler.start()
     t0 = time.perf_counter()
@@ -313,7 +251,7 @@ def memory_worker(name: str, size: dict, args) -> dict:
         out = base(input_ids=ids, use_cache=False).last_hidden_state
     dt = time.perf_counter() - t0
     sampler.stop()
-    hwm = _proc_status_kb("VmHWM") * 1024
+    hwm = proc_status_kb("VmHWM") * 1024
     del out
     res = {
         "rss_before_mib": rss_before / 2**20,
@@ -345,10 +283,6 @@ def run_memory_subprocess(name: str, args) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------- reporting
-def med(xs):
-    return statistics.median(xs) if xs else float("nan")
-
-
 def summarize(raw: dict, names: list[str]) -> dict:
     """raw[metric][model] = list of per-rep values (same rep index = same interleaved round)."""
     out = {}
@@ -357,11 +291,10 @@ def summarize(raw: dict, names: list[str]) -> dict:
         out[metric] = {}
         for name in names:
             vals = per_model[name]
-            ratios = [v / r for v, r in zip(vals, ref)]
             best, best_ref = (max(vals), max(ref)) if metric == "decode" else (min(vals), min(ref))
             out[metric][name] = {
-                "median": med(vals),
-                "ratio": med(ratios),
+                "median": median(vals),
+                "ratio": median_ratio(vals, ref),
                 "min": min(vals),
                 "max": max(vals),
                 "best": best,
@@ -481,31 +414,6 @@ def report(args, size, names, params, descr, summary, meta) -> tuple[str, list[t
     return "\n".join(text), checks
 
 
-def git_rev() -> str:
-    try:
-        rev = subprocess.run(
-            ["git", "-C", str(_REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(_REPO), "status", "--porcelain", "src"], capture_output=True, text=True
-        ).stdout.split("\n")
-        dirty = [line[3:] for line in dirty if line.strip()]
-        return rev + (f" + uncommitted src changes ({', '.join(dirty)})" if dirty else "") if rev else "unknown"
-    except OSError:
-        return "unknown"
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 # ------------------------------------------------------------------------------------------------------------- main
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
@@ -545,8 +453,7 @@ def main(argv=None):
         names.insert(0, "llama")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
 
-    def log(msg):
-        print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", file=sys.stderr, flush=True)
+    log = make_log(t_start)
 
     log(f"building {names} ({args.threads} threads)")
     lms = {n: build(n, size, args, seed=i) for i, n in enumerate(names)}
@@ -576,7 +483,7 @@ def main(argv=None):
     extra: dict = {"decode_detail": {n: [] for n in names}}
     loads: list[float] = []
     for rep in range(reps):
-        order = names[rep % len(names) :] + names[: rep % len(names)]
+        order = rotated(names, rep)
         for key, fn in metrics:
             for n in order:
                 v = fn(n)
@@ -596,7 +503,7 @@ def main(argv=None):
         raw["memory"] = {n: [] for n in names}
         extra["memory_detail"] = {n: [] for n in names}
         for rep in range(mem_reps):
-            order = names[rep % len(names) :] + names[: rep % len(names)]
+            order = rotated(names, rep)
             for n in order:
                 r = run_memory_subprocess(n, args)
                 extra["memory_detail"][n].append(r)
@@ -608,11 +515,7 @@ def main(argv=None):
 
     summary = summarize(raw, names)
     meta = {
-        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-        "git": git_rev(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
+        **provenance(),
         "cpu": cpu_name(),
         "threads": args.threads,
         "reps": reps,

@@ -18,18 +18,13 @@
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
-import time
-from pathlib import Path
+
+from bench_common import median, timed  # first: it puts the checkout's src/ first on sys.path
 
 
-_REPO = Path(__file__).resolve().parent.parent
-if (_REPO / "src" / "diff_transformer").is_dir():
-    sys.path.insert(0, str(_REPO / "src"))
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+# isort: split
+import torch
+import torch.nn.functional as F
 
 
 def kernels(N: int, d: int = 64, grad: bool = False):
@@ -99,13 +94,9 @@ def bench_kernels(lengths, reps):
 
             def run(f):
                 if grad:
-                    t0 = time.perf_counter()
-                    f().sum().backward()
-                    return time.perf_counter() - t0
+                    return timed(lambda: f().sum().backward())
                 with torch.inference_mode():
-                    t0 = time.perf_counter()
-                    f()
-                    return time.perf_counter() - t0
+                    return timed(f)
 
             for f in ks.values():
                 run(f)
@@ -113,9 +104,7 @@ def bench_kernels(lengths, reps):
                 for n, f in ks.items():
                     times[n].append(run(f))
             base = min(times["llama"])
-            cells = [
-                f"{min(t) * 1e3:.0f} / {statistics.median(t) * 1e3:.0f} ({min(t) / base:.2f}x)" for t in times.values()
-            ]
+            cells = [f"{min(t) * 1e3:.0f} / {median(t) * 1e3:.0f} ({min(t) / base:.2f}x)" for t in times.values()]
             print(f"| {N} | {'fwd+bwd' if grad else 'fwd'} | " + " | ".join(cells) + " |", flush=True)
 
 

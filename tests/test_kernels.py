@@ -9,6 +9,9 @@ fp32) when a GPU is present. Tolerances:
 A slow test compiles the GPU kernels for sm_90 and sm_80 without a GPU (Triton's compiler and ptxas).
 """
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers.masking_utils import sdpa_mask
@@ -236,6 +239,28 @@ def test_single_query_uses_the_decode_kernel(device, dtype, monkeypatch):
     assert launches["_fwd_kernel"].count == 1 and launches["_decode_split_kernel"].count == 1
 
 
+@needs_triton
+def test_interpreted_kernels_run_the_compiled_kernels_code():
+    """CPU tensors run the very code objects GPU tensors compile, interpreted (not a second import of the kernel
+    files), and an interpreted kernel calls the interpreted twins of the package's helpers."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    compiled = op_module._kernels(torch.device("cuda"))  # only imports: no GPU needed
+    interpreted = op_module._kernels(torch.device("cpu"))
+    assert interpreted is op_module._kernels(torch.device("cpu"))  # built once
+    names = ("_fwd_kernel", "_decode_split_kernel", "_decode_combine_kernel")
+    names += ("_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")
+    for name in names:
+        jitted, twin = getattr(compiled, name), getattr(interpreted, name)
+        assert isinstance(jitted, JITFunction) and isinstance(twin, InterpretedFunction)
+        assert twin.fn.__code__ is jitted.fn.__code__
+    helpers = interpreted._fwd_kernel.fn.__globals__
+    assert isinstance(helpers["_load_rows"], InterpretedFunction)
+    assert helpers["_load_rows"].fn.__code__ is compiled._fwd_kernel.fn.__globals__["_load_rows"].fn.__code__
+    assert not [m for m in sys.modules if m.startswith("diff_transformer.kernels") and "interpret" in m]
+
+
 def test_select_path():
     assert kernels.is_available("cpu") is False  # CPU tensors only ever run under the (slow) interpreter
     assert kernels.select_path(1, 16, 4) == "decode"
@@ -319,12 +344,14 @@ def _has_nvidia_backend():
 def test_kernels_compile_for_gpus(arch, dtype, head_dim):
     """Every launch the op makes on a GPU (configured tiles, masked, packed, atomic dQ, decode) compiles for the
     architecture and fits its shared memory, so a CPU-only CI catches what the interpreter cannot."""
-    from diff_transformer.kernels import _offline
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import kernel_registers  # a development tool, not part of the package
 
     shared_limit = {90: 227 * 1024, 80: 163 * 1024}[arch]
     compiled = 0
-    for name, constexprs, num_warps, num_stages in _offline.variants(dtype, head_dim):
-        usage = _offline.resource_usage(_offline.compile_kernel(name, constexprs, num_warps, num_stages, dtype, arch))
+    for name, constexprs, num_warps, num_stages in kernel_registers.variants(dtype, head_dim):
+        compiled_kernel = kernel_registers.compile_kernel(name, constexprs, num_warps, num_stages, dtype, arch)
+        usage = kernel_registers.resource_usage(compiled_kernel)
         assert usage["shared_bytes"] <= shared_limit, (name, constexprs, usage)
         compiled += 1
     assert compiled == 9

@@ -1,4 +1,4 @@
-"""Diff Transformer V1 attention as one fused, autograd-capable op on Triton kernels (_triton_v1.py).
+"""Diff Transformer V1 attention as one fused, autograd-capable op on the Triton kernels of triton_v1/.
 
     out_h = (softmax(q1_h k1_gᵀ·s + mask) - λ softmax(q2_h k2_gᵀ·s + mask)) [v_g,a | v_g,b]      g = h // (H / H_kv)
 
@@ -26,10 +26,6 @@ debugging only, the model's CPU path stays on PyTorch).
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
-import os
-import sys
 from typing import Literal
 
 import torch
@@ -75,25 +71,10 @@ def triton_available() -> bool:
 
 
 def _kernels(device: torch.device):
-    """The kernel module for `device`: compiled for CUDA, interpreted for CPU. The interpreted copy is the same file
-    executed with TRITON_INTERPRET=1 (read by triton.jit at decoration time) so both can live in one process."""
-    if device.type == "cuda":
-        return importlib.import_module("diff_transformer.kernels._triton_v1")
-    name = "diff_transformer.kernels._triton_v1_interpreted"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), "_triton_v1.py"))
-        module = importlib.util.module_from_spec(spec)
-        previous = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            spec.loader.exec_module(module)
-        finally:
-            if previous is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = previous
-        sys.modules[name] = module
-    return sys.modules[name]
+    """The kernels for `device`: compiled for CUDA, interpreted for CPU (both from one import of triton_v1/)."""
+    from . import triton_v1
+
+    return triton_v1 if device.type == "cuda" else triton_v1.interpreted()
 
 
 def _block_d(head_dim: int) -> int:
@@ -175,86 +156,35 @@ def _forward(p: _Problem, query, key, value, lam, path: str, save_o2: bool):
         splits = _cdiv(n_blocks, blocks_per_split)  # no empty split
         part_ml = torch.empty(4, p.B * p.H_kv, splits, block_r, device=p.device, dtype=torch.float32)
         part_acc = torch.empty(2, p.B * p.H_kv, splits, block_r, 2 * p.block_d, device=p.device, dtype=torch.float32)
+        # fmt: off
         kernels._decode_split_kernel[(p.B * p.H_kv, splits)](
-            query,
-            key,
-            value,
-            p.mask,
-            part_acc,
-            part_ml,
-            *common_strides,
-            *p.mask_strides,
-            p.H,
-            p.H_kv,
-            p.N,
-            p.L,
-            p.qk_scale,
-            blocks_per_split,
-            splits,
-            CAUSAL=p.causal,
-            MASK_KIND=p.mask_kind,
-            BLOCK_R=block_r,
-            BLOCK_N=block_n,
-            HEAD_DIM=p.d,
-            BLOCK_D=p.block_d,
-            DOT_PREC=p.dot_precision,
-            num_warps=num_warps,
-            num_stages=num_stages,
+            query, key, value, p.mask, part_acc, part_ml,
+            *common_strides, *p.mask_strides,
+            p.H, p.H_kv, p.N, p.L, p.qk_scale, blocks_per_split, splits,
+            CAUSAL=p.causal, MASK_KIND=p.mask_kind,
+            BLOCK_R=block_r, BLOCK_N=block_n, HEAD_DIM=p.d, BLOCK_D=p.block_d, DOT_PREC=p.dot_precision,
+            num_warps=num_warps, num_stages=num_stages,
         )
         kernels._decode_combine_kernel[(p.B * p.H_kv,)](
-            part_acc,
-            part_ml,
-            lam,
-            out,
-            o2,
-            lse1,
-            lse2,
-            *out.stride()[:3],
-            *lse1.stride()[:2],
-            p.H,
-            p.H_kv,
-            p.N,
-            splits,
-            SAVE_O2=save_o2,
-            BLOCK_R=block_r,
-            HEAD_DIM=p.d,
-            BLOCK_D=p.block_d,
+            part_acc, part_ml, lam, out, o2, lse1, lse2,
+            *out.stride()[:3], *lse1.stride()[:2],
+            p.H, p.H_kv, p.N, splits,
+            SAVE_O2=save_o2, BLOCK_R=block_r, HEAD_DIM=p.d, BLOCK_D=p.block_d,
             num_warps=4 if block_r > 16 else 2,
         )
+        # fmt: on
     else:
         block_m, block_n, num_warps, num_stages = _config("fwd", p.device, p.block_d, p.dtype)
+        # fmt: off
         kernels._fwd_kernel[(_cdiv(p.max_q, block_m), p.n_seq * p.H)](
-            query,
-            key,
-            value,
-            lam,
-            out,
-            o2,
-            lse1,
-            lse2,
-            p.mask,
-            p.seq_arg,
-            *common_strides,
-            *out.stride()[:3],
-            *lse1.stride()[:2],
-            *p.mask_strides,
-            p.H,
-            p.H_kv,
-            p.N,
-            p.L,
-            p.qk_scale,
-            CAUSAL=p.causal,
-            MASK_KIND=p.mask_kind,
-            VARLEN=p.varlen,
-            SAVE_O2=save_o2,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            HEAD_DIM=p.d,
-            BLOCK_D=p.block_d,
-            DOT_PREC=p.dot_precision,
-            num_warps=num_warps,
-            num_stages=num_stages,
+            query, key, value, lam, out, o2, lse1, lse2, p.mask, p.seq_arg,
+            *common_strides, *out.stride()[:3], *lse1.stride()[:2], *p.mask_strides,
+            p.H, p.H_kv, p.N, p.L, p.qk_scale,
+            CAUSAL=p.causal, MASK_KIND=p.mask_kind, VARLEN=p.varlen, SAVE_O2=save_o2,
+            BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=p.d, BLOCK_D=p.block_d, DOT_PREC=p.dot_precision,
+            num_warps=num_warps, num_stages=num_stages,
         )
+        # fmt: on
     return out, o2, lse1, lse2
 
 
@@ -267,102 +197,43 @@ def _backward(p: _Problem, query, key, value, lam, out, o2, lse1, lse2, grad_out
     delta1 = torch.empty_like(lse1)  # (B, H, N): rowsum(dO ∘ O1)
     delta2 = torch.empty_like(lse1)  # (B, H, N): rowsum(dO ∘ O2)
     block = _INTERPRETER_CONFIG[0] if small else max(16, 4096 // p.block_d)  # 4096 elements of each row tile
+    # fmt: off
     kernels._bwd_preprocess_kernel[(_cdiv(p.N, block), p.B * p.H)](
-        out,
-        o2,
-        grad_out,
-        lam,
-        delta1,
-        delta2,
-        *out.stride()[:3],
-        *grad_out.stride()[:3],
-        *lse1.stride()[:2],
-        p.H,
-        p.N,
-        BLOCK_M=block,
-        HEAD_DIM=p.d,
-        BLOCK_D=p.block_d,
+        out, o2, grad_out, lam, delta1, delta2,
+        *out.stride()[:3], *grad_out.stride()[:3], *lse1.stride()[:2],
+        p.H, p.N,
+        BLOCK_M=block, HEAD_DIM=p.d, BLOCK_D=p.block_d,
     )
-    strides = (
-        *query.stride()[:3],
-        *key.stride()[:3],
-        *value.stride()[:3],
-        *grad_out.stride()[:3],
-        *lse1.stride()[:2],
-        *p.mask_strides,
-    )
+    # fmt: on
+    strides = (*query.stride()[:3], *key.stride()[:3], *value.stride()[:3])  # dQ, dK, dV share them
+    strides += (*grad_out.stride()[:3], *lse1.stride()[:2], *p.mask_strides)
     dkey, dvalue = torch.empty_like(key), torch.empty_like(value)
     dquery = torch.zeros_like(query, dtype=torch.float32) if atomic_dq else torch.empty_like(query)
     block_m, block_n, num_warps, num_stages = _config("bwd_dkdv", p.device, p.block_d, p.dtype)
+    # fmt: off
     kernels._bwd_dkdv_kernel[(_cdiv(p.max_k, block_n), p.n_seq * p.H_kv)](
-        query,
-        key,
-        value,
-        grad_out,
-        lam,
-        lse1,
-        lse2,
-        delta1,
-        delta2,
-        p.mask,
-        p.seq_arg,
-        dkey,
-        dvalue,
-        dquery,
+        query, key, value, grad_out, lam, lse1, lse2, delta1, delta2, p.mask, p.seq_arg, dkey, dvalue, dquery,
         *strides,
-        p.H,
-        p.H_kv,
-        p.N,
-        p.L,
-        p.qk_scale,
-        p.scaling,
-        CAUSAL=p.causal,
-        MASK_KIND=p.mask_kind,
-        VARLEN=p.varlen,
-        ATOMIC_DQ=atomic_dq,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        HEAD_DIM=p.d,
-        BLOCK_D=p.block_d,
-        DOT_PREC=p.dot_precision,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        p.H, p.H_kv, p.N, p.L, p.qk_scale, p.scaling,
+        CAUSAL=p.causal, MASK_KIND=p.mask_kind, VARLEN=p.varlen, ATOMIC_DQ=atomic_dq,
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=p.d, BLOCK_D=p.block_d, DOT_PREC=p.dot_precision,
+        num_warps=num_warps, num_stages=num_stages,
     )
+    # fmt: on
     if atomic_dq:
         dquery = dquery.to(query.dtype)
     else:
         block_m, block_n, num_warps, num_stages = _config("bwd_dq", p.device, p.block_d, p.dtype)
+        # fmt: off
         kernels._bwd_dq_kernel[(_cdiv(p.max_q, block_m), p.n_seq * p.H)](
-            query,
-            key,
-            value,
-            grad_out,
-            lam,
-            lse1,
-            lse2,
-            delta1,
-            delta2,
-            p.mask,
-            p.seq_arg,
-            dquery,
+            query, key, value, grad_out, lam, lse1, lse2, delta1, delta2, p.mask, p.seq_arg, dquery,
             *strides,
-            p.H,
-            p.H_kv,
-            p.N,
-            p.L,
-            p.qk_scale,
-            p.scaling,
-            CAUSAL=p.causal,
-            MASK_KIND=p.mask_kind,
-            VARLEN=p.varlen,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            HEAD_DIM=p.d,
-            BLOCK_D=p.block_d,
-            DOT_PREC=p.dot_precision,
-            num_warps=num_warps,
-            num_stages=num_stages,
+            p.H, p.H_kv, p.N, p.L, p.qk_scale, p.scaling,
+            CAUSAL=p.causal, MASK_KIND=p.mask_kind, VARLEN=p.varlen,
+            BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=p.d, BLOCK_D=p.block_d, DOT_PREC=p.dot_precision,
+            num_warps=num_warps, num_stages=num_stages,
         )
+        # fmt: on
     dlam = -delta2.sum()  # dλ = -Σ dO ∘ (A2 V)
     return dquery, dkey, dvalue, dlam
 
@@ -407,7 +278,7 @@ def differential_attention_v1(
 ) -> torch.Tensor:
     """Diff Transformer V1 attention, fused. Returns (B, N, H, 2d) in query's dtype: A1 V - λ A2 V before subln.
 
-    query: (B, 2H, N, d) = [q1 of heads 0..H-1 | q2 of heads 0..H-1] (component-major, as `_forward_v1` builds it).
+    query: (B, 2H, N, d) = [q1 of heads 0..H-1 | q2 of heads 0..H-1] (component-major, as DiffAttentionV1 builds it).
     key:   (B, 2H_kv, L, d) = [k1 | k2] of the KV groups; H must be a multiple of H_kv (query head h uses group
            h // (H / H_kv)).
     value: (B, 2H_kv, L, d) = [first d-wide half of V_g | second half], i.e. what the KV cache stores.

@@ -1,6 +1,7 @@
 """Compiles the V1 kernels for a GPU architecture on a machine without a GPU (Triton's own compiler and ptxas): a
-compile check for CPU-only CI, and register/spill/shared-memory figures for tuning launch configurations
-(benchmarks/bench_kernel.py --registers)."""
+compile check for CPU-only CI (tests/test_kernels.py), and register/spill/shared-memory figures for tuning the launch
+configurations (bench_kernel.py --registers). A development tool, so it lives here and not in the package.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import tempfile
 
 import torch
 
-from .diff_attention_v1 import _block_d, _config
+from diff_transformer.kernels.diff_attention_v1 import _block_d, _config
 
 
 _POINTERS = {"Q", "K", "V", "DO", "Out", "O2", "DK", "DV", "DQ"}  # in the input dtype (DQ: fp32 with ATOMIC_DQ)
@@ -80,14 +81,14 @@ def variants(dtype: torch.dtype = torch.bfloat16, head_dim: int = 64):
 
 
 def compile_kernel(name: str, constexprs: dict, num_warps: int, num_stages: int, dtype=torch.bfloat16, arch: int = 90):
-    """Triton's CompiledKernel of kernel `name` of _triton_v1.py for sm_<arch>; raises what the compiler raises."""
+    """Triton's CompiledKernel of kernel `name` (kernels/triton_v1/) for sm_<arch>; raises what the compiler raises."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from . import _triton_v1
+    from diff_transformer.kernels import triton_v1
 
-    fn = getattr(_triton_v1, name)
+    fn = getattr(triton_v1, name)
     signature = {}
     for arg in fn.arg_names:
         if arg in constexprs:
