@@ -1,12 +1,14 @@
 """`attn_implementation="diff_triton"` in the model: V1 layers run the fused Triton kernel (here through Triton's
-interpreter on CPU, forced with `fused_kernel_available`), everything else runs as sdpa. References: the eager model
-(the formula, one explicit softmax per map) with the same weights. The kernel's own tests are in test_kernels.py."""
+interpreter on CPU, forced through the registered function's `runs_on`), everything else runs as sdpa. References:
+the eager model (the formula, one explicit softmax per map) with the same weights. The kernel's own tests are in
+test_kernels.py."""
 
 import pytest
 import torch
 
 import diff_transformer.modeling_diff as modeling
 from diff_transformer import DiffForCausalLM
+from diff_transformer.integrations.attention import diff_triton_attention_forward
 from diff_transformer.modeling_diff import V1Strategy
 
 from conftest import tiny_model
@@ -18,25 +20,25 @@ pytest.importorskip("triton", reason="the fused kernel needs triton (in the test
 TOLERANCE = dict(rtol=1e-4, atol=1e-5)
 
 
-def fused_twin(model, strategies=None):
-    """`model`'s weights under attn_implementation="diff_triton"; `strategies` collects what each V1 layer ran."""
+def fused_twin(model):
+    """`model`'s weights under attn_implementation="diff_triton"."""
     twin = DiffForCausalLM._from_config(model.config, attn_implementation="diff_triton")
     twin.load_state_dict(model.state_dict())
-    if strategies is not None:
-        for layer in twin.model.layers:
-            if not hasattr(layer.self_attn, "_select_strategy"):  # V2 has one strategy: one standard call
-                continue
-            select = layer.self_attn._select_strategy
-            layer.self_attn._select_strategy = lambda *a, _select=select, **k: (
-                strategies.append(_select(*a, **k)) or strategies[-1]
-            )
     return twin.eval()
+
+
+@pytest.fixture
+def strategies(monkeypatch):
+    """What each V1 layer call ran (V2 has one strategy: one standard call)."""
+    ran, select = [], modeling.select_v1_strategy
+    monkeypatch.setattr(modeling, "select_v1_strategy", lambda *a, **k: ran.append(select(*a, **k)) or ran[-1])
+    return ran
 
 
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
     """Let the kernel run on CPU tensors (Triton's interpreter) as it would on CUDA ones."""
-    monkeypatch.setattr(modeling, "fused_kernel_available", lambda device: True)
+    monkeypatch.setattr(diff_triton_attention_forward, "runs_on", lambda device: True)
 
 
 def padded_batch(model, lengths=(13, 9, 4)):
@@ -49,10 +51,9 @@ def padded_batch(model, lengths=(13, 9, 4)):
 
 
 @pytest.mark.parametrize("num_key_value_heads", [4, 2, 1], ids=["mha", "gqa2", "gqa4"])
-def test_fused_v1_matches_eager_on_a_padded_batch(fused_on_cpu, num_key_value_heads):
+def test_fused_v1_matches_eager_on_a_padded_batch(strategies, fused_on_cpu, num_key_value_heads):
     model = tiny_model(1, num_key_value_heads=num_key_value_heads)
-    strategies = []
-    twin = fused_twin(model, strategies)
+    twin = fused_twin(model)
     ids, mask = padded_batch(model)
     with torch.no_grad():
         expected = model(ids, attention_mask=mask).logits
@@ -78,10 +79,9 @@ def test_fused_v1_gradients_match_eager(fused_on_cpu):
 
 
 @pytest.mark.parametrize("cache_implementation", [None, "static"], ids=["dynamic", "static"])
-def test_fused_v1_generates_what_eager_generates(fused_on_cpu, cache_implementation):
+def test_fused_v1_generates_what_eager_generates(strategies, fused_on_cpu, cache_implementation):
     model = tiny_model(1)
-    strategies = []
-    twin = fused_twin(model, strategies)
+    twin = fused_twin(model)
     ids, mask = padded_batch(model, lengths=(9, 5))
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation=cache_implementation)
     expected = model.generate(ids, **kwargs)
@@ -89,11 +89,10 @@ def test_fused_v1_generates_what_eager_generates(fused_on_cpu, cache_implementat
     assert set(strategies) == {V1Strategy.FUSED}  # the prompt and every one-token step
 
 
-def test_diff_triton_runs_as_sdpa_where_the_kernel_does_not(diff_version):
+def test_diff_triton_runs_as_sdpa_where_the_kernel_does_not(strategies, diff_version):
     """No CUDA (or no triton, or Hub custom code without the package): "diff_triton" is sdpa, with the same logits."""
     model = tiny_model(diff_version, attn_implementation="sdpa")
-    strategies = []
-    twin = fused_twin(model, strategies)
+    twin = fused_twin(model)
     ids, mask = padded_batch(model)
     with torch.no_grad():
         torch.testing.assert_close(

@@ -11,37 +11,10 @@ before transformers tries it, so that every problem is one line naming the input
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from .errors import UserError
-
-
-HUB_PREFIX = "hf://"
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
-
-
-def hub_id(text: str, *, name: str = "MODEL", error: type[UserError] = UserError) -> str:
-    """`text`, which is not an existing path, as a Hub model id; `error` when it reads as a mistyped local path."""
-    repo = text.removeprefix(HUB_PREFIX)
-    if not _REPO_ID.match(repo) or ".." in repo:
-        raise error(
-            f"{name} {text!r} is neither an existing directory nor a valid Hub model id: check the path, or pass an "
-            "id like 'org/model'."
-        )
-    if text.startswith(HUB_PREFIX):
-        return repo
-    first = repo.split("/")[0]
-    if "/" not in repo:
-        raise error(
-            f"{name} {text!r} does not exist: check the path (for the Hub model {repo!r}, pass {HUB_PREFIX}{repo})."
-        )
-    if Path(first).is_dir():
-        raise error(
-            f"{name} {text!r} does not exist (the directory {first} does): check the path (for the Hub model "
-            f"{repo!r}, pass {HUB_PREFIX}{repo})."
-        )
-    return repo
+from .hub_ids import HUB_PREFIX, hub_id
 
 
 def resolve_model(text, *, name: str = "MODEL", error: type[UserError] = UserError) -> tuple[str, Path | None]:

@@ -11,14 +11,13 @@ Both attend through standard backends from `ALL_ATTENTION_FUNCTIONS` (eager, sdp
 call per layer, V1 in one call per map (or per map and V half where a kernel needs it, see `DiffAttentionV1`).
 Module names follow Llama's so Llama tooling (PEFT target modules, TP plans, conversion scripts) applies unchanged.
 
-Only torch, transformers and the sibling custom-code files are imported: this file is copied into saved checkpoints
-as Hub custom code. The one exception is optional: V1's fused Triton kernel (`attn_implementation="diff_triton"`) comes
-from the `diff_transformer` package once it is imported (see `_fused_kernels`).
+Only torch, transformers and the sibling configuration file are imported: this file is copied into saved checkpoints
+as Hub custom code. V1's fused Triton kernel is the attention function the `diff_transformer` package registers as
+"diff_triton" (`integrations/attention.py`); this file only looks it up by name.
 """
 
 import copy
 import enum
-import sys
 from collections.abc import Callable
 
 import torch
@@ -48,24 +47,6 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_diff import DiffConfig
-
-
-def _fused_kernels():
-    """The package's kernels module (V1's fused kernel), or None. It ships with the package, not with a checkpoint's
-    custom code, and "diff_triton" only exists once `import diff_transformer` registered it, so a model loaded as Hub
-    custom code never imports the package itself: it keeps V1's standard-backend strategies."""
-    if "diff_transformer" not in sys.modules:
-        return None
-    try:
-        from diff_transformer import kernels
-    except ImportError:
-        return None
-    return kernels
-
-
-def fused_kernel_available(device: torch.device) -> bool:
-    kernels = _fused_kernels()
-    return kernels is not None and kernels.is_available(device)
 
 
 try:
@@ -233,26 +214,19 @@ class DiffAttentionV2(DiffAttention):
         return attn_output, attn_weights
 
 
+def v1_component_major(pairs: torch.Tensor) -> torch.Tensor:
+    """V1's head layout, the one place that defines it (the forward and `diff_transformer.analysis` use it).
+
+    q_proj's rows hold [q1 | q2] per differential head, k_proj's [k1 | k2] and v_proj's [first | second half] per
+    key/value group (head-major, so tensor parallelism splits whole heads). Attention wants them component-major:
+    (B, N, h, 2, d) -> (B, 2h, N, d) = [all x1 | all x2], so each map is a contiguous block of heads and a backend's
+    ordinary GQA mapping pairs q_c of head h with k_c of its group."""
+    B, N, h, _, d = pairs.shape
+    return pairs.permute(0, 3, 2, 1, 4).reshape(B, 2 * h, N, d)  # (B, 2h, N, d)
+
+
 class V1Strategy(enum.Enum):
-    """How `DiffAttentionV1` computes `(A1 - λ A2) V` with V 2d wide (see that class's docstring)."""
-
-    WIDE_VALUE = "one call per map, V 2d wide"
-    PADDED_WIDE_VALUE = "one call per map, V 2d wide, q and k zero-padded to 2d"
-    SPLIT_VALUE = "one call per map and per d-wide half of V"
-    FUSED = "one fused Triton kernel call producing (A1 - λ A2) V"
-
-
-class DiffAttentionV1(DiffAttention):
-    """V1 (the paper): head h computes `RMSNorm((A1 - λ A2) V) (1 - λ_init)`, A_c = softmax(q_c k_cᵀ / √d), V 2d wide.
-
-    q and k are laid out component-major, [all q1 | all q2] and [all k1 | all k2], so each map is a contiguous block
-    of heads and the backend's ordinary GQA mapping pairs q_c of head h with k_c of its group. V is cached as 2 H_kv
-    heads of size d (its two halves), so every cache (dynamic, static, paged) holds what a Llama with 2 H_kv
-    key/value heads of size d holds. Every call goes to a standard backend from `ALL_ATTENTION_FUNCTIONS` and sees
-    one map's q_c and k_c only (q1 never meets k2).
-
-    Backends differ in what they accept and what they make fast, so `_select_strategy` picks one of `V1Strategy`
-    (docs/design.md, "V1's backend strategy"):
+    """How V1 computes `(A1 - λ A2) V` with V 2d wide on a given backend (docs/design.md, "V1's backend strategy").
 
     * WIDE_VALUE: one call per map with the two V halves concatenated to 2d (eager, sdpa on GPU, flex). Two calls,
       each map's scores computed once.
@@ -262,11 +236,99 @@ class DiffAttentionV1(DiffAttention):
     * SPLIT_VALUE: one call per map and per V half, everything d wide. Flash kernels need V as wide as Q/K; and when
       decoding (one query) with any backend but eager, attending on views of the cache beats copying it into a
       2d-wide V every step. Four calls: each map's scores are computed twice.
-    * FUSED: `attn_implementation="diff_triton"` on a CUDA device with triton: one call to the package's Triton kernel
-      (`diff_transformer.kernels.differential_attention_v1`), which reads each K/V tile once for both maps, keeps two
-      online softmaxes and writes (A1 - λ A2) V with V 2d wide; one query against a cache runs its split-K decoding
-      kernel. Elsewhere (CPU, no triton, a paged cache, Hub custom code without the package) "diff_triton" runs as
-      sdpa. It returns no maps (`output_attentions` needs eager).
+    * FUSED: the attention function registered as "diff_triton" (V1's Triton kernel, registered by the
+      diff_transformer package) on a device it runs on: one call that reads each K/V tile once for both maps and
+      returns (A1 - λ A2) V; no maps (`output_attentions` needs eager).
+    """
+
+    WIDE_VALUE = "one call per map, V 2d wide"
+    PADDED_WIDE_VALUE = "one call per map, V 2d wide, q and k zero-padded to 2d"
+    SPLIT_VALUE = "one call per map and per d-wide half of V"
+    FUSED = "one fused call producing (A1 - λ A2) V"
+
+
+def select_v1_strategy(implementation: str, query: torch.Tensor, paged: bool = False) -> V1Strategy:
+    """The one place that decides how a V1 layer attends: `implementation` is the attention backend's name,
+    `query` (B, 2H, N, d), `paged` whether a paged cache (continuous batching) holds the keys.
+
+    "diff_triton" is fused where the function registered under that name says it runs (`runs_on(device)`) and
+    otherwise attends as sdpa, which is what that function does for every call without a λ."""
+    if implementation == "diff_triton":
+        fused = ALL_ATTENTION_FUNCTIONS.get(implementation)
+        if not paged and fused is not None and getattr(fused, "runs_on", lambda device: False)(query.device):
+            return V1Strategy.FUSED
+        implementation = "sdpa"
+    if "flash" in implementation or (query.shape[2] == 1 and implementation != "eager"):
+        return V1Strategy.SPLIT_VALUE  # flash kernels (FA2/3/4, kernels-community, paged or not) need V as wide as Q/K
+    if implementation == "sdpa" and query.device.type == "cpu":
+        return V1Strategy.PADDED_WIDE_VALUE
+    return V1Strategy.WIDE_VALUE
+
+
+def v1_differential_attention(
+    module: nn.Module,
+    attention_interface: Callable,
+    strategy: V1Strategy,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    lam: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    output_from_map: bool = False,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(A1 - λ A2) V as (B, N, H, 2d) through standard attention calls, and the differential map A1 - λ A2 when the
+    backend returns maps. queries (B, 2, H, N, d) = [q1 | q2], keys (B, 2, H_kv, L, d) = [k1 | k2], values
+    (B, 2, H_kv, L, d) = the two d-wide halves of v; λ a () fp32 scalar. Every call sees one map's q_c and k_c only.
+    `output_from_map` (eager): compute the output from the returned map, as Llama's eager attention does, so maps
+    are on the gradient path."""
+
+    def attend(query, key, value):  # one standard call: (B, N, H, width of value), map or None
+        return attention_interface(
+            module, query, key, value, attention_mask, dropout=0.0, scaling=module.scaling, **kwargs
+        )
+
+    if strategy is V1Strategy.FUSED:
+        attn_output, _ = attention_interface(
+            module,
+            queries.flatten(1, 2),  # (B, 2H, N, d)
+            keys.flatten(1, 2),  # (B, 2H_kv, L, d)
+            values.flatten(1, 2),  # (B, 2H_kv, L, d)
+            attention_mask,
+            scaling=module.scaling,
+            differential_lambda=lam,
+        )  # (B, N, H, 2d)
+        return attn_output, None
+    if strategy is V1Strategy.SPLIT_VALUE:
+        outputs = [  # per map c: (B, N, H, 2d)
+            torch.cat([attend(queries[:, c], keys[:, c], values[:, v])[0] for v in (0, 1)], dim=-1) for c in (0, 1)
+        ]
+        maps = [None, None]
+    else:
+        wide_value = torch.cat((values[:, 0], values[:, 1]), dim=-1)  # (B, H_kv, L, 2d)
+        outputs, maps = [], []
+        for c in (0, 1):
+            query_c, key_c = queries[:, c], keys[:, c]  # (B, H, N, d), (B, H_kv, L, d)
+            if strategy is V1Strategy.PADDED_WIDE_VALUE:
+                d = query_c.shape[-1]
+                query_c, key_c = nn.functional.pad(query_c, (0, d)), nn.functional.pad(key_c, (0, d))  # (.., 2d)
+            output_c, map_c = attend(query_c, key_c, wide_value)  # (B, N, H, 2d), (B, H, N, L) or None
+            outputs.append(output_c)
+            maps.append(map_c)
+
+    attn_weights = None if maps[0] is None else maps[0] - lam.to(maps[0].dtype) * maps[1]  # (B, H, N, L)
+    if attn_weights is not None and output_from_map:
+        return _output_from_map(attn_weights, wide_value), attn_weights  # (B, N, H, 2d)
+    return outputs[0] - lam.to(outputs[0].dtype) * outputs[1], attn_weights  # (B, N, H, 2d)
+
+
+class DiffAttentionV1(DiffAttention):
+    """V1 (the paper): head h computes `RMSNorm((A1 - λ A2) V) (1 - λ_init)`, A_c = softmax(q_c k_cᵀ / √d), V 2d wide.
+
+    The forward is `LlamaAttention.forward` with V1's head layout (`v1_component_major`) and the differential step
+    (`select_v1_strategy`, `v1_differential_attention`) in place of the attention call. V is cached as 2 H_kv heads
+    of size d (its two halves), so every cache (dynamic, static, paged) holds what a Llama with 2 H_kv key/value heads
+    of size d holds.
     """
 
     def __init__(self, config: DiffConfig, layer_idx: int):
@@ -277,24 +339,6 @@ class DiffAttentionV1(DiffAttention):
         self.diff_lambda = DiffLambdaV1(d, self.lambda_init)
         self.subln = DiffRMSNorm(2 * d, eps=config.rms_norm_eps)
 
-    def _needs_equal_head_dims(self) -> bool:
-        """Flash kernels (FA2/FA3/FA4, kernels-community ones, paged or not) need V as wide as Q/K."""
-        return "flash" in self.config._attn_implementation
-
-    def _select_strategy(self, query: torch.Tensor, paged: bool = False) -> V1Strategy:
-        """The one place that decides how this layer's attention runs; `query` is (B, 2H, N, d), `paged` says whether
-        a paged cache (continuous batching) holds the keys."""
-        implementation = self.config._attn_implementation
-        if implementation == "diff_triton":
-            if not paged and fused_kernel_available(query.device):
-                return V1Strategy.FUSED
-            implementation = "sdpa"  # what "diff_triton" is registered as for every other call
-        if self._needs_equal_head_dims() or (query.shape[2] == 1 and implementation != "eager"):
-            return V1Strategy.SPLIT_VALUE
-        if implementation == "sdpa" and query.device.type == "cpu":
-            return V1Strategy.PADDED_WIDE_VALUE
-        return V1Strategy.WIDE_VALUE
-
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -304,24 +348,21 @@ class DiffAttentionV1(DiffAttention):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, N, _ = hidden_states.shape
-        d = self.head_dim
+        pair_shape = (B, N, -1, 2, self.head_dim)  # head counts from the tensors: a tensor-parallel shard's own
 
-        # Head counts come from the tensors, so a tensor-parallel shard works on its local heads.
-        query = self.q_norm(self.q_proj(hidden_states).view(B, N, -1, 2, d))  # (B, N, H, 2, d)
-        H = query.shape[2]
-        query = query.permute(0, 3, 2, 1, 4).reshape(B, 2 * H, N, d)  # (B, 2H, N, d): [all q1 | all q2]
-        key = self.k_norm(self.k_proj(hidden_states).view(B, N, -1, 2, d))  # (B, N, H_kv, 2, d)
-        H_kv = key.shape[2]
-        key = key.permute(0, 3, 2, 1, 4).reshape(B, 2 * H_kv, N, d)  # (B, 2H_kv, N, d): [all k1 | all k2]
-        value = self.v_proj(hidden_states).view(B, N, H_kv, 2, d).permute(0, 3, 2, 1, 4)  # (B, 2, H_kv, N, d)
-        value = value.reshape(B, 2 * H_kv, N, d)  # (B, 2H_kv, N, d): [all first halves | all second halves]
+        query = v1_component_major(self.q_norm(self.q_proj(hidden_states).view(pair_shape)))  # (B, 2H, N, d)
+        key = v1_component_major(self.k_norm(self.k_proj(hidden_states).view(pair_shape)))  # (B, 2H_kv, N, d)
+        value = v1_component_major(self.v_proj(hidden_states).view(pair_shape))  # (B, 2H_kv, N, d): v halves
 
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
 
-        # The backends update a paged cache (continuous batching) themselves, once per call; V1 makes several calls,
-        # so it writes the paged cache once here and hands the backends what it returns.
         implementation = self.config._attn_implementation
+        # Relies on: transformers' continuous batching passing its `PagedAttentionCache` to the attention function as
+        # kwarg `cache`, and the paged functions ("paged|sdpa", "paged|eager", ...) updating it on every call. V1 makes
+        # several calls per layer, so it writes the cache once here and hands every call the keys it returns.
+        # Guarded by tests/test_generation.py::test_continuous_batching_matches_generate and
+        # tests/test_serving.py::test_continuous_batching_matches_generate.
         paged_cache = kwargs.pop("cache", None)
         if paged_cache is not None:
             key, value = paged_cache.update(
@@ -333,66 +374,23 @@ class DiffAttentionV1(DiffAttention):
             key, value = past_key_values.update(key, value, self.layer_idx)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
 
-        batch, _, L, _ = value.shape  # the paged cache packs every sequence into one batch row
-        queries = query.view(B, 2, H, N, d)  # (B, 2, H, N, d): [q1 | q2] of every head
-        keys = key.reshape(batch, 2, H_kv, L, d)  # (B, 2, H_kv, L, d): [k1 | k2] of every group
-        values = value.reshape(batch, 2, H_kv, L, d)  # (B, 2, H_kv, L, d): [first | second] d-wide half of v_g
-
-        lam = self.diff_lambda()  # () fp32
-        strategy = self._select_strategy(query, paged=paged_cache is not None)
-        attn_output, attn_weights = self._differential_attention(
-            strategy, attention_interface, queries, keys, values, lam, attention_mask, **kwargs
+        H, H_kv, d = query.shape[1] // 2, key.shape[1] // 2, self.head_dim
+        batch, L = key.shape[0], key.shape[2]  # the paged cache packs every sequence into one batch row
+        attn_output, attn_weights = v1_differential_attention(
+            self,
+            attention_interface,
+            select_v1_strategy(implementation, query, paged=paged_cache is not None),
+            query.view(B, 2, H, N, d),  # [q1 | q2] of every head
+            key.view(batch, 2, H_kv, L, d),  # [k1 | k2] of every group
+            value.view(batch, 2, H_kv, L, d),  # [first | second] d-wide half of v_g
+            self.diff_lambda(),  # () fp32
+            attention_mask,
+            output_from_map=self.config._attn_implementation == "eager",
+            **kwargs,
         )  # (B, N, H, 2d), (B, H, N, L) or None
 
         attn_output = self.subln(attn_output) * (1.0 - self.lambda_init)
         attn_output = self.o_proj(attn_output.reshape(B, N, H * 2 * d))
-        return attn_output, attn_weights
-
-    def _differential_attention(
-        self, strategy, attention_interface, queries, keys, values, lam, attention_mask, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(A1 - λ A2) V as (B, N, H, 2d), and the differential map A1 - λ A2 when the backend returns maps."""
-
-        def attend(query, key, value):  # one standard attention call: (B, N, H, width of value), map or None
-            return attention_interface(
-                self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
-            )
-
-        if strategy is V1Strategy.FUSED:
-            # transformers' sdpa mask is None exactly when plain causal attention over the last N of L keys is right.
-            attn_output = _fused_kernels().differential_attention_v1(
-                queries.flatten(1, 2),  # (B, 2H, N, d)
-                keys.flatten(1, 2),  # (B, 2H_kv, L, d)
-                values.flatten(1, 2),  # (B, 2H_kv, L, d)
-                lam,
-                scaling=self.scaling,
-                causal=attention_mask is None,
-                attention_mask=attention_mask,
-            )  # (B, N, H, 2d)
-            return attn_output, None
-        if strategy is V1Strategy.SPLIT_VALUE:
-            outputs = [  # per map c: (B, N, H, 2d)
-                torch.cat([attend(queries[:, c], keys[:, c], values[:, v])[0] for v in (0, 1)], dim=-1) for c in (0, 1)
-            ]
-            maps = [None, None]
-        else:
-            wide_value = torch.cat((values[:, 0], values[:, 1]), dim=-1)  # (B, H_kv, L, 2d)
-            outputs, maps = [], []
-            for c in (0, 1):
-                query_c, key_c = queries[:, c], keys[:, c]  # (B, H, N, d), (B, H_kv, L, d)
-                if strategy is V1Strategy.PADDED_WIDE_VALUE:
-                    d = query_c.shape[-1]
-                    query_c, key_c = nn.functional.pad(query_c, (0, d)), nn.functional.pad(key_c, (0, d))  # (.., 2d)
-                output_c, map_c = attend(query_c, key_c, wide_value)  # (B, N, H, 2d), (B, H, N, L) or None
-                outputs.append(output_c)
-                maps.append(map_c)
-
-        attn_weights = None if maps[0] is None else maps[0] - lam.to(maps[0].dtype) * maps[1]  # (B, H, N, L)
-        if attn_weights is not None and self.config._attn_implementation == "eager":
-            # Eager returns maps: compute the output from them (as Llama does), so they are on the gradient path.
-            attn_output = _output_from_map(attn_weights, wide_value)  # (B, N, H, 2d)
-        else:
-            attn_output = outputs[0] - lam.to(outputs[0].dtype) * outputs[1]  # (B, N, H, 2d)
         return attn_output, attn_weights
 
 

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from ..modeling_diff import v1_component_major
+
 
 SUPPORTED_MODEL_TYPES = ("diff", "diffllama", "llama")
 
@@ -119,8 +121,8 @@ def _layer_maps(kind: str, module, hidden_states, position_embeddings, allowed) 
     query, key = _project(module, hidden_states)  # (B, N, Hq, d), (B, N, Hk, d)
     if kind == "diff-v1":
         H, H_kv = query.shape[2] // 2, key.shape[2] // 2
-        query = query.view(B, N, H, 2, d).permute(0, 3, 2, 1, 4).reshape(B, 2 * H, N, d)  # (B, 2H, N, d): [q1 | q2]
-        key = key.view(B, N, H_kv, 2, d).permute(0, 3, 2, 1, 4).reshape(B, 2 * H_kv, N, d)  # (B, 2H_kv, N, d)
+        query = v1_component_major(query.view(B, N, H, 2, d))  # (B, 2H, N, d): [q1 | q2]
+        key = v1_component_major(key.view(B, N, H_kv, 2, d))  # (B, 2H_kv, N, d): [k1 | k2]
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         queries, keys = query.view(B, 2, H, N, d), key.view(B, 2, H_kv, N, d)  # (B, 2, H, N, d): [q1 | q2]
         first = _softmax_maps(module, queries[:, 0], keys[:, 0], allowed)  # (B, H, N, L)

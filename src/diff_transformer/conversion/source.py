@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..loading import hub_id
+from ..hub_ids import hub_id
 from .errors import ConversionError, one_line
 
 

@@ -15,7 +15,7 @@ def expose_to_transformers_serve() -> None:
     """Make `getattr(transformers, "DiffForCausalLM")` (and DiffModel) resolve for transformers' model manager."""
     from transformers.cli.serving import model_manager
 
-    from .. import DiffForCausalLM, DiffModel
+    from ..modeling_diff import DiffForCausalLM, DiffModel
 
     # The module object the model manager imported (transformers can swap `sys.modules["transformers"]` for a
     # fresh lazy module while importing its submodules, so `import transformers` here could be a different one).
