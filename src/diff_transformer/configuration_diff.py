@@ -56,8 +56,14 @@ class DiffConfig(PreTrainedConfig):
     r"""
     Configuration of a decoder-only Diff Transformer. Every field of `LlamaConfig` keeps its meaning, except that
     `num_attention_heads` counts *differential* heads (H) and `head_dim` is the size d of one query/key sub-head.
+    The fields below are the ones Diff models add or read differently; they are keyword arguments of the constructor.
 
-    Args:
+    Example:
+        ```python
+        config = DiffConfig(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, diff_version=2)
+        ```
+
+    Attributes:
         diff_version (`int`, defaults to 1):
             1: the ICLR 2025 paper, `(softmax(Q1K1ᵀ) - λ softmax(Q2K2ᵀ)) V` with a per-layer scalar λ, V of width 2d
             and a per-head RMSNorm (`subln`). 2: Diff Transformer V2, 2H standard query heads paired as

@@ -54,20 +54,37 @@ def differential_attention(
     clamp_negatives: bool = False,
     return_weights: bool = False,
 ):
-    """(softmax(q1 k1ᵀ s) - λ softmax(q2 k2ᵀ s)) v.
+    """Differential attention: `(softmax(q1 k1ᵀ s) - λ softmax(q2 k2ᵀ s)) v`, the two maps in one call.
+
+    The softmax runs in at least float32; the output has `value`'s dtype. No RMSNorm or output projection: see
+    `DifferentialAttention` for a whole block.
 
     Args:
-        query: (B, H, Nq, 2d); its last dim holds [q1 | q2].
-        key: (B, H, Nk, 2d); [k1 | k2].
-        value: (B, H, Nk, dv).
-        lam: float, 0-d tensor, (H,) per head, or (B, H, Nq) per query token and head. A float must be finite; a
-            tensor is used as given (checking its values would synchronise with the device on every call).
-        attn_mask: bool (True = attend) or additive float mask broadcastable to (B, H, Nq, Nk).
-        is_causal: causal mask aligned to the end of the keys (query i sees keys up to i + Nk - Nq).
-        scale: logit scale; defaults to d^-0.5 where d is the half width.
-        clamp_negatives: zero negative entries of the differential map, then renormalise rows to sum to 1.
+        query: `(B, H, Nq, 2d)`; its last dimension holds `[q1 | q2]`.
+        key: `(B, H, Nk, 2d)`, holding `[k1 | k2]`.
+        value: `(B, H, Nk, dv)`; V1 uses `dv = 2d`, but any width works.
+        lam: λ as a float, a 0-d tensor, `(H,)` (per head) or `(B, H, Nq)` (per query token and head). A float must
+            be finite; a tensor is used as given (checking its values would synchronise with the device on every
+            call).
+        attn_mask: bool (True = attend) or additive float mask, broadcastable to `(B, H, Nq, Nk)`.
+        is_causal: causal mask aligned to the end of the keys (query i sees keys up to `i + Nk - Nq`).
+        scale: logit scale; defaults to `d ** -0.5`, d being the half width.
+        clamp_negatives: zero the negative entries of the differential map, then renormalise rows to sum to 1.
+        return_weights: also return the differential map.
+
     Returns:
-        output (B, H, Nq, dv), and the differential map (B, H, Nq, Nk) when `return_weights`.
+        The output, `(B, H, Nq, dv)`; with `return_weights`, the tuple `(output, weights)` where `weights` is the
+        differential map `A1 - λ A2`, `(B, H, Nq, Nk)`, whose rows sum to `1 - λ` (1 when clamped).
+
+    Raises:
+        ValueError: `query` and `key` differ in width or have an odd one, `key` and `value` differ in length, or
+            `lam` has another shape.
+
+    Example:
+        ```python
+        q, k, v = torch.randn(2, 4, 10, 32), torch.randn(2, 4, 12, 32), torch.randn(2, 4, 12, 64)
+        out = differential_attention(q, k, v, lam=0.5)  # (2, 4, 10, 64)
+        ```
     """
     if query.shape[-1] != key.shape[-1] or query.shape[-1] % 2:
         raise ValueError(
@@ -104,16 +121,30 @@ def differential_attention(
 
 
 class DifferentialAttention(nn.Module):
-    """Multi-head differential attention block (V1 layout: q/k of width 2d per head, v of width 2d, per-head RMSNorm).
+    """Multi-head differential attention block for your own models (V1 layout: q/k of width 2d per head, v of width
+    2d, per-head RMSNorm, output projection), self- or cross-attention.
 
     Args:
-        embed_dim: model width of the query input (and output).
-        num_heads: number of differential heads H; each uses q/k halves of size d = embed_dim // (2H).
-        kdim: width of the key/value input for cross-attention (defaults to embed_dim).
-        lambda_mode: "scalar" (the paper's re-parameterised per-layer λ), "head" (one learnable λ per head) or
-            "token" (V2's per-token, per-head sigmoid(W x)).
-        lambda_init: λ_init of the scalar/head modes (the paper's depth schedule gives 0.8 - 0.6 exp(-0.3 l)).
+        embed_dim: model width of the query input (and of the output).
+        num_heads: number of differential heads H; each uses q/k halves of size `d = embed_dim // (2H)`.
+        kdim: width of the key/value input for cross-attention (defaults to `embed_dim`).
+        lambda_mode: `"scalar"` (the paper's re-parameterised per-layer λ), `"head"` (one learnable λ per head) or
+            `"token"` (V2's per-token, per-head `sigmoid(W x)`).
+        lambda_init: λ_init of the scalar and head modes (the paper's depth schedule gives `0.8 - 0.6 exp(-0.3 l)`).
+        lambda_std: standard deviation of the scalar mode's four re-parameterisation vectors at initialisation.
         clamp_negatives: use the clamp-and-renormalise variant of the map.
+        bias: add biases to the q/k/v/o projections.
+        eps: epsilon of the per-head RMSNorm.
+
+    Raises:
+        ValueError: `embed_dim` is not divisible by `2 * num_heads`, an unknown `lambda_mode`, or a non-finite
+            `lambda_init`, `lambda_std` or `eps`.
+
+    Example:
+        ```python
+        layer = DifferentialAttention(embed_dim=512, num_heads=4, lambda_mode="scalar")
+        out = layer(torch.randn(2, 10, 512), is_causal=True)  # (2, 10, 512)
+        ```
     """
 
     def __init__(
@@ -158,6 +189,7 @@ class DifferentialAttention(nn.Module):
             self.lambda_proj = nn.Linear(embed_dim, num_heads, bias=False)
 
     def current_lambda(self, query_input: torch.Tensor) -> torch.Tensor:
+        """λ for `query_input` `(B, Nq, embed_dim)`: 0-d (scalar mode), `(H,)` (head) or `(B, H, Nq)` (token)."""
         if self.lambda_mode == "scalar":
             return (
                 torch.exp((self.lambda_q1 * self.lambda_k1).sum())
@@ -176,7 +208,18 @@ class DifferentialAttention(nn.Module):
         is_causal: bool = False,
         return_weights: bool = False,
     ):
-        """query: (B, Nq, embed_dim); key_value: (B, Nk, kdim) for cross-attention, None for self-attention."""
+        """Attend from `query` to `key_value` (or to itself).
+
+        Args:
+            query: `(B, Nq, embed_dim)`.
+            key_value: `(B, Nk, kdim)` for cross-attention; None for self-attention.
+            attn_mask: bool (True = attend) or additive float mask, broadcastable to `(B, H, Nq, Nk)`.
+            is_causal: causal mask aligned to the end of the keys.
+            return_weights: also return the differential map.
+
+        Returns:
+            `(B, Nq, embed_dim)`; with `return_weights`, `(output, weights)`, weights `(B, H, Nq, Nk)`.
+        """
         key_value = query if key_value is None else key_value
         B, n_q, _ = query.shape
         n_k = key_value.shape[1]

@@ -168,6 +168,17 @@ class DiffAttentionV2(DiffAttention):
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attend.
+
+        Args:
+            hidden_states: `(B, N, D)`.
+            position_embeddings: RoPE's `(cos, sin)`, each `(B, N, d)`.
+            attention_mask: the mask transformers built for the backend.
+            past_key_values: a transformers cache; updated with this layer's keys and values (H_kv heads of size d).
+
+        Returns:
+            `(B, N, D)` and, in eager mode, the differential maps `(B, H, N, L)` (else None).
+        """
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
@@ -347,6 +358,18 @@ class DiffAttentionV1(DiffAttention):
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attend.
+
+        Args:
+            hidden_states: `(B, N, D)`.
+            position_embeddings: RoPE's `(cos, sin)`, each `(B, N, d)`.
+            attention_mask: the mask transformers built for the backend.
+            past_key_values: a transformers cache; updated with this layer's keys and values (2 H_kv heads of size d
+                each: [k1 | k2] and V's two halves).
+
+        Returns:
+            `(B, N, D)` and, in eager mode, the differential maps `(B, H, N, L)` (else None).
+        """
         B, N, _ = hidden_states.shape
         pair_shape = (B, N, -1, 2, self.head_dim)  # head counts from the tensors: a tensor-parallel shard's own
 
@@ -535,6 +558,11 @@ class _GenerationHooks:
 
 
 class DiffPreTrainedModel(_PreTrainedModelHooks, PreTrainedModel):  # hooks: see "Integration hooks" above
+    """Base class of every Diff model: weight initialisation (V1's λ vectors from N(0, `lambda_std`²)), the modules
+    kept in fp32 per version (V1's λ vectors, strictly; V2's λ gate), and transformers' capabilities (sdpa, flash,
+    flex, `torch.compile`, gradient checkpointing, `DiffDecoderLayer` as the unit of `device_map` and FSDP).
+    """
+
     config: DiffConfig
     config_class = DiffConfig
     base_model_prefix = "model"
@@ -575,6 +603,13 @@ class DiffPreTrainedModel(_PreTrainedModelHooks, PreTrainedModel):  # hooks: see
 
 
 class DiffModel(DiffPreTrainedModel):
+    """The bare decoder: embeddings, `config.num_hidden_layers` `DiffDecoderLayer`s (Llama's, with differential
+    attention: `DiffAttentionV1` or `DiffAttentionV2` by `config.diff_version`) and the final RMSNorm.
+
+    Args:
+        config: the model's configuration.
+    """
+
     def __init__(self, config: DiffConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
@@ -598,6 +633,20 @@ class DiffModel(DiffPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
+        """Run the decoder.
+
+        Args:
+            input_ids: `(B, N)` token ids (or pass `inputs_embeds`).
+            attention_mask: `(B, L)`, 1 for tokens and 0 for padding (L counts cached tokens too).
+            position_ids: `(B, N)`; default: positions after the cached tokens.
+            past_key_values: a transformers cache (dynamic, static, paged); created when `use_cache` and None.
+            inputs_embeds: `(B, N, D)` instead of `input_ids`.
+            use_cache: return the cache for generation.
+
+        Returns:
+            `BaseModelOutputWithPast` with `last_hidden_state` `(B, N, D)`, `past_key_values`, and `hidden_states` /
+            `attentions` when asked for (`attentions`, eager only, are the differential maps `(B, H, N, L)`).
+        """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -634,6 +683,21 @@ class DiffModel(DiffPreTrainedModel):
 
 
 class DiffForCausalLM(_GenerationHooks, DiffPreTrainedModel, GenerationMixin):  # hooks: see "Integration hooks"
+    """`DiffModel` with a language-modelling head (tied to the embeddings when `config.tie_word_embeddings`), for
+    training and `generate` (every decoding strategy and cache transformers has, continuous batching included).
+
+    Args:
+        config: the model's configuration.
+
+    Example:
+        ```python
+        config = DiffConfig(vocab_size=1000, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=4, diff_version=2)
+        model = DiffForCausalLM(config)
+        logits = model(torch.tensor([[1, 2, 3]])).logits  # (1, 3, 1000)
+        ```
+    """
+
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
@@ -658,6 +722,23 @@ class DiffForCausalLM(_GenerationHooks, DiffPreTrainedModel, GenerationMixin):  
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
+        """Run the model and the LM head.
+
+        Args:
+            input_ids: `(B, N)` token ids (or pass `inputs_embeds`).
+            attention_mask: `(B, L)`, 1 for tokens and 0 for padding.
+            position_ids: `(B, N)`.
+            past_key_values: a transformers cache.
+            inputs_embeds: `(B, N, D)` instead of `input_ids`.
+            labels: `(B, N)` token ids for the loss (shifted inside; -100 is ignored).
+            use_cache: return the cache for generation.
+            logits_to_keep: compute logits for the last `logits_to_keep` positions only (0: all), or for the
+                positions in a 1-D tensor.
+
+        Returns:
+            `CausalLMOutputWithPast` with `logits` `(B, N, vocab_size)` (or the kept positions), `loss` when
+            `labels` are given, `past_key_values`, `hidden_states`, `attentions`.
+        """
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -687,13 +768,19 @@ class DiffForCausalLM(_GenerationHooks, DiffPreTrainedModel, GenerationMixin):  
 # the last token that is not `config.pad_token_id` (left or right padding). Hooks: see "Integration hooks".
 
 
-class DiffForSequenceClassification(_TaskHeadHooks, GenericForSequenceClassification, DiffPreTrainedModel): ...
+class DiffForSequenceClassification(_TaskHeadHooks, GenericForSequenceClassification, DiffPreTrainedModel):
+    """`DiffModel` with a linear `score` head on the last token that is not `config.pad_token_id`; logits
+    `(B, num_labels)`. transformers' generic head, as Llama's."""
 
 
-class DiffForTokenClassification(_TaskHeadHooks, GenericForTokenClassification, DiffPreTrainedModel): ...
+class DiffForTokenClassification(_TaskHeadHooks, GenericForTokenClassification, DiffPreTrainedModel):
+    """`DiffModel` with a linear `score` head on every token; logits `(B, N, num_labels)`. transformers' generic
+    head, as Llama's."""
 
 
-class DiffForQuestionAnswering(_TaskHeadHooks, GenericForQuestionAnswering, DiffPreTrainedModel): ...
+class DiffForQuestionAnswering(_TaskHeadHooks, GenericForQuestionAnswering, DiffPreTrainedModel):
+    """`DiffModel` with a `qa_outputs` span head for extractive question answering; `start_logits` and
+    `end_logits` `(B, N)`. transformers' generic head, as Llama's."""
 
 
 __all__ = [

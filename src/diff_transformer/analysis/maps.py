@@ -50,8 +50,16 @@ SUPPORTED_MODEL_TYPES = ("diff", "diffllama", "llama")
 
 @dataclass
 class LayerMaps:
-    """One layer's maps. `first`, `second`, `differential`: (B, H, N, L) fp32; `lam`: 0-d (V1, DiffLlama) or
-    (B, H, N) (V2), None for Llama; `mask`: (B, N, L) bool, True where query n may attend key l."""
+    """One layer's attention maps, as `attention_maps` returns them (H differential heads, N queries, L keys).
+
+    Attributes:
+        first: `(B, H, N, L)` fp32, A1 (V1: `softmax(q1 k1ᵀ/√d)`; V2: query head 2h; Llama: the head's map).
+        second: `(B, H, N, L)` fp32, A2 (V1: `softmax(q2 k2ᵀ/√d)`; V2: query head 2h+1); None for Llama.
+        lam: λ, 0-d (V1, DiffLlama) or `(B, H, N)` (V2); None for Llama.
+        differential: `(B, H, N, L)` fp32, `first - lam * second` (`first` for Llama).
+        mask: `(B, N, L)` bool, True where query n may attend key l.
+        kind: `"diff-v1"`, `"diff-v2"`, `"diffllama"` or `"llama"`.
+    """
 
     first: torch.Tensor
     second: torch.Tensor | None
@@ -62,6 +70,11 @@ class LayerMaps:
 
 
 def model_kind(model) -> str:
+    """Which maps `model` has: `"diff-v1"`, `"diff-v2"`, `"diffllama"` or `"llama"`.
+
+    Raises:
+        ValueError: any other `model_type`.
+    """
     config = model.config
     model_type = getattr(config, "model_type", None)
     if model_type == "diff":
@@ -154,12 +167,32 @@ def _layer_maps(kind: str, module, hidden_states, position_embeddings, allowed) 
 def attention_maps(
     model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, layers: list[int] | None = None
 ) -> list[LayerMaps]:
-    """One `LayerMaps` per decoder layer of `model` (or per index in `layers`) for a prompt without cache (see the
-    module docstring).
+    """The two softmax maps, λ and the differential map of every head, per decoder layer, for a prompt.
 
     The model runs one ordinary forward (its backend unchanged, no cache); hooks only read each attention module's
-    inputs, and are removed afterwards. Each layer holds three fp32 (B, H, N, N) maps, so for long prompts on large
-    models pick the `layers` you need. λ at left-padding positions is what the model computed there.
+    inputs, and are removed afterwards; the maps are recomputed from them. Diff (V1, V2), transformers' DiffLlama
+    and Llama models give the same entries, so the three compare directly. Each layer holds three fp32
+    `(B, H, N, N)` maps, so for long prompts on large models pick the `layers` you need. λ at left-padding positions
+    is what the model computed there.
+
+    Args:
+        model: a Diff, DiffLlama or Llama causal LM or base model (native or `trust_remote_code`).
+        input_ids: `(B, N)` token ids.
+        attention_mask: `(B, N)`, 1 for tokens and 0 for padding; None attends everywhere (causally).
+        layers: indices of the layers to return (negative counts from the end); None for all.
+
+    Returns:
+        One `LayerMaps` per chosen layer, in layer order.
+
+    Raises:
+        ValueError: `input_ids` is not 2-D, a layer index is out of range, or the model is not a Diff, DiffLlama or
+            Llama model.
+
+    Example:
+        ```python
+        entries = attention_maps(model, input_ids)
+        entries[0].differential.shape  # (B, H, N, N)
+        ```
     """
     kind = model_kind(model)
     if input_ids.dim() != 2:
@@ -216,8 +249,17 @@ def _span_keys(mask: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
 
 
 def span_mass(weights: torch.Tensor, mask: torch.Tensor, span: tuple[int, int], queries=-1) -> torch.Tensor:
-    """ "Attention to answer": Σ_{l in span} w_nl / Σ_l |w_nl| averaged over the `queries` rows (default: the last
-    position) and the batch -> (H,). `span` = (start, stop) key positions, stop exclusive."""
+    """"Attention to answer": `Σ_{l in span} w_nl / Σ_l |w_nl|`, averaged over the `queries` rows and the batch.
+
+    Args:
+        weights: one map, `(B, H, N, L)`.
+        mask: `(B, N, L)` bool, True where query n may attend key l.
+        span: `(start, stop)` key positions of the answer, stop exclusive.
+        queries: the query rows: an int, a slice, a list of positions, or None for all (default: the last).
+
+    Returns:
+        `(H,)`.
+    """
     keys = _span_keys(mask, span)
     w = weights * mask.unsqueeze(1)  # (B, H, N, L)
     mass = (w * keys).sum(-1) / w.abs().sum(-1).clamp_min(1e-30)  # (B, H, N)
@@ -225,7 +267,17 @@ def span_mass(weights: torch.Tensor, mask: torch.Tensor, span: tuple[int, int], 
 
 
 def noise_mass(weights: torch.Tensor, mask: torch.Tensor, span: tuple[int, int], queries=-1) -> torch.Tensor:
-    """ "Attention noise": Σ_{l unmasked, not in span} |w_nl| / Σ_l |w_nl|, averaged as `span_mass` -> (H,)."""
+    """"Attention noise": `Σ_{l unmasked, not in span} |w_nl| / Σ_l |w_nl|`, averaged as in `span_mass`.
+
+    Args:
+        weights: one map, `(B, H, N, L)`.
+        mask: `(B, N, L)` bool.
+        span: `(start, stop)` key positions of the answer, stop exclusive.
+        queries: the query rows, as in `span_mass` (default: the last).
+
+    Returns:
+        `(H,)`.
+    """
     keys = _span_keys(mask, span)
     w = (weights * mask.unsqueeze(1)).abs()  # (B, H, N, L)
     mass = (w * ~keys).sum(-1) / w.sum(-1).clamp_min(1e-30)  # (B, H, N)
@@ -233,7 +285,16 @@ def noise_mass(weights: torch.Tensor, mask: torch.Tensor, span: tuple[int, int],
 
 
 def entropy(weights: torch.Tensor, mask: torch.Tensor, queries=None) -> torch.Tensor:
-    """Entropy (nats) of each row's |w| / Σ|w| over its unmasked keys, averaged over rows -> (H,)."""
+    """Entropy (nats) of each row's `|w| / Σ|w|` over its unmasked keys, averaged over the rows.
+
+    Args:
+        weights: one map, `(B, H, N, L)` (signed maps are made a distribution through `|w|`).
+        mask: `(B, N, L)` bool.
+        queries: the query rows, as in `span_mass` (default: all).
+
+    Returns:
+        `(H,)`.
+    """
     w = (weights * mask.unsqueeze(1)).abs()  # (B, H, N, L)
     p = w / w.sum(-1, keepdim=True).clamp_min(1e-30)
     ent = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (B, H, N)
@@ -241,14 +302,30 @@ def entropy(weights: torch.Tensor, mask: torch.Tensor, queries=None) -> torch.Te
 
 
 def negative_fraction(weights: torch.Tensor, mask: torch.Tensor, queries=None) -> torch.Tensor:
-    """Fraction of unmasked (query, key) entries with a negative weight, over the chosen rows -> (H,)."""
+    """Fraction of the unmasked (query, key) entries with a negative weight, over the chosen rows.
+
+    Args:
+        weights: one map, `(B, H, N, L)`.
+        mask: `(B, N, L)` bool.
+        queries: the query rows, as in `span_mass` (default: all).
+
+    Returns:
+        `(H,)`.
+    """
     allowed = (mask & _rows(mask, queries).unsqueeze(-1)).unsqueeze(1)  # (B, 1, N, L)
     negative = ((weights < 0) & allowed).float().sum((0, 2, 3))
     return negative / allowed.float().sum((0, 2, 3)).clamp_min(1)
 
 
 def lambda_per_layer(entries: list[LayerMaps]) -> torch.Tensor:
-    """(layers, H): each layer's λ per head (V2: averaged over batch and valid tokens); NaN for Llama."""
+    """Each layer's λ per head (V2: averaged over the batch and the valid tokens).
+
+    Args:
+        entries: `attention_maps`'s result.
+
+    Returns:
+        `(layers, H)`; NaN for Llama.
+    """
     rows = []
     for entry in entries:
         H = entry.first.shape[1]
@@ -262,8 +339,21 @@ def lambda_per_layer(entries: list[LayerMaps]) -> torch.Tensor:
 
 
 def layer_metrics(entries: list[LayerMaps], span: tuple[int, int] | None = None, queries=-1, which="differential"):
-    """Every metric as a (layers, H) tensor, from the `which` map ("first", "second" or "differential") of each layer:
-    entropy, negative_fraction, lambda, and with a `span`: answer (span_mass) and noise (noise_mass) at `queries`."""
+    """Every metric of every layer and head, from one of the maps.
+
+    Args:
+        entries: `attention_maps`'s result.
+        span: `(start, stop)` key positions of the answer; adds `answer` (`span_mass`) and `noise` (`noise_mass`).
+        queries: the query rows of `answer` and `noise` (default: the last position).
+        which: the map the metrics read: `"first"`, `"second"` or `"differential"`.
+
+    Returns:
+        A dict of `(layers, H)` tensors: `entropy`, `negative_fraction`, `lambda`, and with a span `answer` and
+        `noise`.
+
+    Raises:
+        ValueError: `which="second"` on a Llama.
+    """
 
     def per_layer(metric, *args, **kwargs):
         return torch.stack([metric(getattr(e, which), e.mask, *args, **kwargs).cpu() for e in entries])

@@ -36,9 +36,20 @@ def _show_map(fig, ax, values, tokens, title, cmap, norm=None, vmin=None, vmax=N
 
 
 def head_figure(entries, layer: int, head: int, tokens=None, batch: int = 0, title: str | None = None):
-    """4 panels for head `head` of layer `layer` (sequence `batch`): A1, A2, A1 - λA2 and λ per layer.
+    """Four panels for one head: A1, A2, A1 - λA2 (on a colormap centred at 0) and λ per layer.
 
     For a Llama (one softmax map per head, no λ) the A2 and λ panels say so instead.
+
+    Args:
+        entries: `attention_maps`'s result.
+        layer: index into `entries`.
+        head: differential head.
+        tokens: the N token strings, for the axes; None for positions.
+        batch: the sequence of the batch to draw.
+        title: figure title.
+
+    Returns:
+        A `matplotlib.figure.Figure` (save it with `fig.savefig(path)`).
     """
     Figure, TwoSlopeNorm = _matplotlib()
     entry = entries[layer]
@@ -90,7 +101,16 @@ def head_figure(entries, layer: int, head: int, tokens=None, batch: int = 0, tit
 
 
 def metric_grid(values, name: str, title: str | None = None):
-    """A layer x head heatmap of `values` (layers, H), each cell annotated with its value."""
+    """A layer × head heatmap, each cell annotated with its value.
+
+    Args:
+        values: `(layers, H)`, e.g. one entry of `layer_metrics`'s result.
+        name: the metric's name, for the colour bar.
+        title: figure title.
+
+    Returns:
+        A `matplotlib.figure.Figure`.
+    """
     Figure, _ = _matplotlib()
     values = torch.as_tensor(values, dtype=torch.float32).cpu()
     layers, heads = values.shape

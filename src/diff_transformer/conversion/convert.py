@@ -76,7 +76,12 @@ def convert_llama_to_diff(
     revision: str | None = None,
     token: str | bool | None = None,
 ) -> Path:
-    """Convert a `LlamaForCausalLM` checkpoint (local directory or Hub id) into a Diff checkpoint at `out`.
+    """Convert a Llama-family checkpoint (local directory or Hub id) into a Diff checkpoint at `out`.
+
+    Accepts `llama`, `mistral`, `qwen2` and `qwen3` checkpoints, causal LMs and their sequence classification, token
+    classification and question-answering heads. Tensors stream one at a time; OUT is written to a temporary
+    directory renamed into place only when complete, with the tokenizer, chat template, generation config, the two
+    custom-code files and a model card.
 
     Args:
         src: checkpoint directory (config.json + *.safetensors) or Hub model id (downloaded with `snapshot_download`,
@@ -89,11 +94,22 @@ def convert_llama_to_diff(
             V1's λ vectors are always stored in float32.
         overwrite: replace a non-empty `out` (only once the new checkpoint is complete).
         progress: show a tqdm bar over tensors.
-        lambda_std: std of V1's fresh λ vectors (ignored for V2). seed: seeds them (per layer).
+        lambda_std: std of V1's fresh λ vectors (ignored for V2).
+        seed: seeds V1's fresh λ vectors (per layer).
         max_shard_size: bytes (int) or "5GB"-style string for the output shards; None mirrors the input shards.
-        revision, token: forwarded to `snapshot_download` for Hub ids.
+        revision: Hub revision (branch, tag or commit) of a Hub id, forwarded to `snapshot_download`.
+        token: Hub token for a Hub id, forwarded to `snapshot_download`.
 
-    Returns the output directory. Raises `ConversionError` for every problem with the inputs.
+    Returns:
+        The output directory.
+
+    Raises:
+        ConversionError: any problem with the inputs or the output (one line: what is wrong, then the fix).
+
+    Example:
+        ```python
+        convert_llama_to_diff("meta-llama/Llama-3.2-1B", "llama-3.2-1b-diff")  # V2, same logits
+        ```
     """
     return _convert(
         src,
@@ -124,8 +140,16 @@ def convert_diffllama_to_diff(
     token: str | bool | None = None,
 ) -> Path:
     """Import a transformers `DiffLlamaForCausalLM` checkpoint into Diff V1 with the weight permutation that
-    reproduces DiffLlama's logits exactly (see `layout.diffllama_query_permutation`). Same arguments as
-    `convert_llama_to_diff`; only `diff_version=1` is possible."""
+    reproduces DiffLlama's logits exactly (see `layout.diffllama_query_permutation`).
+
+    Same arguments as `convert_llama_to_diff`; only `diff_version=1` is possible.
+
+    Returns:
+        The output directory.
+
+    Raises:
+        ConversionError: any problem with the inputs or the output.
+    """
     return _convert(
         src,
         out,

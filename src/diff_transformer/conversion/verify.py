@@ -43,10 +43,27 @@ def verify_conversion(
     with every weight cast the way the converter cast it (then to `dtype`), so a correct conversion still agrees
     within `atol`: what is checked is the conversion, not the precision lost by the requested cast.
 
-    Returns a dict with `max_abs_logit_diff` (max |Δlogit| over all positions), `greedy_match` (token-identical
-    continuations), `expected_exact` (True for Llama -> V2 and DiffLlama -> V1, where the logits must agree; False
-    for Llama -> V1, which is not function-preserving), `passed` (expected_exact and both checks hold, else None
-    when not expected exact), `reference` (what the converted model was compared with), plus the settings used.
+    Args:
+        src: the source checkpoint (directory or Hub id), as given to the converter.
+        out: the converted checkpoint directory.
+        num_sequences: random sequences to compare.
+        seq_len: tokens per sequence.
+        max_new_tokens: greedy continuation length (0: compare logits only).
+        seed: seeds the random tokens.
+        dtype: the dtype both models run in.
+        atol: the largest |Δlogit| that passes.
+        revision: Hub revision of a Hub-id `src`.
+        token: Hub token for a Hub-id `src`.
+
+    Returns:
+        A dict with `max_abs_logit_diff` (max |Δlogit| over all positions), `greedy_match` (token-identical
+        continuations), `expected_exact` (True for Llama -> V2 and DiffLlama -> V1, where the logits must agree;
+        False for Llama -> V1, which is not function-preserving), `passed` (expected_exact and both checks hold,
+        else None when not expected exact), `reference` (what the converted model was compared with), plus the
+        settings used.
+
+    Raises:
+        ConversionError: bad settings, OUT is not a Diff checkpoint, or SRC is not a family the converter reads.
     """
     if num_sequences < 1 or seq_len < 2 or max_new_tokens < 0:
         raise ConversionError("verify_conversion needs num_sequences >= 1, seq_len >= 2 and max_new_tokens >= 0.")

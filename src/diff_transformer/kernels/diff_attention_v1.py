@@ -276,28 +276,52 @@ def differential_attention_v1(
     path: Literal["auto", "prefill", "decode"] = "auto",
     atomic_dq: bool | None = None,
 ) -> torch.Tensor:
-    """Diff Transformer V1 attention, fused. Returns (B, N, H, 2d) in query's dtype: A1 V - λ A2 V before subln.
+    """Diff Transformer V1 attention, fused: `A1 V - λ A2 V` before subln, as one autograd-capable op.
 
-    query: (B, 2H, N, d) = [q1 of heads 0..H-1 | q2 of heads 0..H-1] (component-major, as DiffAttentionV1 builds it).
-    key:   (B, 2H_kv, L, d) = [k1 | k2] of the KV groups; H must be a multiple of H_kv (query head h uses group
-           h // (H / H_kv)).
-    value: (B, 2H_kv, L, d) = [first d-wide half of V_g | second half], i.e. what the KV cache stores.
-    lam:   λ, a one-element tensor (0-d fp32 in the model; differentiable) or a number.
-    scaling: softmax scale (d**-0.5 in the model).
-    causal: query i is position L - N + i (the queries are the last N of L keys: a cache or a chunked prefill)
-           and sees keys j <= L - N + i. With an attention_mask both apply (the mask must encode causality itself
-           when the cache is longer than the sequence, as transformers' masks do); causal=True lets the kernel skip
-           the key tiles past the diagonal.
-    attention_mask: None, or the mask transformers builds for sdpa (`masking_utils.sdpa_mask`): boolean, True = attend,
-           or additive float; shape (B or 1, 1 or H, N, >= L) (extra key columns are ignored). A query row that
-           attends nothing (left padding) gives 0 and zero gradients; so does a row whose additive mask is
-           finfo(float32).min everywhere (it overflows to -inf on the kernel's log2 scale; eager would average V).
-    cu_seqlens: packed variable-length batch (flash-attn style): B == 1, N == L = cu_seqlens[-1], int32 offsets
-           (S + 1,) on the device; attention stays within each sequence (causal inside it when causal=True).
-           max_seqlen (at least the longest sequence; computed when None, a device-to-host read) sizes the grid.
-    path: "auto" uses the decoding kernel for a few queries (see select_path), "prefill"/"decode" force one.
-    atomic_dq: backward dQ by fp32 atomics instead of a separate recompute kernel; None uses ATOMIC_DQ.
-    Autograd: gradients for query, key, value and lam, whichever path ran the forward.
+    CUDA tensors run the compiled Triton kernels; CPU tensors run the same kernels under Triton's interpreter (slow:
+    for tests and debugging). Ask `diff_transformer.kernels.is_available(device)` first; the model uses it through
+    `attn_implementation="diff_triton"`.
+
+    Args:
+        query: `(B, 2H, N, d)` = [q1 of heads 0..H-1 | q2 of heads 0..H-1] (component-major, as `DiffAttentionV1`
+            builds it).
+        key: `(B, 2H_kv, L, d)` = [k1 | k2] of the KV groups; H must be a multiple of H_kv (query head h uses group
+            `h // (H / H_kv)`).
+        value: `(B, 2H_kv, L, d)` = [first d-wide half of V_g | second half], i.e. what the KV cache stores.
+        lam: λ, a one-element tensor (0-d fp32 in the model; differentiable) or a number.
+        scaling: softmax scale (`d ** -0.5` in the model).
+        causal: query i is position `L - N + i` (the queries are the last N of L keys: a cache or a chunked prefill)
+            and sees keys `j <= L - N + i`. With an `attention_mask` both apply (the mask must encode causality
+            itself when the cache is longer than the sequence, as transformers' masks do); `causal=True` lets the
+            kernel skip the key tiles past the diagonal.
+        attention_mask: None, or the mask transformers builds for sdpa (`masking_utils.sdpa_mask`): boolean
+            (True = attend) or additive float, shape `(B or 1, 1 or H, N, >= L)` (extra key columns are ignored).
+            A query row that attends nothing (left padding) gives 0 and zero gradients; so does a row whose additive
+            mask is `finfo(float32).min` everywhere (it overflows to -inf on the kernel's log2 scale; eager would
+            average V).
+        cu_seqlens: packed variable-length batch (flash-attn style): `B == 1`, `N == L == cu_seqlens[-1]`, int32
+            offsets `(S + 1,)` on the device; attention stays within each sequence (causal inside it when
+            `causal=True`).
+        max_seqlen: with `cu_seqlens`, at least the longest sequence; sizes the grid (computed when None, a
+            device-to-host read).
+        path: `"auto"` uses the decoding kernel for a few queries (see `select_path`); `"prefill"` or `"decode"`
+            force one.
+        atomic_dq: backward dQ by fp32 atomics instead of a separate recompute kernel; None uses `ATOMIC_DQ`.
+
+    Returns:
+        `(B, N, H, 2d)` in `query`'s dtype. Autograd gives gradients for query, key, value and lam, whichever path
+        ran the forward.
+
+    Raises:
+        RuntimeError: triton is not installed.
+        ValueError: shapes, dtypes or devices that do not fit together.
+
+    Example:
+        ```python
+        from diff_transformer import kernels
+        if kernels.is_available(query.device):
+            out = kernels.differential_attention_v1(query, key, value, lam, scaling=d**-0.5)  # (B, N, H, 2d)
+        ```
     """
     if not isinstance(lam, torch.Tensor):
         lam = torch.tensor(float(lam))
