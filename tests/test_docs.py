@@ -1,10 +1,10 @@
 """Every code example in README.md and docs/ runs.
 
 Each Markdown file is one session, run like a notebook from a fresh directory laid out as the repository root: the
-shipped tiny Llama at src/diff_transformer/assets/tiny-llama and the corpus at data/. Its fenced blocks run in order:
-```python blocks share one namespace, ```bash blocks whose every command is `diff-transformer ...` run through the CLI's
-`main` (exit status 0 required). Any other block must say why it cannot run here, in an HTML comment on the line
-before it, which the test reports as the skip reason:
+shipped tiny Llama at src/diff_transformer/assets/tiny-llama and the corpus at data/. Its fenced blocks run in
+order: ```python blocks share one namespace, ```bash blocks whose every command is `diff-transformer ...` run through
+the CLI's `main` (exit status 0 required). Any other block must say why it cannot run here, in an HTML comment on
+the line before it, which the test reports as the skip reason:
 
     <!-- docs-test: skip needs a GPU -->        not run (GPU, Hub, vLLM, a server, a long run, installs)
     <!-- docs-test: slow -->                    run, but only in the full suite (marked `slow`); later blocks
@@ -78,8 +78,8 @@ class Session:
 
     def __init__(self, directory: Path):
         self.directory = directory
-        (directory / "src/diff_transformer/assets").mkdir(parents=True)
-        shutil.copytree(ROOT / "src/diff_transformer/assets/tiny-llama", directory / "src/diff_transformer/assets/tiny-llama")
+        tiny = "src/diff_transformer/assets/tiny-llama"
+        shutil.copytree(ROOT / tiny, directory / tiny)
         (directory / "data").mkdir()
         for name in ("corpus.txt", "heldout.txt"):
             shutil.copy(ROOT / "data" / name, directory / "data" / name)
@@ -93,7 +93,7 @@ class Session:
         from diff_transformer.cli import main
 
         commands = shell_commands(block.code)
-        assert commands is not None, f"{block.id}: runs commands other than diff-transformer; mark it skip with a reason"
+        assert commands is not None, f"{block.id}: runs commands other than diff-transformer: mark it skip, say why"
         for argv in commands:
             try:
                 status = main(argv)
@@ -106,7 +106,7 @@ SESSIONS: dict[Path, Session] = {}
 
 
 def cases():
-    for page, blocks in BLOCKS.items():
+    for blocks in BLOCKS.values():
         for block in blocks:
             marks = [pytest.mark.slow] if block.kind == "slow" else []
             yield pytest.param(block, id=block.id, marks=marks)
@@ -133,7 +133,7 @@ def test_every_block_is_runnable_or_says_why_not():
             if block.kind == "skip" and not block.reason:
                 problems.append(f"{block.id}: skip marker without a reason")
             if block.kind != "skip" and block.lang != "python" and shell_commands(block.code) is None:
-                problems.append(f"{block.id}: shell block with commands other than diff-transformer and no skip reason")
+                problems.append(f"{block.id}: commands other than diff-transformer, and no skip reason")
     assert not problems, "\n".join(problems)
     assert sum(len(blocks) for blocks in BLOCKS.values()) > 20
 

@@ -249,7 +249,7 @@ def _span_keys(mask: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
 
 
 def span_mass(weights: torch.Tensor, mask: torch.Tensor, span: tuple[int, int], queries=-1) -> torch.Tensor:
-    """"Attention to answer": `Σ_{l in span} w_nl / Σ_l |w_nl|`, averaged over the `queries` rows and the batch.
+    """ "Attention to answer": `Σ_{l in span} w_nl / Σ_l |w_nl|`, averaged over the `queries` rows and the batch.
 
     Args:
         weights: one map, `(B, H, N, L)`.
@@ -267,7 +267,7 @@ def span_mass(weights: torch.Tensor, mask: torch.Tensor, span: tuple[int, int], 
 
 
 def noise_mass(weights: torch.Tensor, mask: torch.Tensor, span: tuple[int, int], queries=-1) -> torch.Tensor:
-    """"Attention noise": `Σ_{l unmasked, not in span} |w_nl| / Σ_l |w_nl|`, averaged as in `span_mass`.
+    """ "Attention noise": `Σ_{l unmasked, not in span} |w_nl| / Σ_l |w_nl|`, averaged as in `span_mass`.
 
     Args:
         weights: one map, `(B, H, N, L)`.
