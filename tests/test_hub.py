@@ -318,7 +318,7 @@ def test_no_code_files_without_package_fails_with_a_clear_message(isolated, bare
 
 @pytest.mark.canary
 def test_trust_remote_code_false_is_refused_with_transformers_message(isolated, pushed):
-    """Canary for the wording of transformers' refusal of custom code without trust_remote_code=True, which README.md
+    """Canary for the wording of transformers' refusal of custom code without trust_remote_code=True, which docs/hub.md
     quotes."""
     message = isolated["untrusted"]["error"]
     assert message.startswith("ValueError: ")

@@ -178,7 +178,7 @@ CLI = textwrap.dedent(
 
 
 def test_command_line_with_trust_remote_code_without_the_package(runs, tmp_path):
-    """The README's `lm-eval run --model hf --model_args pretrained=...,trust_remote_code=True` where
+    """docs/evaluation.md's `lm-eval run --model hf --model_args pretrained=...,trust_remote_code=True` where
     diff_transformer is not installed: the checkpoint's own code runs and scores exactly as the Llama does."""
     llama_metrics, llama_samples, _ = runs["llama"]
     env = {**OFFLINE, "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}

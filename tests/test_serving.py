@@ -129,7 +129,7 @@ def test_plain_transformers_serve_cannot_load_custom_code_models(models):
     """Why `diff-transformer serve` exists: transformers 5.23's server resolves `getattr(transformers,
     config.architectures[0])`, so `transformers serve --trust-remote-code` fails on any custom-code checkpoint.
     Canary for transformers' `ModelManager.load_model_and_processor`: when this starts failing, transformers fixed it
-    and the plain command works too (update the README)."""
+    and the plain command works too (update docs/serving.md)."""
     from transformers.cli.serving import model_manager
 
     assert not hasattr(model_manager.transformers, "DiffForCausalLM")  # nothing in this process patched it
