@@ -14,6 +14,7 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
+from ._version import __version__  # noqa: F401  (one place: setup.cfg and --version read it too)
 from .backends import register_diff_triton
 from .configuration_diff import DiffConfig
 from .layers import DifferentialAttention, differential_attention
@@ -31,8 +32,6 @@ from .modeling_diff import (
 )
 from .peft_support import register_if_peft_imported, register_peft_defaults
 
-
-__version__ = "0.1.0"
 
 AutoConfig.register(DiffConfig.model_type, DiffConfig, exist_ok=True)
 AutoModel.register(DiffConfig, DiffModel, exist_ok=True)
