@@ -467,7 +467,7 @@ class _PreTrainedModelHooks:
         # PEFT defaults (see `add_diff_to_peft_default_targets`). Runs wherever this file does (package or Hub custom
         # code), but never imports peft: it is optional and slow to import (it pulls in bitsandbytes when installed).
         # Anyone about to call get_peft_model has imported it.
-        if "peft" in sys.modules:
+        if sys.modules.get("peft") is not None:  # None: an import of peft was blocked
             add_diff_to_peft_default_targets()
 
     def train(self, mode: bool = True):

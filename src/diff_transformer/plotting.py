@@ -16,8 +16,8 @@ def _matplotlib():
         from matplotlib.colors import TwoSlopeNorm
         from matplotlib.figure import Figure
     except ImportError as exc:
-        message = missing(["matplotlib"], "analysis", "plots")
-        raise UserError(message or f"plots need matplotlib, which fails to import ({exc}): reinstall it.") from None
+        message = missing(["matplotlib"], "analysis", "plotting")
+        raise UserError(message or f"plotting needs matplotlib, which fails to import ({exc}): reinstall.") from None
     return Figure, TwoSlopeNorm
 
 

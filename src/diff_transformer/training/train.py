@@ -502,8 +502,10 @@ def run(args) -> int:
         trainer.save_metrics("eval", metrics)
     trainer.save_state()
     if main:
-        done = result.global_step - start
-        line = f"done: {done} steps" + (f" (steps {start + 1}-{result.global_step})" if start else "")
+        done = result.global_step - start  # this run's steps: a resumed run starts at its checkpoint's step
+        line = f"done: {done} step{'' if done == 1 else 's'}"
+        if start:
+            line += f" (step {start + 1}" + ("" if done == 1 else f" to {result.global_step}") + ", resumed)"
         line += f", mean training loss of this run {result.training_loss:.4f}"
         if metrics:
             line += f"; held-out loss {metrics['eval_loss']:.4f}, perplexity {metrics['eval_perplexity']:.3f}"
