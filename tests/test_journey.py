@@ -317,6 +317,7 @@ def test_merge_refusals_leave_nothing(journey, tmp_path, monkeypatch):
     refused(["merge", "lora", tmp_path / "taken"], "is not empty", "--overwrite")
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["mine.txt"]
     refused(["merge", "diff", tmp_path / "out"], "ADAPTER diff is a model, not a PEFT adapter directory")
+    refused(["convert", "lora", tmp_path / "out"], "is a PEFT adapter, not a model", "diff-transformer merge")
     refused(["merge", "lora", "lora/inside"], "overlaps ADAPTER")
     monkeypatch.chdir(tmp_path)
     refused(["merge", root / "lora", tmp_path / "out"], "'diff'", "--base PATH")

@@ -222,12 +222,11 @@ def _chat_inputs(args, tokenizer):
         ) from None
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
-
-
 def _tokenizer(auto_tokenizer, location: str, local: Path | None, shown: str):
     """The model's tokenizer; None when it has none (prompts are then token ids)."""
-    has_files = local is not None and any((local / name).is_file() for name in _TOKENIZER_FILES)
+    from diff_transformer.adapters import has_tokenizer
+
+    has_files = has_tokenizer(local)
     try:
         return auto_tokenizer.from_pretrained(location)
     except Exception as exc:  # transformers raises OSError, ValueError, TypeError... for a missing or broken tokenizer
