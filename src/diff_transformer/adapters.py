@@ -86,8 +86,10 @@ def load(source: Source, *, name: str = "MODEL", merge: bool = False, trainable:
     """The model of SOURCE; for an adapter, its base with the adapter on it (merged into the weights with `merge`,
     trainable with `trainable`; `prepare(base)`, e.g. for 4-bit training, runs before the adapter goes on)."""
     error = kwargs.pop("error", UserError)
+    # A Hub id keeps its hf:// so that `load_causal_lm` does not take a one-part id ("gpt2") for a mistyped path.
+    location = source.location if source.local is not None else HUB_PREFIX + source.location
     if source.adapter is None:
-        return load_causal_lm(source.location, name=name, error=error, **kwargs)
+        return load_causal_lm(location, name=name, error=error, **kwargs)
     if source.local is not None:
         check_diff_checkpoint(source.local, name="base model", error=error)
     from .training.args import hide_bitsandbytes_kernel_notice
@@ -95,7 +97,7 @@ def load(source: Source, *, name: str = "MODEL", merge: bool = False, trainable:
     hide_bitsandbytes_kernel_notice()  # peft imports bitsandbytes, whose notice concerns 4-bit weights only
     from peft import PeftModel
 
-    base = load_causal_lm(source.location, name="base model", error=error, **kwargs)
+    base = load_causal_lm(location, name="base model", error=error, **kwargs)
     if prepare is not None:
         base = prepare(base)
     try:

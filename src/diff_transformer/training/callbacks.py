@@ -125,7 +125,7 @@ _PER_LAYER = ("lambda/", "lambda_std/")
 
 
 def lambda_summary(logs: dict) -> str | None:
-    """ "mean / min / max" of λ over the layers in one training log, or None when the log has no λ."""
+    """The "mean / min / max" of λ over the layers in one training log, or None when the log has no λ."""
     if not all(key in logs for key in LAMBDA_SUMMARY):
         return None
     return " / ".join(f"{logs[key]:.4g}" for key in LAMBDA_SUMMARY)
