@@ -368,6 +368,9 @@ def test_adapter_card_names_the_base_as_given_with_lambda_and_lora_settings(jour
     summary = " / ".join(f"{v:.4g}" for v in (sum(layers) / len(layers), min(layers), max(layers)))
     assert f"(mean / min / max over layers): {summary}." in card.text
 
+    checkpoint = ModelCard.load(root / "lora" / "checkpoint-2" / "README.md")  # every checkpoint is an adapter too
+    assert "# checkpoint-2" in checkpoint.text and "| LoRA rank r | 8 |" in checkpoint.text
+
     hub = adapter_card("hf://org/tiny-diff", AutoModelForCausalLM.from_pretrained(root / "diff").config, config, "x")
     assert hub.data.base_model == "org/tiny-diff"
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, Trainer, TrainingArguments, set_seed
+from transformers import AutoConfig, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from .. import adapters
@@ -451,6 +451,7 @@ def build_trainer(args) -> PreparedRun:
 
     callbacks = [RunSettingsCallback(block_size, bos=not args.no_bos)]
     callbacks += [DiffOnlyCallback(model, args.diff_only_steps)] if args.diff_only_steps else []
+    callbacks += [AdapterCardCallback(model_source(args).base or args.model, model.config)] if args.lora else []
     trainer = CausalLMTrainer(
         model=model,
         args=training_args,
@@ -463,6 +464,20 @@ def build_trainer(args) -> PreparedRun:
     trainer.callback_handler.callbacks.insert(0, LambdaLoggingCallback(model))
     console_logs(trainer)  # the console shows one λ summary; TensorBoard and log_history keep every layer
     return PreparedRun(trainer, resume, block_size)
+
+
+class AdapterCardCallback(TrainerCallback):
+    """The adapter's card (`adapters.adapter_card`) in every checkpoint of a LoRA run, in place of the blank template
+    PEFT writes there: a checkpoint is an adapter directory too (`generate`, `merge` take it)."""
+
+    def __init__(self, base: str, config):
+        self.base, self.config = base, config
+
+    def on_save(self, args, state, control, **kwargs):
+        checkpoint = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if state.is_world_process_zero and adapters.is_adapter(checkpoint):
+            summary = last_lambda_summary(state.log_history)
+            adapters.write_adapter_card(checkpoint, self.base, self.config, summary)
 
 
 def run(args) -> int:
@@ -488,14 +503,9 @@ def run(args) -> int:
     start = _checkpoint_state(Path(resume)).get("global_step", 0) if resume else 0
     result = trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(args.output)  # model (or LoRA adapter) + tokenizer, main process only
-    source = model_source(args)
     if main and args.lora:  # PEFT wrote its blank template as README.md: the adapter's own card replaces it
-        adapters.write_adapter_card(
-            args.output,
-            source.base or args.model,
-            model.config,
-            lambda_summary=last_lambda_summary(trainer.state.log_history),
-        )
+        base = model_source(args).base or args.model
+        adapters.write_adapter_card(args.output, base, model.config, last_lambda_summary(trainer.state.log_history))
     trainer.save_metrics("train", result.metrics)
     metrics = trainer.evaluate() if eval_data is not None else {}
     if metrics:
