@@ -493,8 +493,10 @@ def main(argv=None) -> int:
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
     convert.set_defaults(func=_convert)
 
-    generate = commands.add_parser("generate", help="generate text with a saved Diff model")
-    generate.add_argument("model", help="model directory or Hub id org/name (hf://name forces a Hub id)")
+    generate = commands.add_parser("generate", help="generate text (or chat) with a saved Diff model or LoRA adapter")
+    generate.add_argument(
+        "model", help="model or LoRA adapter directory, or Hub id org/name (hf://name forces a Hub id)"
+    )
     generate.add_argument("prompt", help="text (or space-separated token ids if the model has no tokenizer)")
     generate.add_argument("--max-new-tokens", type=int, default=32)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
