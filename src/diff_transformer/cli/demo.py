@@ -46,10 +46,13 @@ def heldout_perplexity(
     max_tokens: int | None = None,
     batch_size: int = 16,
     return_logits: bool = False,
+    progress: bool = False,
+    desc: str = "perplexity",
 ):
     """Perplexity of `model` on `text`: the text's tokens (`max_tokens` first ones if given) are cut into consecutive
     windows of `block_size - 1` tokens, each scored after a leading bos token; exp(mean negative log-likelihood) over
-    every token of the text. With `return_logits`, also returns the list of logits tensors (for comparisons)."""
+    every token of the text. With `return_logits`, also returns the list of logits tensors (for comparisons); with
+    `progress`, a tqdm bar over the windows."""
     ids = tokenizer(text, add_special_tokens=False, verbose=False).input_ids
     if max_tokens is not None:
         ids = ids[:max_tokens]
@@ -66,6 +69,9 @@ def heldout_perplexity(
             # Full windows in batches, then the (shorter) last one alone: no padding anywhere.
             groups = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
             groups = [[w for w in g if len(w) == span] for g in groups] + [[w] for w in windows if len(w) != span]
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(windows), desc=desc, unit="window", disable=not progress, leave=False)
             for group in (g for g in groups if g):
                 batch = torch.tensor([[tokenizer.bos_token_id] + w for w in group], device=device)
                 logits = model(input_ids=batch).logits.float()
@@ -76,6 +82,8 @@ def heldout_perplexity(
                 count += batch[:, 1:].numel()
                 if return_logits:
                     all_logits.append(logits.cpu())
+                bar.update(len(group))
+            bar.close()
     finally:
         model.train(was_training)
     ppl = math.exp(total / count)

@@ -30,6 +30,9 @@ def verify_conversion(
     atol: float = 1e-4,
     revision: str | None = None,
     token: str | bool | None = None,
+    heldout_text: str | None = None,
+    heldout_tokens: int = 4 * 255,
+    progress: bool = False,
 ) -> dict:
     """Load SRC (a Llama-family model or DiffLlama) and OUT (Diff), run `num_sequences` random sequences of
     `seq_len` tokens through both (in `dtype`, float32 by default, on CPU) and greedily continue the first half of
@@ -42,6 +45,10 @@ def verify_conversion(
     When OUT stores its weights in another dtype than SRC (`convert --dtype bfloat16`), the reference is the source
     with every weight cast the way the converter cast it (then to `dtype`), so a correct conversion still agrees
     within `atol`: what is checked is the conversion, not the precision lost by the requested cast.
+
+    With `heldout_text`, a causal LM whose source has a tokenizer is also scored on the first `heldout_tokens` tokens
+    of that text as the demo scores it (`demo.heldout_perplexity`; a tqdm bar with `progress`): `heldout` is then
+    {"source": perplexity, "converted": perplexity, "tokens": n}, else None.
 
     Returns a dict with `max_abs_logit_diff` (max |Δlogit| over all positions), `greedy_match` (token-identical
     continuations), `expected_exact` (True for Llama -> V2 and DiffLlama -> V1, where the logits must agree; False
@@ -70,6 +77,9 @@ def verify_conversion(
         per_token = task.suffix != "ForSequenceClassification"
         max_diff = _head_difference(reference, converted, input_ids, per_token)
         greedy_match, max_new_tokens = None, 0
+    heldout = None
+    if heldout_text is not None and task is CAUSAL_LM:
+        heldout = _heldout(reference, converted, src_path, heldout_text, heldout_tokens, progress)
     passed = (max_diff <= atol and greedy_match is not False) if expected_exact else None
     return {
         "max_abs_logit_diff": max_diff,
@@ -84,7 +94,28 @@ def verify_conversion(
         "seq_len": seq_len,
         "max_new_tokens": max_new_tokens,
         "dtype": dtype_name(torch_dtype),
+        "heldout": heldout,
     }
+
+
+def _heldout(reference, converted, src_path: Path, text: str, max_tokens: int, progress: bool) -> dict | None:
+    """Held-out perplexity of both models on TEXT with the source's tokenizer; None when the source has none."""
+    from transformers import AutoTokenizer
+
+    from ..demo import heldout_perplexity
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src_path)
+    except Exception:  # no tokenizer files (transformers raises OSError, ValueError, TypeError...)
+        return None
+    if tokenizer.bos_token_id is None:
+        return None
+    tokens = min(max_tokens, len(tokenizer(text, add_special_tokens=False, verbose=False).input_ids))
+    scores = {
+        name: heldout_perplexity(model, tokenizer, text, max_tokens=max_tokens, progress=progress, desc=name)
+        for name, model in (("source", reference), ("converted", converted))
+    }
+    return {**scores, "tokens": tokens}
 
 
 def _check_pair(src_path: Path, out_path: Path) -> tuple[Family, Task, int]:

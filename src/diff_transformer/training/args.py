@@ -92,7 +92,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     log.add_argument("--save-steps", type=int, default=500, help="write a checkpoint every N steps")
     log.add_argument("--save-total-limit", type=int, default=None, help="keep at most N checkpoints")
     log.add_argument(
-        "--report-to", nargs="+", default=["tensorboard"], help="tensorboard (default, in OUTPUT/runs), none, ..."
+        "--report-to",
+        nargs="+",
+        default=None,
+        help="tensorboard (default when installed, in OUTPUT/runs), none, ... (the console always shows the logs)",
     )
     log.add_argument("--quiet", action="store_true", help="no progress bars")
     log.add_argument(
@@ -122,6 +125,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     lora.add_argument(
         "--lora-freeze-lambda", action="store_true", help="do not train λ (default: diff_lambda is in modules_to_save)"
+    )
+    lora.add_argument(
+        "--base",
+        help="when MODEL is a LoRA adapter (trained further): its base model (default: from adapter_config.json)",
     )
     lora.add_argument(
         "--load-in-4bit",
