@@ -47,7 +47,7 @@ def verify_conversion(
     within `atol`: what is checked is the conversion, not the precision lost by the requested cast.
 
     With `heldout_text`, a causal LM whose source has a tokenizer is also scored on the first `heldout_tokens` tokens
-    of that text as the demo scores it (`demo.heldout_perplexity`; a tqdm bar with `progress`): `heldout` is then
+    of that text as the demo scores it (`evaluation.heldout_perplexity`; a tqdm bar with `progress`): `heldout` is then
     {"source": perplexity, "converted": perplexity, "tokens": n}, else None.
 
     Returns a dict with `max_abs_logit_diff` (max |Δlogit| over all positions), `greedy_match` (token-identical
@@ -102,7 +102,7 @@ def _heldout(reference, converted, src_path: Path, text: str, max_tokens: int, p
     """Held-out perplexity of both models on TEXT with the source's tokenizer; None when the source has none."""
     from transformers import AutoTokenizer
 
-    from ..demo import heldout_perplexity
+    from ..evaluation import heldout_perplexity
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(src_path)
