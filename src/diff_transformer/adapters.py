@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .errors import UserError
-from .extras import require
+from .extras import hide_bitsandbytes_kernel_notice, require
 from .loading import HUB_PREFIX, check_diff_checkpoint, load_causal_lm, read_json, resolve_model
 
 
@@ -92,8 +92,6 @@ def load(source: Source, *, name: str = "MODEL", merge: bool = False, trainable:
         return load_causal_lm(location, name=name, error=error, **kwargs)
     if source.local is not None:
         check_diff_checkpoint(source.local, name="base model", error=error)
-    from .training.args import hide_bitsandbytes_kernel_notice
-
     hide_bitsandbytes_kernel_notice()  # peft imports bitsandbytes, whose notice concerns 4-bit weights only
     from peft import PeftModel
 

@@ -4,6 +4,7 @@ exact install command, before it loads anything."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 from .errors import UserError
 
@@ -40,3 +41,10 @@ def require(packages, extra: str, purpose: str, *, error: type[UserError] = User
 
 
 __all__ = ["install_command", "installed", "missing", "require"]
+
+
+def hide_bitsandbytes_kernel_notice() -> None:
+    """transformers' Trainer imports peft, which imports bitsandbytes, whose CPU backend then logs that the optional
+    `kernels` package is missing. That only concerns 4-bit weights: other runs do not show it."""
+    notice = "gemm_4bit_forward from kernels-community"
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(lambda record: notice not in record.getMessage())

@@ -399,7 +399,7 @@ def _merge(args) -> int:
 
 
 def _train(args) -> int:
-    from diff_transformer.training.args import hide_bitsandbytes_kernel_notice
+    from diff_transformer.extras import hide_bitsandbytes_kernel_notice
 
     if not args.load_in_4bit:
         hide_bitsandbytes_kernel_notice()

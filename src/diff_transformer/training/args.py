@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
 
 SCHEDULERS = (
@@ -143,10 +142,3 @@ def parse_train_args(argv=None) -> argparse.Namespace:
         prog="diff-transformer train", description="Continued pretraining of a Diff model."
     )
     return add_train_arguments(parser).parse_args(argv)
-
-
-def hide_bitsandbytes_kernel_notice() -> None:
-    """transformers' Trainer imports peft, which imports bitsandbytes, whose CPU backend then logs that the optional
-    `kernels` package is missing. That only concerns 4-bit weights: other runs do not show it."""
-    notice = "gemm_4bit_forward from kernels-community"
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(lambda record: notice not in record.getMessage())
