@@ -63,4 +63,7 @@ def test_unsupported_activation_is_refused_in_one_line(converted, tmp_path):
         check=False,
     )
     assert result.returncode != 0
-    assert "hidden_act='gelu' is not supported by diff-transformer's vLLM model (only silu)" in result.stderr
+    # vLLM logs the worker's error (our one line, at the end of its traceback) on stdout, then fails on stderr.
+    assert "ValueError: hidden_act='gelu' is not supported by diff-transformer's vLLM model (only silu)" in (
+        result.stdout + result.stderr
+    )

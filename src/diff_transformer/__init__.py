@@ -14,6 +14,7 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
+from ._version import __version__  # noqa: F401  (one place: setup.cfg and --version read it too)
 from .configuration_diff import DiffConfig
 from .integrations import install as _install_integrations
 from .integrations.peft import register_peft_defaults
@@ -31,8 +32,6 @@ from .modeling_diff import (
     DiffPreTrainedModel,
 )
 
-
-__version__ = "0.1.0"
 
 AutoConfig.register(DiffConfig.model_type, DiffConfig, exist_ok=True)
 AutoModel.register(DiffConfig, DiffModel, exist_ok=True)

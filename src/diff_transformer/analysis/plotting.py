@@ -8,16 +8,16 @@ without pyplot (no global state, any backend); `fig.savefig(path)` writes it.
 import torch
 
 from diff_transformer.errors import UserError
+from diff_transformer.extras import missing
 
 
 def _matplotlib():
     try:
         from matplotlib.colors import TwoSlopeNorm
         from matplotlib.figure import Figure
-    except ImportError:
-        raise UserError(
-            "plots need matplotlib, which is not installed: pip install 'diff-transformer[analysis]'."
-        ) from None
+    except ImportError as exc:
+        message = missing(["matplotlib"], "analysis", "plotting")
+        raise UserError(message or f"plotting needs matplotlib, which fails to import ({exc}): reinstall.") from None
     return Figure, TwoSlopeNorm
 
 

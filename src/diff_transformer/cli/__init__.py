@@ -1,4 +1,4 @@
-"""The `diff-transformer` command: demo, convert, generate, inspect, train, serve."""
+"""The `diff-transformer` command: demo, convert, generate, inspect, merge, train, serve."""
 
 import argparse
 import logging
@@ -75,7 +75,7 @@ def _scratch_models(args, out: Path, shown: Path | None) -> int:
 
 
 def _convert(args) -> int:
-    from diff_transformer.conversion import convert_to_diff, verify_conversion
+    from diff_transformer.conversion import convert_to_diff
 
     out = convert_to_diff(
         args.src,
@@ -92,33 +92,58 @@ def _convert(args) -> int:
             "not function-preserving; continue pretraining."
         )
     if args.verify:
-        report = verify_conversion(args.src, out)
+        report = _verify(args, out)
         greedy = "" if report["greedy_match"] is None else f", greedy continuations match: {report['greedy_match']}"
         print(
             f"verify (against {report['reference']}, both run in {report['dtype']}): max |Δlogit| = "
-            f"{report['max_abs_logit_diff']:.3g}{greedy}"
+            f"{report['max_abs_logit_diff']:.3g}{greedy}  ({report['seconds']:.1f} s)"
         )
+        if report["heldout"] is not None:
+            heldout = report["heldout"]
+            print(
+                f"held-out perplexity ({heldout['tokens']:,} tokens of the built-in English text, as the demo scores "
+                f"it): source {heldout['source']:.4f}, converted {heldout['converted']:.4f}"
+            )
         if report["expected_exact"] and not report["passed"]:
             return 1
     return 0
+
+
+def _verify(args, out) -> dict:
+    """`verify_conversion` with the built-in held-out text (the demo's), announced first and timed: it loads both
+    models whole, which takes a while for a real checkpoint."""
+    from diff_transformer.cli.demo import shipped_assets
+    from diff_transformer.conversion import verify_conversion
+
+    print(f"verifying {out} against {args.src}: loading both models, comparing logits and perplexity ...", flush=True)
+    start = time.perf_counter()
+    with shipped_assets() as (_, heldout):
+        text = heldout.read_text(encoding="utf-8")
+    report = verify_conversion(args.src, out, heldout_text=text, progress=not args.quiet)
+    return {**report, "seconds": time.perf_counter() - start}
 
 
 def _generate(args) -> int:
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
-    from diff_transformer.loading import check_diff_checkpoint, load_causal_lm, resolve_model
+    from diff_transformer import adapters
+    from diff_transformer.loading import check_diff_checkpoint
 
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} must be at least 1.")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UserError(f"--temperature {args.temperature} must be a number >= 0 (0 = greedy).")
+    _check_generate_options(args)
     # Everything about the inputs is checked before the weights load.
-    location, local = resolve_model(args.model)
-    if local is not None:
-        check_diff_checkpoint(local)
-    tokenizer = _tokenizer(AutoTokenizer, location, local, args.model)
-    if tokenizer is not None:
+    source = adapters.resolve(args.model, args.base)
+    if source.local is not None:
+        check_diff_checkpoint(source.local)
+    tokenizer = _tokenizer(AutoTokenizer, source.tokenizer, source.tokenizer_local, args.model)
+    if args.chat:
+        inputs = _chat_inputs(args, tokenizer)
+        ids = inputs["input_ids"][0].tolist()
+    elif tokenizer is not None:
         inputs = tokenizer(args.prompt, return_tensors="pt")
         ids = inputs["input_ids"][0].tolist()
     else:
@@ -133,7 +158,7 @@ def _generate(args) -> int:
     if not ids:
         raise UserError("PROMPT is empty: pass some text (or token ids).")
     try:
-        vocab = AutoConfig.from_pretrained(location).get_text_config().vocab_size
+        vocab = AutoConfig.from_pretrained(source.location).get_text_config().vocab_size
     except Exception as exc:
         raise UserError(
             f"cannot read the config of MODEL {args.model} ({' '.join(str(exc).split())[:200]})."
@@ -143,10 +168,17 @@ def _generate(args) -> int:
         raise UserError(
             f"token id {bad[0]} in PROMPT is out of range for MODEL {args.model}: use ids from 0 to {vocab - 1}."
         )
-    model = load_causal_lm(args.model).eval()
+    load_kwargs = {"dtype": getattr(torch, args.dtype)} if args.dtype else {}
+    model = adapters.load(source, **load_kwargs).eval()
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
     if args.temperature > 0:
         kwargs["temperature"] = args.temperature
+    if args.repetition_penalty is not None:
+        kwargs["repetition_penalty"] = args.repetition_penalty
+    if args.seed is not None:
+        from transformers import set_seed
+
+        set_seed(args.seed)  # the sampling draws (python, numpy and torch generators)
     output = model.generate(**inputs, **kwargs)[0, inputs["input_ids"].shape[1] :]
     print(
         tokenizer.decode(output, skip_special_tokens=True)
@@ -156,12 +188,45 @@ def _generate(args) -> int:
     return 0
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+def _check_generate_options(args) -> None:
+    """The options `generate` has beyond the prompt and length: one line each when out of range."""
+    if args.repetition_penalty is not None and not (
+        math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0
+    ):
+        raise UserError(f"--repetition-penalty {args.repetition_penalty} must be a number > 0 (1 = none).")
+    if args.system is not None and not args.chat:
+        raise UserError("--system is the system message of a chat: add --chat.")
+    if args.seed is not None and not 0 <= args.seed < 2**32:
+        raise UserError(f"--seed {args.seed} must be in [0, 2**32).")
+
+
+def _chat_inputs(args, tokenizer):
+    """PROMPT (and --system) as a chat, through the tokenizer's chat template, ending with the assistant's turn."""
+    if tokenizer is None:
+        raise UserError(f"--chat needs a tokenizer with a chat template, and MODEL {args.model} has no tokenizer.")
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            f"--chat: the tokenizer of MODEL {args.model} has no chat template: drop --chat for plain completion, "
+            "or save a chat_template.jinja with the tokenizer."
+        )
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": args.prompt})
+    try:
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        )
+    except Exception as exc:  # jinja2 raises its own errors (e.g. a template that rejects a system message)
+        raise UserError(
+            f"--chat: the chat template of MODEL {args.model} failed ({' '.join(str(exc).split())[:200]})"
+            + (": try without --system." if args.system else ".")
+        ) from None
 
 
 def _tokenizer(auto_tokenizer, location: str, local: Path | None, shown: str):
     """The model's tokenizer; None when it has none (prompts are then token ids)."""
-    has_files = local is not None and any((local / name).is_file() for name in _TOKENIZER_FILES)
+    from diff_transformer.adapters import has_tokenizer
+
+    has_files = has_tokenizer(local)
     try:
         return auto_tokenizer.from_pretrained(location)
     except Exception as exc:  # transformers raises OSError, ValueError, TypeError... for a missing or broken tokenizer
@@ -213,9 +278,9 @@ def _inspect(args) -> int:
 
     import torch
 
+    from diff_transformer import adapters
     from diff_transformer.analysis import attention_maps, layer_metrics, model_kind
     from diff_transformer.analysis.plotting import _matplotlib, head_figure
-    from diff_transformer.loading import load_causal_lm, resolve_model
 
     Figure, _ = _matplotlib()  # before anything loads: a missing matplotlib is one line
     figure_types = set(Figure().canvas.get_supported_filetypes())
@@ -227,12 +292,13 @@ def _inspect(args) -> int:
         raise UserError("--out, --json and --grid name the same file: give each a different name.")
     if args.metric in ("answer", "noise") and args.grid and not args.span:
         raise UserError(f"--metric {args.metric} needs --span START:STOP (the answer's token positions).")
-    location, local = resolve_model(args.model)
+    source = adapters.resolve(args.model, args.base)
+    location = source.location
     from transformers import AutoConfig, AutoTokenizer
 
     import diff_transformer  # noqa: F401  (registers the Auto classes: AutoConfig reads Diff configs)
 
-    tokenizer = _tokenizer(AutoTokenizer, location, local, args.model)
+    tokenizer = _tokenizer(AutoTokenizer, source.tokenizer, source.tokenizer_local, args.model)
     if tokenizer is not None:
         ids = tokenizer(args.text, return_tensors="pt")["input_ids"]
     else:
@@ -278,7 +344,7 @@ def _inspect(args) -> int:
                 f"--span {args.span} must be START:STOP with "
                 f"0 <= START < STOP <= {ids.shape[1]} (the TEXT's token count)."
             )
-    model = load_causal_lm(args.model).eval()
+    model = adapters.load(source, merge=True).eval()  # an adapter merged: the maps of the model it makes
     entries = attention_maps(model, ids)
     metrics = layer_metrics(entries, span=span)  # (layers, heads) each; answer/noise at the last position
     if tokenizer is not None:
@@ -323,8 +389,17 @@ def _inspect(args) -> int:
     return 0
 
 
+def _merge(args) -> int:
+    """A PEFT adapter folded into its base model's weights: a full Diff checkpoint (custom code, card, tokenizer)."""
+    from diff_transformer.adapters import merge_adapter
+
+    out = merge_adapter(args.adapter, args.out, base=args.base, overwrite=args.overwrite)
+    print(f"wrote {out}")
+    return 0
+
+
 def _train(args) -> int:
-    from diff_transformer.training.args import hide_bitsandbytes_kernel_notice
+    from diff_transformer.extras import hide_bitsandbytes_kernel_notice
 
     if not args.load_in_4bit:
         hide_bitsandbytes_kernel_notice()
@@ -334,6 +409,9 @@ def _train(args) -> int:
 
 
 def _serve(args) -> int:
+    from diff_transformer.extras import require
+
+    require(["fastapi", "uvicorn", "openai", "pydantic"], "serve", "diff-transformer serve")
     from diff_transformer.integrations.serving import main as serve
 
     return serve(args.serve_args)
@@ -353,9 +431,30 @@ def _show_notes() -> None:
         logger.addHandler(handler)
 
 
+def _add_base_option(parser) -> None:
+    parser.add_argument(
+        "--base",
+        help="for a PEFT adapter MODEL: its base model (default: base_model_name_or_path of adapter_config.json)",
+    )
+
+
+def _add_generate_options(generate) -> None:
+    generate.add_argument("--chat", action="store_true", help="PROMPT is a user message: apply the chat template")
+    generate.add_argument("--system", help="system message of --chat")
+    generate.add_argument("--repetition-penalty", type=float, default=None, help="default: the model's (1 = none)")
+    generate.add_argument("--seed", type=int, default=None, help="seed of the sampling (--temperature > 0)")
+    generate.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="load the weights in this dtype"
+    )
+    _add_base_option(generate)
+
+
 def main(argv=None) -> int:
     _show_notes()
+    from diff_transformer._version import __version__
+
     parser = argparse.ArgumentParser(prog="diff-transformer", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser(
@@ -394,11 +493,14 @@ def main(argv=None) -> int:
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
     convert.set_defaults(func=_convert)
 
-    generate = commands.add_parser("generate", help="generate text with a saved Diff model")
-    generate.add_argument("model", help="model directory or Hub id org/name (hf://name forces a Hub id)")
+    generate = commands.add_parser("generate", help="generate text (or chat) with a saved Diff model or LoRA adapter")
+    generate.add_argument(
+        "model", help="model or LoRA adapter directory, or Hub id org/name (hf://name forces a Hub id)"
+    )
     generate.add_argument("prompt", help="text (or space-separated token ids if the model has no tokenizer)")
     generate.add_argument("--max-new-tokens", type=int, default=32)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    _add_generate_options(generate)
     generate.set_defaults(func=_generate)
 
     inspect = commands.add_parser(
@@ -420,7 +522,17 @@ def main(argv=None) -> int:
     )
     inspect.add_argument("--dpi", type=int, default=80)
     inspect.add_argument("--overwrite", action="store_true", help="replace an existing --out / --json file")
+    _add_base_option(inspect)
     inspect.set_defaults(func=_inspect)
+
+    merge = commands.add_parser(
+        "merge", help="fold a LoRA adapter (train --lora) into its base model: a full Diff checkpoint"
+    )
+    merge.add_argument("adapter", help="PEFT adapter directory (what train --lora writes)")
+    merge.add_argument("out", help="output directory for the merged checkpoint")
+    merge.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    _add_base_option(merge)
+    merge.set_defaults(func=_merge)
 
     from diff_transformer.training.args import add_train_arguments
 

@@ -11,7 +11,6 @@ exit code (0 when every check holds).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import shutil
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..evaluation import EVAL_BLOCK_SIZE, heldout_perplexity
 from ..safe_output import OutputError, Staging, check_target, write_manifest, wrote_this
 
 
@@ -31,55 +31,9 @@ ASSET_MODEL = "tiny-llama"
 ASSET_HELDOUT = "heldout.txt"
 DEFAULT_PROMPT = "Elizabeth could not help smiling at"
 DEFAULT_MAX_NEW_TOKENS = 32
-EVAL_BLOCK_SIZE = 256  # tokens per perplexity window, the leading <s> included (as in training)
 DEMO_EVAL_TOKENS = 16 * (EVAL_BLOCK_SIZE - 1)  # the held-out slice the demo scores: 16 full windows
 LOGIT_ATOL = 1e-4
 PPL_RTOL = 1e-5
-
-
-def heldout_perplexity(
-    model,
-    tokenizer,
-    text: str,
-    *,
-    block_size: int = EVAL_BLOCK_SIZE,
-    max_tokens: int | None = None,
-    batch_size: int = 16,
-    return_logits: bool = False,
-):
-    """Perplexity of `model` on `text`: the text's tokens (`max_tokens` first ones if given) are cut into consecutive
-    windows of `block_size - 1` tokens, each scored after a leading bos token; exp(mean negative log-likelihood) over
-    every token of the text. With `return_logits`, also returns the list of logits tensors (for comparisons)."""
-    ids = tokenizer(text, add_special_tokens=False, verbose=False).input_ids
-    if max_tokens is not None:
-        ids = ids[:max_tokens]
-    span = block_size - 1
-    windows = [ids[i : i + span] for i in range(0, len(ids), span)]
-    if not windows:
-        raise ValueError("no text to score")
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    total, count, all_logits = 0.0, 0, []
-    try:
-        with torch.no_grad():
-            # Full windows in batches, then the (shorter) last one alone: no padding anywhere.
-            groups = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
-            groups = [[w for w in g if len(w) == span] for g in groups] + [[w] for w in windows if len(w) != span]
-            for group in (g for g in groups if g):
-                batch = torch.tensor([[tokenizer.bos_token_id] + w for w in group], device=device)
-                logits = model(input_ids=batch).logits.float()
-                nll = torch.nn.functional.cross_entropy(
-                    logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
-                )
-                total += nll.double().item()
-                count += batch[:, 1:].numel()
-                if return_logits:
-                    all_logits.append(logits.cpu())
-    finally:
-        model.train(was_training)
-    ppl = math.exp(total / count)
-    return (ppl, all_logits) if return_logits else ppl
 
 
 @contextlib.contextmanager

@@ -154,6 +154,10 @@ def _hub_call(function, repo_id: str, *, revision: str | None, **kwargs):
 
 def load_config(path: Path) -> dict:
     config_file = path / "config.json"
+    if not config_file.is_file() and (path / "adapter_config.json").is_file():
+        raise ConversionError(
+            f"{path} is a PEFT adapter, not a model: merge it into its base first (diff-transformer merge ADAPTER OUT)"
+        )
     if not config_file.is_file():
         raise ConversionError(
             f"no config.json in {path}: SRC must be a transformers checkpoint directory "

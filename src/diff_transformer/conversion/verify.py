@@ -30,6 +30,9 @@ def verify_conversion(
     atol: float = 1e-4,
     revision: str | None = None,
     token: str | bool | None = None,
+    heldout_text: str | None = None,
+    heldout_tokens: int = 4 * 255,
+    progress: bool = False,
 ) -> dict:
     """Load SRC (a Llama-family model or DiffLlama) and OUT (Diff), run `num_sequences` random sequences of
     `seq_len` tokens through both (in `dtype`, float32 by default, on CPU) and greedily continue the first half of
@@ -54,12 +57,17 @@ def verify_conversion(
         atol: the largest |Δlogit| that passes.
         revision: Hub revision of a Hub-id `src`.
         token: Hub token for a Hub-id `src`.
+        heldout_text: with it, a causal LM whose source has a tokenizer is also scored on the first `heldout_tokens`
+            tokens of that text as the demo scores it (`evaluation.heldout_perplexity`).
+        heldout_tokens: how many tokens of `heldout_text` to score.
+        progress: a tqdm bar over the held-out scoring.
 
     Returns:
         A dict with `max_abs_logit_diff` (max |Δlogit| over all positions), `greedy_match` (token-identical
         continuations), `expected_exact` (True for Llama -> V2 and DiffLlama -> V1, where the logits must agree;
         False for Llama -> V1, which is not function-preserving), `passed` (expected_exact and both checks hold,
-        else None when not expected exact), `reference` (what the converted model was compared with), plus the
+        else None when not expected exact), `reference` (what the converted model was compared with), `heldout`
+        (`{"source": perplexity, "converted": perplexity, "tokens": n}` with `heldout_text`, else None), plus the
         settings used.
 
     Raises:
@@ -87,6 +95,9 @@ def verify_conversion(
         per_token = task.suffix != "ForSequenceClassification"
         max_diff = _head_difference(reference, converted, input_ids, per_token)
         greedy_match, max_new_tokens = None, 0
+    heldout = None
+    if heldout_text is not None and task is CAUSAL_LM:
+        heldout = _heldout(reference, converted, src_path, heldout_text, heldout_tokens, progress)
     passed = (max_diff <= atol and greedy_match is not False) if expected_exact else None
     return {
         "max_abs_logit_diff": max_diff,
@@ -101,7 +112,28 @@ def verify_conversion(
         "seq_len": seq_len,
         "max_new_tokens": max_new_tokens,
         "dtype": dtype_name(torch_dtype),
+        "heldout": heldout,
     }
+
+
+def _heldout(reference, converted, src_path: Path, text: str, max_tokens: int, progress: bool) -> dict | None:
+    """Held-out perplexity of both models on TEXT with the source's tokenizer; None when the source has none."""
+    from transformers import AutoTokenizer
+
+    from ..evaluation import heldout_perplexity
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src_path)
+    except Exception:  # no tokenizer files (transformers raises OSError, ValueError, TypeError...)
+        return None
+    if tokenizer.bos_token_id is None:
+        return None
+    tokens = min(max_tokens, len(tokenizer(text, add_special_tokens=False, verbose=False).input_ids))
+    scores = {
+        name: heldout_perplexity(model, tokenizer, text, max_tokens=max_tokens, progress=progress, desc=name)
+        for name, model in (("source", reference), ("converted", converted))
+    }
+    return {**scores, "tokens": tokens}
 
 
 def _check_pair(src_path: Path, out_path: Path) -> tuple[Family, Task, int]:

@@ -164,7 +164,8 @@ def diff_model_card(config: DiffConfig, model_id: str | None = None):
 # {name}
 
 A differential-attention language model: {variant}, in a Llama-style decoder (`model_type="diff"`,
-`{head}`), made with [diff-transformer](https://pypi.org/project/diff-transformer/).
+`{head}`), made with diff-transformer (not on a package index yet: `pip install -e .` in a checkout of its
+source).
 
 ## Architecture
 
@@ -188,9 +189,9 @@ pipe = pipeline("{pipeline_tag}", model=model, tokenizer=tokenizer)
 ```
 
 The checkpoint carries its code (`configuration_diff.py`, `modeling_diff.py`), hence
-`trust_remote_code=True`. With `pip install diff-transformer`, `import diff_transformer` registers the model with the
-Auto classes (no remote code needed), and `diff-transformer serve` serves it through transformers' OpenAI-compatible
-server.
+`trust_remote_code=True`. With the diff-transformer package installed (from its source: `pip install -e .`),
+`import diff_transformer` registers the model with the Auto classes (no remote code needed), and
+`diff-transformer serve` serves it through transformers' OpenAI-compatible server (`pip install -e ".[serve]"`).
 """
     return ModelCard(f"---\n{_card_data(config).to_yaml()}\n---\n{body}")
 

@@ -47,7 +47,7 @@ def register_peft_defaults() -> bool:
 
 
 def register_if_peft_imported() -> None:
-    if "peft" in sys.modules:
+    if sys.modules.get("peft") is not None:  # None: an import of peft was blocked
         add_diff_to_peft_default_targets()
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
 
 SCHEDULERS = (
@@ -92,7 +91,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     log.add_argument("--save-steps", type=int, default=500, help="write a checkpoint every N steps")
     log.add_argument("--save-total-limit", type=int, default=None, help="keep at most N checkpoints")
     log.add_argument(
-        "--report-to", nargs="+", default=["tensorboard"], help="tensorboard (default, in OUTPUT/runs), none, ..."
+        "--report-to",
+        nargs="+",
+        default=None,
+        help="tensorboard (default when installed, in OUTPUT/runs), none, ... (the console always shows the logs)",
     )
     log.add_argument("--quiet", action="store_true", help="no progress bars")
     log.add_argument(
@@ -124,6 +126,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "--lora-freeze-lambda", action="store_true", help="do not train λ (default: diff_lambda is in modules_to_save)"
     )
     lora.add_argument(
+        "--base",
+        help="when MODEL is a LoRA adapter (trained further): its base model (default: from adapter_config.json)",
+    )
+    lora.add_argument(
         "--load-in-4bit",
         action="store_true",
         help="QLoRA: load the base model in 4-bit NF4 (bitsandbytes; CUDA or CPU)",
@@ -136,10 +142,3 @@ def parse_train_args(argv=None) -> argparse.Namespace:
         prog="diff-transformer train", description="Continued pretraining of a Diff model."
     )
     return add_train_arguments(parser).parse_args(argv)
-
-
-def hide_bitsandbytes_kernel_notice() -> None:
-    """transformers' Trainer imports peft, which imports bitsandbytes, whose CPU backend then logs that the optional
-    `kernels` package is missing. That only concerns 4-bit weights: other runs do not show it."""
-    notice = "gemm_4bit_forward from kernels-community"
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(lambda record: notice not in record.getMessage())

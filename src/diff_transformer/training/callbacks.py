@@ -1,4 +1,5 @@
-"""Trainer callbacks: λ per layer in the logs, and the run settings a resume must keep."""
+"""Trainer callbacks: λ per layer in the logs (one summary of it on the console), and the run settings a resume must
+keep."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import re
 import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
-from transformers.trainer_callback import ExportableState
+from transformers.trainer_callback import ExportableState, PrinterCallback, ProgressCallback
 
 
 _LAMBDA_MODULE = re.compile(r"layers\.(\d+)\.self_attn\.diff_lambda(?:\.modules_to_save\.(\w+))?$")
@@ -38,6 +39,9 @@ class LambdaLoggingCallback(TrainerCallback):
       the training batches since the previous log (all processes), recorded by a forward hook on `diff_lambda`.
       Under gradient checkpointing the recomputed forward records the same values again, which leaves mean and
       (population) std unchanged.
+
+    Plus `lambda_mean`, `lambda_min`, `lambda_max`: the mean, least and greatest of the per-layer λ (means) above,
+    the one λ figure the console shows (`console_logs`).
 
     It must run before the reporting callbacks: `train.build_trainer` puts it first in the callback list.
     """
@@ -87,6 +91,9 @@ class LambdaLoggingCallback(TrainerCallback):
         if logs is None or "loss" not in logs or not self.modules:  # training logs only (not eval / summary)
             return
         values = self.values(device=args.device)
+        layers = [value for key, value in values.items() if key.startswith("lambda/")]
+        if layers:
+            values.update(lambda_mean=sum(layers) / len(layers), lambda_min=min(layers), lambda_max=max(layers))
         logs.update(values)
         # Trainer appended a copy of `logs` to log_history just before calling on_log.
         if (
@@ -111,3 +118,46 @@ class RunSettingsCallback(TrainerCallback, ExportableState):
 
     def state(self) -> dict:
         return {"args": {"block_size": self.block_size, "bos": self.bos}, "attributes": {}}
+
+
+LAMBDA_SUMMARY = ("lambda_mean", "lambda_min", "lambda_max")
+_PER_LAYER = ("lambda/", "lambda_std/")
+
+
+def lambda_summary(logs: dict) -> str | None:
+    """The "mean / min / max" of λ over the layers in one training log, or None when the log has no λ."""
+    if not all(key in logs for key in LAMBDA_SUMMARY):
+        return None
+    return " / ".join(f"{logs[key]:.4g}" for key in LAMBDA_SUMMARY)
+
+
+def last_lambda_summary(log_history: list[dict]) -> str | None:
+    """`lambda_summary` of the last training log that has λ."""
+    return next((lambda_summary(e) for e in reversed(log_history) if lambda_summary(e) is not None), None)
+
+
+def _console_view(logs: dict) -> dict:
+    """What a person reads on the console: loss, lr, grad norm, ... and λ as one "mean / min / max" entry."""
+    view = {k: v for k, v in logs.items() if not k.startswith(_PER_LAYER) and k not in LAMBDA_SUMMARY}
+    summary = lambda_summary(logs)
+    if summary is not None:
+        view["lambda mean/min/max"] = summary
+    return view
+
+
+class _ConsoleProgress(ProgressCallback):
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        super().on_log(args, state, control, logs=_console_view(logs or {}), **kwargs)
+
+
+class _ConsolePrinter(PrinterCallback):
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        super().on_log(args, state, control, logs=_console_view(logs or {}), **kwargs)
+
+
+def console_logs(trainer) -> None:
+    """Swap Trainer's console callback (the progress bar's, or the printer's under --quiet) for one that prints
+    `_console_view` of each log: the per-layer λ stay in TensorBoard and `log_history` (trainer_state.json)."""
+    for plain, ours in ((ProgressCallback, _ConsoleProgress), (PrinterCallback, _ConsolePrinter)):
+        if trainer.pop_callback(plain) is not None:
+            trainer.add_callback(ours)

@@ -12,7 +12,6 @@ DDP) is Trainer's; this module only turns the command line into `TrainingArgumen
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -23,15 +22,17 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, Trainer, TrainingArguments, set_seed
+from transformers import AutoConfig, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from .. import adapters
 from ..conversion.source import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 from ..errors import UserError
+from ..extras import installed, missing, require
 from ..loading import check_diff_checkpoint, load_causal_lm, read_json, resolve_model
 from ..safe_output import check_target
 from .args import parse_train_args
-from .callbacks import LambdaLoggingCallback, RunSettingsCallback
+from .callbacks import LambdaLoggingCallback, RunSettingsCallback, console_logs, last_lambda_summary
 from .data import TrainingError, build_datasets
 from .freeze import DiffOnlyCallback
 
@@ -163,8 +164,16 @@ def _complete(checkpoint: Path) -> bool:
     return _incomplete(checkpoint) is None
 
 
+def model_source(args) -> adapters.Source:
+    """MODEL resolved; for a PEFT adapter directory (a --lora run's output), its base is where the model loads from."""
+    return adapters.resolve(args.model, getattr(args, "base", None), error=TrainingError)
+
+
 def load_config(args):
-    location, local = resolve_model(args.model, error=TrainingError)
+    source = model_source(args)
+    location, local = source.location, source.local
+    if source.adapter is not None:
+        continue_adapter(args, source)
     if local is not None:
         check_diff_checkpoint(local, error=TrainingError)  # also: a config.json that does not parse, or that lies
     try:
@@ -180,6 +189,50 @@ def load_config(args):
     return config
 
 
+_LORA_OPTIONS = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout"}
+
+
+def continue_adapter(args, source: adapters.Source) -> None:
+    """MODEL is an adapter: the run trains it further (LoRA implied), with its own settings; a --lora-* option that
+    asks for other ones is refused rather than ignored."""
+    lora = read_json(source.adapter / adapters.ADAPTER_CONFIG, error=TrainingError)
+    defaults = vars(parse_train_args([args.model, "--data", "-", "--output", "-"]))
+    for option, key in _LORA_OPTIONS.items():
+        value = getattr(args, option)
+        if value != defaults[option] and value != lora.get(key):
+            raise TrainingError(
+                f"--{option.replace('_', '-')} {value}: MODEL {args.model} is a LoRA adapter with "
+                f"{key}={lora.get(key)}, which this run trains further: drop the option (or train a new adapter on "
+                "its base with --lora)"
+            )
+    targets = args.lora_target_modules
+    adapted = sorted(lora.get("target_modules") or [])
+    if targets is not None and sorted(targets) != adapted:
+        raise TrainingError(
+            f"--lora-target-modules: MODEL {args.model} is a LoRA adapter of {' '.join(adapted)}, which this run "
+            "trains further: drop the option"
+        )
+    if args.lora_freeze_lambda and "diff_lambda" in (lora.get("modules_to_save") or []):
+        raise TrainingError(
+            f"--lora-freeze-lambda: MODEL {args.model} is a LoRA adapter that trains λ (modules_to_save): drop it"
+        )
+    args.lora = True  # what the rest of the checks and the summary go by
+
+
+def report_targets(args) -> tuple[list[str] | str, str | None]:
+    """(Trainer's `report_to`, a note for the console or None). By default TensorBoard when it is installed, else
+    the console alone, with a note on how to get TensorBoard; an explicit `--report-to tensorboard` needs it."""
+    if args.report_to is None:
+        if installed("tensorboard") or installed("tensorboardX"):
+            return ["tensorboard"], None
+        return "none", f"TensorBoard logs are off: {missing(['tensorboard'], 'train', 'TensorBoard')}"
+    if args.report_to in (["none"], []):
+        return "none", None
+    if "tensorboard" in args.report_to:
+        require(["tensorboard"], "train", "--report-to tensorboard", error=TrainingError)
+    return args.report_to, None
+
+
 _RUN_FILES = ("trainer_state.json", "runs")  # what Trainer writes into every run's output directory
 _MODEL_FILES = ("config.json", "adapter_config.json", SAFETENSORS_SINGLE, SAFETENSORS_INDEX)
 
@@ -188,9 +241,11 @@ def check_output(args) -> Path:
     """--output must not be the model (or overlap it), a file, or a model that is no training run (the final save
     would overwrite it) unless --overwrite."""
     _, local = resolve_model(args.model, error=TrainingError)
-    output = check_target(
-        args.output, name="--output", sources={"MODEL": local} if local else None, error=TrainingError
-    )
+    source = model_source(args)
+    sources = {"MODEL": local} if local else {}
+    if source.adapter is not None and source.local is not None:
+        sources["base model"] = source.local  # the adapter's base: never written either
+    output = check_target(args.output, name="--output", sources=sources or None, error=TrainingError)
     if os.path.lexists(output) and not output.is_dir():
         raise TrainingError(f"--output {args.output} is a file: pass a directory (it is created if missing)")
     if output.is_dir() and not args.overwrite and not _checkpoints(output):
@@ -230,6 +285,9 @@ def check_args(args, config) -> int:
             raise TrainingError(f"--{flag.replace('_', '-')} {value} must be a finite number >= 0")
     if not (math.isfinite(args.epochs) and args.epochs > 0):
         raise TrainingError(f"--epochs {args.epochs} must be a finite number > 0")
+    if args.lora:
+        require(["peft"], "train", "--lora", error=TrainingError)
+    report_targets(args)
     if args.lora and not 0 <= args.lora_dropout < 1:
         raise TrainingError(f"--lora-dropout {args.lora_dropout} must be in [0, 1)")
     if args.diff_only_steps < 0:
@@ -241,8 +299,7 @@ def check_args(args, config) -> int:
     if args.load_in_4bit:
         if not args.lora:
             raise TrainingError("--load-in-4bit needs --lora (4-bit weights cannot be trained directly)")
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise TrainingError("--load-in-4bit needs bitsandbytes: pip install 'diff-transformer[qlora]'")
+        require(["bitsandbytes"], "qlora", "--load-in-4bit", error=TrainingError)
     return block_size
 
 
@@ -267,21 +324,31 @@ def load_model(args, training_args):
             bnb_4bit_use_double_quant=True,
         )
         kwargs["device_map"] = {"": training_args.device}
+    source = model_source(args)
+    if source.adapter is not None:  # an adapter trained further: its base, its LoRA weights (trainable)
+        return adapters.load(source, trainable=True, prepare=lambda base: _prepare_4bit(base, args), **kwargs)
     model = load_causal_lm(args.model, error=TrainingError, **kwargs)
     if args.lora:
         model = add_lora(model, args)
     return model
 
 
+def _prepare_4bit(model, args):
+    if not args.load_in_4bit:
+        return model
+    from peft import prepare_model_for_kbit_training
+
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
+
+
 def add_lora(model, args):
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from peft import LoraConfig, get_peft_model
 
     from ..integrations.peft import register_peft_defaults
 
     register_peft_defaults()  # LoRA's default targets for "diff", whatever imported peft first
 
-    if args.load_in_4bit:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
+    model = _prepare_4bit(model, args)
     # λ is tiny (V1: 4 vectors, V2: one H x D matrix per layer) and is what differential attention learns, so by
     # default it is trained in full and saved with the adapter.
     train_lambda = not args.lora_freeze_lambda and any(n.endswith("diff_lambda") for n, _ in model.named_modules())
@@ -294,7 +361,8 @@ def add_lora(model, args):
         modules_to_save=["diff_lambda"] if train_lambda else None,
     )
     try:
-        return get_peft_model(model, config)
+        with adapters.quiet_peft_wrapping():
+            return get_peft_model(model, config)
     except ValueError as error:
         if args.lora_target_modules is None and "target_modules" in str(error):
             raise TrainingError(
@@ -307,7 +375,7 @@ def add_lora(model, args):
 def training_arguments(args, has_eval: bool, resuming: bool) -> TrainingArguments:
     bf16 = use_bf16(args.bf16)
     warmup = args.warmup_ratio if args.warmup_ratio is not None else (args.warmup_steps or 0)
-    report_to = "none" if args.report_to in (["none"], []) else args.report_to
+    report_to, _ = report_targets(args)
     return TrainingArguments(
         output_dir=args.output,
         per_device_train_batch_size=args.batch_size,
@@ -359,9 +427,8 @@ def build_trainer(args) -> PreparedRun:
     block_size = check_args(args, config)
     check_output(args)
     resume = resolve_resume(args, block_size)
-    location, _ = resolve_model(args.model, error=TrainingError)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(location)
+        tokenizer = AutoTokenizer.from_pretrained(model_source(args).tokenizer)
     except (OSError, ValueError, TypeError) as error:
         raise TrainingError(f"{args.model} has no usable tokenizer ({str(error).splitlines()[0]})") from None
     set_seed(args.seed)  # before the model: LoRA's initialisation draws random numbers
@@ -384,6 +451,7 @@ def build_trainer(args) -> PreparedRun:
 
     callbacks = [RunSettingsCallback(block_size, bos=not args.no_bos)]
     callbacks += [DiffOnlyCallback(model, args.diff_only_steps)] if args.diff_only_steps else []
+    callbacks += [AdapterCardCallback(model_source(args).base or args.model, model.config)] if args.lora else []
     trainer = CausalLMTrainer(
         model=model,
         args=training_args,
@@ -394,7 +462,22 @@ def build_trainer(args) -> PreparedRun:
     )
     # First in line, so the λ values it adds to a log reach TensorBoard and the progress bar in the same call.
     trainer.callback_handler.callbacks.insert(0, LambdaLoggingCallback(model))
+    console_logs(trainer)  # the console shows one λ summary; TensorBoard and log_history keep every layer
     return PreparedRun(trainer, resume, block_size)
+
+
+class AdapterCardCallback(TrainerCallback):
+    """The adapter's card (`adapters.adapter_card`) in every checkpoint of a LoRA run, in place of the blank template
+    PEFT writes there: a checkpoint is an adapter directory too (`generate`, `merge` take it)."""
+
+    def __init__(self, base: str, config):
+        self.base, self.config = base, config
+
+    def on_save(self, args, state, control, **kwargs):
+        checkpoint = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if state.is_world_process_zero and adapters.is_adapter(checkpoint):
+            summary = last_lambda_summary(state.log_history)
+            adapters.write_adapter_card(checkpoint, self.base, self.config, summary)
 
 
 def run(args) -> int:
@@ -402,6 +485,9 @@ def run(args) -> int:
     main = trainer.is_world_process_zero()
     model, train_data, eval_data = trainer.model, trainer.train_dataset, trainer.eval_dataset
     if main:
+        _, note = report_targets(args)
+        if note:
+            print(note, flush=True)
         n_params = sum(p.numel() for p in model.parameters())
         n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
         world = trainer.args.world_size
@@ -414,15 +500,23 @@ def run(args) -> int:
             + (f"\nresuming from {resume}" if resume else ""),
             flush=True,
         )
+    start = _checkpoint_state(Path(resume)).get("global_step", 0) if resume else 0
     result = trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(args.output)  # model (or LoRA adapter) + tokenizer, main process only
+    if main and args.lora:  # PEFT wrote its blank template as README.md: the adapter's own card replaces it
+        base = model_source(args).base or args.model
+        adapters.write_adapter_card(args.output, base, model.config, last_lambda_summary(trainer.state.log_history))
     trainer.save_metrics("train", result.metrics)
     metrics = trainer.evaluate() if eval_data is not None else {}
     if metrics:
         trainer.save_metrics("eval", metrics)
     trainer.save_state()
     if main:
-        line = f"done: {result.global_step} steps, mean training loss of this run {result.training_loss:.4f}"
+        done = result.global_step - start  # this run's steps: a resumed run starts at its checkpoint's step
+        line = f"done: {done} step{'' if done == 1 else 's'}"
+        if start:
+            line += f" (step {start + 1}" + ("" if done == 1 else f" to {result.global_step}") + ", resumed)"
+        line += f", mean training loss of this run {result.training_loss:.4f}"
         if metrics:
             line += f"; held-out loss {metrics['eval_loss']:.4f}, perplexity {metrics['eval_perplexity']:.3f}"
         print(line + f"\nsaved to {args.output}", flush=True)

@@ -1,0 +1,255 @@
+"""PEFT adapter directories (what `diff-transformer train --lora` writes) as MODEL on the command line.
+
+An adapter directory holds `adapter_config.json` and the adapter's weights, not a model: its base model is named by
+`base_model_name_or_path` in adapter_config.json (as the training run was given it), or by `--base`. `generate`,
+`inspect` and `train` load the base and put the adapter on it (PEFT's `PeftModel.from_pretrained`); `merge` folds
+it into the base weights (`merge_and_unload`) and writes a full Diff checkpoint. `adapter_card` replaces the blank
+template PEFT writes as the adapter's README.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+from pathlib import Path
+from typing import NamedTuple
+
+from .errors import UserError
+from .extras import hide_bitsandbytes_kernel_notice, require
+from .loading import HUB_PREFIX, check_diff_checkpoint, load_causal_lm, read_json, resolve_model
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+class Source(NamedTuple):
+    """A command-line MODEL, resolved: where the model (for an adapter: its base) and the tokenizer load from."""
+
+    location: str  # what `from_pretrained` of the model (an adapter's base) takes
+    local: Path | None  # its local directory, None for a Hub id
+    adapter: Path | None  # the adapter directory, None when MODEL is a model
+    base: str | None  # an adapter's base model as named (adapter_config.json or --base)
+    tokenizer: str  # where the tokenizer loads from: the adapter directory when it has one, else the model
+    tokenizer_local: Path | None  # its local directory, None for a Hub id
+
+
+def is_adapter(local: Path | None) -> bool:
+    return local is not None and (local / ADAPTER_CONFIG).is_file()
+
+
+def has_tokenizer(local: Path | None) -> bool:
+    return local is not None and any((local / name).is_file() for name in _TOKENIZER_FILES)
+
+
+def resolve(text, base: str | None = None, *, name: str = "MODEL", error: type[UserError] = UserError) -> Source:
+    """MODEL as `Source`; for an adapter directory, its base (checked to exist, or one line saying how to name it)."""
+    location, local = resolve_model(text, name=name, error=error)
+    if not is_adapter(local):
+        if base is not None:
+            raise error(f"--base {base} is for a PEFT adapter directory, but {name} {text} is a model: drop --base.")
+        return Source(location, local, None, None, location, local)
+    require(["peft"], "peft", f"{name} {text} (a PEFT adapter)", error=error)
+    named = base
+    if named is None:
+        named = read_json(local / ADAPTER_CONFIG, error=error).get("base_model_name_or_path")
+        if not named:
+            raise error(
+                f"{name} {text} is a PEFT adapter whose {ADAPTER_CONFIG} names no base model: pass --base MODEL."
+            )
+    try:
+        base_location, base_local = resolve_model(named, name="base model", error=error)
+    except UserError:
+        where = "--base" if base is not None else f"base_model_name_or_path in {local / ADAPTER_CONFIG}"
+        raise error(
+            f"{name} {text} is a PEFT adapter for the base model {named!r} ({where}), which does not exist here: "
+            f"pass --base PATH (the model it was trained on), or {HUB_PREFIX}ID for a Hub model."
+        ) from None
+    if base_local is not None and is_adapter(base_local):
+        raise error(f"the base model {named} of {name} {text} is itself an adapter: pass --base with the model.")
+    if has_tokenizer(local):
+        return Source(base_location, base_local, local, str(named), location, local)
+    return Source(base_location, base_local, local, str(named), base_location, base_local)
+
+
+@contextlib.contextmanager
+def quiet_peft_wrapping():
+    """PEFT (0.21) asks every model it wraps for `is_gradient_checkpointing`, which transformers 5 deprecated with a
+    FutureWarning: not ours to act on, so it is not shown (any other warning is)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
+def load(source: Source, *, name: str = "MODEL", merge: bool = False, trainable: bool = False, prepare=None, **kwargs):
+    """The model of SOURCE; for an adapter, its base with the adapter on it (merged into the weights with `merge`,
+    trainable with `trainable`; `prepare(base)`, e.g. for 4-bit training, runs before the adapter goes on)."""
+    error = kwargs.pop("error", UserError)
+    # A Hub id keeps its hf:// so that `load_causal_lm` does not take a one-part id ("gpt2") for a mistyped path.
+    location = source.location if source.local is not None else HUB_PREFIX + source.location
+    if source.adapter is None:
+        return load_causal_lm(location, name=name, error=error, **kwargs)
+    if source.local is not None:
+        check_diff_checkpoint(source.local, name="base model", error=error)
+    hide_bitsandbytes_kernel_notice()  # peft imports bitsandbytes, whose notice concerns 4-bit weights only
+    from peft import PeftModel
+
+    base = load_causal_lm(location, name="base model", error=error, **kwargs)
+    if prepare is not None:
+        base = prepare(base)
+    try:
+        with quiet_peft_wrapping():
+            model = PeftModel.from_pretrained(base, source.adapter, is_trainable=trainable)
+    except Exception as exc:
+        message = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise error(
+            f"cannot put the adapter {source.adapter} on the base model {source.base} ({message}): "
+            "pass --base with the model it was trained on."
+        ) from None
+    return model.merge_and_unload() if merge else model
+
+
+# --- the adapter's card ------------------------------------------------------------------------------------------
+
+
+def _lambda_text(config, lora: dict) -> str:
+    trained = "diff_lambda" in (lora.get("modules_to_save") or [])
+    if getattr(config, "model_type", None) != "diff":
+        return "The base model has no λ (not a Diff model)."
+    if config.diff_version == 1:
+        what = "λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init, one learned scalar per layer"
+    else:
+        what = "λ = sigmoid(W_λ x), one value per token and differential head (`diff_lambda.proj`)"
+    how = (
+        'trained in full and saved with the adapter (`modules_to_save=["diff_lambda"]`)'
+        if trained
+        else "frozen: the base model's λ is used"
+    )
+    return f"Diff Transformer V{config.diff_version}: {what}; {how}."
+
+
+def adapter_card(base: str, config, lora: dict, name: str, lambda_summary: str | None = None):
+    """The README.md of an adapter trained on BASE (named as the user gave it), as a `huggingface_hub.ModelCard`:
+    the base, λ and the LoRA settings, and how to use or merge it. `base_model` metadata only for a Hub id (a local
+    path means nothing on the Hub)."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    local = Path(base.removeprefix(HUB_PREFIX)).expanduser().exists() and not base.startswith(HUB_PREFIX)
+    hub_id = None if local else base.removeprefix(HUB_PREFIX)
+    version = getattr(config, "diff_version", None)
+    tags = ["diff-transformer", "differential-attention", "lora", "peft"]
+    tags += [f"diff-transformer-v{version}"] if version else []
+    data = ModelCardData(base_model=hub_id, library_name="peft", pipeline_tag="text-generation", tags=tags)
+    targets = lora.get("target_modules") or []
+    targets = ", ".join(f"`{t}`" for t in (sorted(targets) if isinstance(targets, list | set) else [targets]))
+    rows = [
+        ("base model", f"`{base}`" + (" (a local directory)" if local else "")),
+        ("LoRA rank r", lora.get("r")),
+        ("lora_alpha", lora.get("lora_alpha")),
+        ("scaling alpha / r", f"{lora['lora_alpha'] / lora['r']:g}" if lora.get("r") else "?"),
+        ("lora_dropout", lora.get("lora_dropout")),
+        ("target modules", targets),
+        ("modules_to_save", ", ".join(f"`{m}`" for m in lora.get("modules_to_save") or []) or "none"),
+    ]
+    table = "\n".join(f"| {key} | {value} |" for key, value in rows)
+    summary = ""
+    if lambda_summary:
+        summary = f"\n\nλ at the end of training (mean / min / max over layers): {lambda_summary}."
+    body = f"""
+# {name}
+
+A LoRA adapter (PEFT) for the differential-attention model `{base}`, trained with `diff-transformer train --lora`.
+
+## LoRA
+
+| | |
+|---|---|
+{table}
+
+## λ (differential weight)
+
+{_lambda_text(config, lora)}{summary}
+
+## Usage
+
+```bash
+diff-transformer generate {name} "Once upon a time"    # the base is read from adapter_config.json (or --base)
+diff-transformer merge {name} {name}-merged              # a full Diff checkpoint, no PEFT needed to load it
+```
+
+```python
+import diff_transformer  # registers the Diff classes with transformers' Auto classes
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+base = AutoModelForCausalLM.from_pretrained("{base}")
+model = PeftModel.from_pretrained(base, "{name}")
+tokenizer = AutoTokenizer.from_pretrained("{name}")
+```
+"""
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+
+
+def write_adapter_card(directory, base: str, config, lambda_summary: str | None = None) -> None:
+    """Replace the README.md PEFT wrote into DIRECTORY (an adapter this run saved on BASE, of CONFIG) with
+    `adapter_card`."""
+    directory = Path(directory)
+    lora = json.loads((directory / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    card = adapter_card(base, config, lora, directory.name, lambda_summary)
+    card.save(directory / "README.md")
+
+
+# --- merge ---------------------------------------------------------------------------------------------------------
+
+
+def merge_adapter(adapter, out, *, base: str | None = None, overwrite: bool = False) -> Path:
+    """Fold the PEFT adapter directory ADAPTER into its base model (`merge_and_unload`: each adapted weight becomes
+    W + (alpha / r)·B·A, λ copies in `modules_to_save` replace the base's) and write a full checkpoint to OUT: weights
+    in the base's dtype, the custom code, a card naming the adapter and its base, the tokenizer (the adapter's, else
+    the base's). Nothing is written unless everything loads; OUT is replaced only with `overwrite`."""
+    from transformers import AutoTokenizer
+
+    from .integrations.hub import diff_model_card
+    from .safe_output import Staging, check_target
+
+    source = resolve(adapter, base, name="ADAPTER")
+    if source.adapter is None:
+        raise UserError(
+            f"ADAPTER {adapter} is a model, not a PEFT adapter directory (no {ADAPTER_CONFIG}): merge takes what "
+            "`diff-transformer train --lora` wrote."
+        )
+    sources = {"ADAPTER": source.adapter} | ({"BASE": source.local} if source.local is not None else {})
+    out_path = check_target(out, sources=sources)
+    staging = Staging(out_path, overwrite=overwrite)  # refuses a non-empty OUT before anything loads
+    with staging as staging_dir:
+        model = load(source, name="ADAPTER", merge=True, dtype="auto")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source.tokenizer)
+        except (OSError, ValueError, TypeError):  # a model saved without a tokenizer (prompts are token ids)
+            tokenizer = None
+        if getattr(model.config, "model_type", None) == "diff":
+            card = diff_model_card(model.config, out_path.name)
+            card.text += (
+                f"\n## Merged adapter\n\nThe LoRA adapter `{adapter}` merged into `{source.base}` with "
+                "`diff-transformer merge` (PEFT's `merge_and_unload`): no PEFT is needed to load it.\n"
+            )
+            card.save(staging_dir / "README.md")  # before save_pretrained, which then keeps it
+        model.save_pretrained(staging_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging_dir)
+        staging.install()
+    return out_path
+
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "Source",
+    "adapter_card",
+    "is_adapter",
+    "load",
+    "merge_adapter",
+    "quiet_peft_wrapping",
+    "resolve",
+    "write_adapter_card",
+]

@@ -1,0 +1,61 @@
+"""Held-out perplexity as the demo, `convert --verify` and the examples score it."""
+
+import math
+
+import torch
+
+
+EVAL_BLOCK_SIZE = 256  # tokens per perplexity window, the leading <s> included (as in training)
+
+
+def heldout_perplexity(
+    model,
+    tokenizer,
+    text: str,
+    *,
+    block_size: int = EVAL_BLOCK_SIZE,
+    max_tokens: int | None = None,
+    batch_size: int = 16,
+    return_logits: bool = False,
+    progress: bool = False,
+    desc: str = "perplexity",
+):
+    """Perplexity of `model` on `text`: the text's tokens (`max_tokens` first ones if given) are cut into consecutive
+    windows of `block_size - 1` tokens, each scored after a leading bos token; exp(mean negative log-likelihood) over
+    every token of the text. With `return_logits`, also returns the list of logits tensors (for comparisons); with
+    `progress`, a tqdm bar over the windows."""
+    ids = tokenizer(text, add_special_tokens=False, verbose=False).input_ids
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    span = block_size - 1
+    windows = [ids[i : i + span] for i in range(0, len(ids), span)]
+    if not windows:
+        raise ValueError("no text to score")
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count, all_logits = 0.0, 0, []
+    try:
+        with torch.no_grad():
+            # Full windows in batches, then the (shorter) last one alone: no padding anywhere.
+            groups = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
+            groups = [[w for w in g if len(w) == span] for g in groups] + [[w] for w in windows if len(w) != span]
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(windows), desc=desc, unit="window", disable=not progress, leave=False)
+            for group in (g for g in groups if g):
+                batch = torch.tensor([[tokenizer.bos_token_id] + w for w in group], device=device)
+                logits = model(input_ids=batch).logits.float()
+                nll = torch.nn.functional.cross_entropy(
+                    logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
+                )
+                total += nll.double().item()
+                count += batch[:, 1:].numel()
+                if return_logits:
+                    all_logits.append(logits.cpu())
+                bar.update(len(group))
+            bar.close()
+    finally:
+        model.train(was_training)
+    ppl = math.exp(total / count)
+    return (ppl, all_logits) if return_logits else ppl

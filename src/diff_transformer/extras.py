@@ -1,0 +1,50 @@
+"""Optional dependencies (setup.cfg's extras): a command that needs one that is missing says so in one line, with the
+exact install command, before it loads anything."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+from .errors import UserError
+
+
+def install_command(extra: str) -> str:
+    """How to get EXTRA: from a source checkout (the package is not on a public index yet), and from an index."""
+    source, index = f'pip install -e ".[{extra}]"', f'pip install "diff-transformer[{extra}]"'
+    return f"{source} in a source checkout, or {index} from an index"
+
+
+def installed(package: str) -> bool:
+    """Whether `import PACKAGE` can find the package (without importing it: peft alone costs seconds)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a parent package that fails to import, or a broken half-imported module
+        return False
+
+
+def missing(packages, extra: str, purpose: str) -> str | None:
+    """The one-line message naming what PURPOSE lacks and how to install it, or None when everything is there."""
+    absent = [package for package in packages if not installed(package)]
+    if not absent:
+        return None
+    names = absent[0] if len(absent) == 1 else f"{', '.join(absent[:-1])} and {absent[-1]}"
+    verb = "is" if len(absent) == 1 else "are"
+    return f"{purpose} needs {names}, which {verb} not installed: {install_command(extra)}."
+
+
+def require(packages, extra: str, purpose: str, *, error: type[UserError] = UserError) -> None:
+    """`error` (one line, exit status 2 on the command line) when a package of PACKAGES is not installed."""
+    message = missing(packages, extra, purpose)
+    if message is not None:
+        raise error(message)
+
+
+__all__ = ["install_command", "installed", "missing", "require"]
+
+
+def hide_bitsandbytes_kernel_notice() -> None:
+    """transformers' Trainer imports peft, which imports bitsandbytes, whose CPU backend then logs that the optional
+    `kernels` package is missing. That only concerns 4-bit weights: other runs do not show it."""
+    notice = "gemm_4bit_forward from kernels-community"
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(lambda record: notice not in record.getMessage())
