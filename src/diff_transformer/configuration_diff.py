@@ -64,24 +64,24 @@ class DiffConfig(PreTrainedConfig):
         ```
 
     Attributes:
-        diff_version (`int`, defaults to 1):
+        diff_version (int):
             1: the ICLR 2025 paper, `(softmax(Q1K1ᵀ) - λ softmax(Q2K2ᵀ)) V` with a per-layer scalar λ, V of width 2d
             and a per-head RMSNorm (`subln`). 2: Diff Transformer V2, 2H standard query heads paired as
-            `a_2h - sigmoid(W_λ x)_h a_2h+1`, K/V and cache exactly a Llama's.
-        head_dim (`int`, *optional*):
+            `a_2h - sigmoid(W_λ x)_h a_2h+1`, K/V and cache exactly a Llama's. Defaults to 1.
+        head_dim (int | None):
             Query/key sub-head size d. Defaults to `hidden_size // (2 * num_attention_heads)`, so that V1 has the
             parameter count of a Llama with `2 * num_attention_heads` heads of size d (plus 6d per layer).
-        lambda_init (`float`, *optional*):
+        lambda_init (float | None):
             V1 only. `None` uses the paper's depth schedule `0.8 - 0.6 exp(-0.3 layer_idx)`; a float fixes it.
-        lambda_std (`float`, defaults to 0.1):
-            Standard deviation of the initial V1 re-parameterisation vectors `lambda_{q,k}{1,2}`.
-        attention_out_bias (`bool`, *optional*):
+        lambda_std (float):
+            Standard deviation of the initial V1 re-parameterisation vectors `lambda_{q,k}{1,2}`. Defaults to 0.1.
+        attention_out_bias (bool | None):
             Whether `o_proj` has a bias. `None` (default) follows `attention_bias`; Qwen2 has q/k/v biases and none on
             `o_proj` (`attention_bias=True, attention_out_bias=False`).
-        use_qk_norm (`bool`, defaults to `False`):
+        use_qk_norm (bool):
             Qwen3's `q_norm` / `k_norm`: an RMSNorm over each d-wide query and key (sub-)head before RoPE, one weight
-            of size d shared by all heads (V1: by q1, q2, k1 and k2 alike).
-        conversion (`dict`, *optional*):
+            of size d shared by all heads (V1: by q1, q2, k1 and k2 alike). Defaults to False.
+        conversion (dict | None):
             Provenance of a checkpoint converted from another architecture, written by the converter: `source`,
             `base_model` (Hub id, when known), `source_model_type`, `function_preserving`, `converter` and
             `card_data` (licence/language of the source's card). The model card is built from it, so a converted
