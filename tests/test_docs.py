@@ -9,10 +9,14 @@ the line before it, which the test reports as the skip reason:
     <!-- docs-test: skip needs a GPU -->        not run (GPU, Hub, vLLM, a server, a long run, installs)
     <!-- docs-test: slow -->                    run, but only in the full suite (marked `slow`); later blocks
                                                 must not depend on what it makes
+    <!-- docs-test: fails -->                   every command must exit 2, printing the `# error: ...` lines shown
+                                                (`...` stands for any text)
 
 Blocks in other languages (text, yaml, output listings) are not code and are not collected.
 """
 
+import contextlib
+import io
 import re
 import shlex
 import shutil
@@ -26,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 RUNNABLE = {"python", "bash", "sh", "shell", "console"}
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
-MARKER = re.compile(r"<!--\s*docs-test:\s*(?P<kind>skip|slow)\b\s*(?P<reason>.*?)\s*-->\s*$")
+MARKER = re.compile(r"<!--\s*docs-test:\s*(?P<kind>skip|slow|fails)\b\s*(?P<reason>.*?)\s*-->\s*$")
 
 
 class Block:
@@ -94,12 +98,19 @@ class Session:
 
         commands = shell_commands(block.code)
         assert commands is not None, f"{block.id}: runs commands other than diff-transformer: mark it skip, say why"
+        stderr = io.StringIO()
         for argv in commands:
-            try:
-                status = main(argv)
-            except SystemExit as exit:  # argparse's --help / --version
-                status = exit.code
-            assert status in (0, None), f"{block.id}: diff-transformer {shlex.join(argv)} exited with {status}"
+            with contextlib.redirect_stderr(stderr):
+                try:
+                    status = main(argv)
+                except SystemExit as exit:  # argparse's --help / --version
+                    status = exit.code
+            expected = (2,) if block.kind == "fails" else (0, None)
+            assert status in expected, f"{block.id}: diff-transformer {shlex.join(argv)} exited with {status}"
+        if block.kind == "fails":
+            for line in re.findall(r"^# (error: .*)$", block.code, re.M):
+                pattern = ".*?".join(re.escape(part) for part in line.split("..."))
+                assert re.search(pattern, stderr.getvalue()), f"{block.id}: {line!r} not in {stderr.getvalue()!r}"
 
 
 SESSIONS: dict[Path, Session] = {}
@@ -158,7 +169,8 @@ def test_extract_finds_markers_and_nested_fences(tmp_path):
     page.write_text(
         "text\n\n<!-- docs-test: skip needs a GPU -->\n```python\nimport torch\n```\n\n"
         "* item\n\n  ```bash\n  diff-transformer convert a b \\\n    --verify  # exact\n  ```\n\n"
-        "```text\nnot code\n```\n<!-- docs-test: slow -->\n```bash\npip install x\n```\n",
+        "```text\nnot code\n```\n<!-- docs-test: slow -->\n```bash\npip install x\n```\n"
+        "<!-- docs-test: fails -->\n```bash\ndiff-transformer generate nowhere hi\n# error: MODEL ...\n```\n",
         encoding="utf-8",
     )
     blocks = extract(page)
@@ -166,6 +178,7 @@ def test_extract_finds_markers_and_nested_fences(tmp_path):
         ("python", "skip", "needs a GPU"),
         ("bash", None, ""),
         ("bash", "slow", ""),
+        ("bash", "fails", ""),
     ]
     assert shell_commands(blocks[1].code) == [["convert", "a", "b", "--verify"]]
     assert shell_commands(blocks[2].code) is None
