@@ -1,0 +1,178 @@
+"""Issue 21 ("Trust 2"): a hostile or careless user's inputs. Nothing the user owns is lost, inputs cannot demand
+unbounded resources, bad values are refused instead of giving silently wrong results, and every bad input is one
+`error:` line with exit status 2 before anything is written. Commands run in-process on tiny checkpoints."""
+
+import os
+import threading
+
+import pytest
+import torch
+from test_conversion import tree_digest
+
+from diff_transformer import cli
+from diff_transformer.safe_output import write_manifest, wrote_this
+
+
+def refused(capsys, argv, *words):
+    """`diff-transformer ARGV` exits 2 with one `error:` line (no traceback) on stderr naming every word."""
+    capsys.readouterr()
+    assert cli.main([str(a) for a in argv]) == 2, argv
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("error: "), err
+    assert not any(line.startswith(("Traceback", "error: ")) for line in err[:-1]), err
+    for word in words:
+        assert str(word) in err[-1], (word, err[-1])
+    return err[-1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data loss and the hang: the demo's manifest covers every entry and never opens what is not a regular file
+
+
+def test_manifest_covers_directories_and_other_entries(tmp_path):
+    out = tmp_path / "out"
+    (out / "diff-v1").mkdir(parents=True)
+    (out / "diff-v1" / "config.json").write_text("{}")
+    write_manifest(out, "demo")
+    assert wrote_this(out, "demo")
+    (out / "my-run").mkdir()  # an empty directory of the user's: the old manifest hashed files only
+    assert not wrote_this(out, "demo")
+    (out / "my-run").rmdir()
+    (out / "diff-v1" / "empty").mkdir()
+    assert not wrote_this(out, "demo")
+    (out / "diff-v1" / "empty").rmdir()
+    assert wrote_this(out, "demo")
+
+
+def test_demo_rerun_keeps_a_directory_the_user_added(tmp_path, capsys):
+    out = tmp_path / "d"
+    assert cli.main(["demo", "--scratch", "--output", str(out)]) == 0
+    (out / "my-experiments").mkdir()
+    refused(capsys, ["demo", "--scratch", "--output", out], str(out), "--overwrite")
+    assert (out / "my-experiments").is_dir()
+
+
+def test_demo_rerun_does_not_hang_on_a_fifo(tmp_path, capsys):
+    out = tmp_path / "d"
+    assert cli.main(["demo", "--scratch", "--output", str(out)]) == 0
+    os.mkfifo(out / "f")
+    status = []
+    worker = threading.Thread(target=lambda: status.append(cli.main(["demo", "--scratch", "--output", str(out)])))
+    worker.daemon = True
+    worker.start()
+    worker.join(timeout=120)
+    if worker.is_alive():  # the old code blocks in open(): unblock it by opening the FIFO's other end
+        with open(out / "f", "wb"):
+            pass
+        worker.join(timeout=60)
+        pytest.fail("demo --output blocked reading a FIFO")
+    assert status == [2] and "--overwrite" in capsys.readouterr().err
+    assert (out / "f").exists()
+    os.mkfifo(out / "diff-v1" / ".diff-transformer-output.json.fifo")
+    manifest = out / ".diff-transformer-output.json"
+    manifest.unlink()
+    os.mkfifo(manifest)  # a FIFO in place of the manifest: not read either
+    assert not wrote_this(out, "diff-transformer demo --scratch")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train: one run per --output, resuming into another run, a user's checkpoint-mynotes/, option ranges
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A tiny random Diff V2 checkpoint with the shipped tokenizer (`v2`) and a text file, as test_train's."""
+    from test_train import HELDOUT, TOKENIZER
+    from transformers import AutoTokenizer
+
+    from diff_transformer import DiffForCausalLM
+
+    from conftest import tiny_config
+
+    root = tmp_path_factory.mktemp("train")
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    torch.manual_seed(0)
+    config = tiny_config(
+        2,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    DiffForCausalLM._from_config(config, attn_implementation="eager").save_pretrained(root / "v2")
+    tokenizer.save_pretrained(root / "v2")
+    (root / "text.txt").write_text(HELDOUT[:2500], encoding="utf-8")
+    return root
+
+
+def _train_argv(workdir, output, *extra):
+    from test_train import QUIET
+
+    return ["train", workdir / "v2", "--data", workdir / "text.txt", "--output", output, *QUIET, *extra]
+
+
+def test_second_train_into_the_same_output_is_refused(workdir, tmp_path, capsys):
+    from diff_transformer.safe_output import OutputLock
+    from diff_transformer.training.data import TrainingError
+
+    out = tmp_path / "run"
+    with OutputLock(out, name="--output", error=TrainingError):  # a first run, still alive
+        argv = _train_argv(workdir, out, "--max-steps", "1")
+        refused(capsys, argv, f"--output {out} is being written by another run")
+        assert sorted(p.name for p in out.iterdir()) == [".diff-transformer.lock"]  # the first run's lock only
+    assert not out.exists()  # the lock's directory, created for it, goes with it
+
+
+def test_resume_into_another_run_needs_overwrite_and_keeps_users_directories(workdir, tmp_path, capsys):
+    import shutil
+
+    run_x, run_y = tmp_path / "rX", tmp_path / "rY"
+    assert cli.main([str(a) for a in _train_argv(workdir, run_x, "--max-steps", "2", "--save-steps", "1")]) == 0
+    run_y.mkdir()
+    shutil.copytree(run_x / "checkpoint-1", run_y / "checkpoint-1")  # another run's checkpoint
+    (run_x / "checkpoint-mynotes").mkdir()
+    (run_x / "checkpoint-mynotes" / "notes.txt").write_text("mine")
+    digest = tree_digest(run_x)
+    argv = _train_argv(workdir, run_x, "--max-steps", "3", "--save-steps", "1", "--resume", run_y / "checkpoint-1")
+    refused(capsys, argv, f"--output {run_x} holds another training run (checkpoint-1, checkpoint-2", "--overwrite")
+    assert tree_digest(run_x) == digest
+    assert cli.main([str(a) for a in [*argv, "--overwrite"]]) == 0
+    assert sorted(p.name for p in run_x.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3", "checkpoint-mynotes"]
+    assert (run_x / "checkpoint-mynotes" / "notes.txt").read_text() == "mine"
+    # --overwrite starting over deletes Trainer's checkpoints only
+    assert cli.main([str(a) for a in _train_argv(workdir, run_x, "--max-steps", "1", "--overwrite")]) == 0
+    assert sorted(p.name for p in run_x.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-mynotes"]
+    assert (run_x / "checkpoint-mynotes" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--warmup-steps", "-5"], ["--warmup-steps -5", ">= 0"]),
+        (["--seed", "-1"], ["--seed -1", "[0, 4294967295]"]),
+        (["--seed", str(2**32)], [f"--seed {2**32}"]),
+        (["--save-total-limit", "0"], ["--save-total-limit 0"]),
+        (["--eval-batch-size", "0"], ["--eval-batch-size 0"]),
+        (["--eval-fraction", "nan"], ["--eval-fraction nan"]),
+        (["--report-to", "wandb"], ["--report-to wandb", "pip install wandb"]),
+        (["--report-to", "bogus"], ["--report-to bogus", "tensorboard"]),
+        (["--report-to", "none", "tensorboard"], ["--report-to none", "alone"]),
+    ],
+)
+def test_train_option_ranges(workdir, tmp_path, capsys, extra, words):
+    pytest.importorskip("tensorboard")
+    if "wandb" in extra:
+        pytest.importorskip("importlib").util.find_spec("wandb") is None or pytest.skip("wandb is installed")
+    out = tmp_path / "out"
+    refused(capsys, [*_train_argv(workdir, out), *extra], *words)
+    assert not out.exists()
+
+
+def test_train_into_an_unwritable_output_is_one_line(workdir, capsys):
+    out = "/sys/diff-transformer-run"  # not creatable, even by root
+    refused(capsys, _train_argv(workdir, out), f"cannot write --output {out}")
