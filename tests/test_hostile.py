@@ -2,6 +2,7 @@
 unbounded resources, bad values are refused instead of giving silently wrong results, and every bad input is one
 `error:` line with exit status 2 before anything is written. Commands run in-process on tiny checkpoints."""
 
+import json
 import os
 import threading
 
@@ -176,3 +177,122 @@ def test_train_option_ranges(workdir, tmp_path, capsys, extra, words):
 def test_train_into_an_unwritable_output_is_one_line(workdir, capsys):
     out = "/sys/diff-transformer-run"  # not creatable, even by root
     refused(capsys, _train_argv(workdir, out), f"cannot write --output {out}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# convert: side files from an allowlist, bounded card metadata, configs validated before anything is written
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from test_conversion import make_llama
+
+    return make_llama(tmp_path_factory.mktemp("src") / "llama")
+
+
+def _copy_with(src, dst, **config_changes):
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(config_changes)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_convert_copies_side_files_from_an_allowlist_and_names_the_rest(llama, tmp_path, capsys):
+    src = _copy_with(llama, tmp_path / "src")
+    for name in ("secrets.env", "credentials", "id_rsa", "notes.txt", "training_args.json"):
+        (src / name).write_text("hf_SECRET\n")
+    (src / "merges.txt").write_text("a b\n")
+    os.mkfifo(src / "tokenizer.model")  # an allowed name, but no regular file: never opened
+    out = tmp_path / "out"
+    assert cli.main(["convert", str(src), str(out), "--quiet"]) == 0
+    copied = {p.name for p in out.iterdir()}
+    assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "merges.txt", "LICENSE"} <= copied
+    assert {"chat_template.jinja"} <= copied and not copied & {"secrets.env", "credentials", "id_rsa", "notes.txt"}
+    assert "training_args.json" not in copied and "tokenizer.model" not in copied
+    err = capsys.readouterr().err
+    assert "not copied from SRC into OUT" in err and "credentials, id_rsa, notes.txt, secrets.env" in err
+
+
+def test_convert_bounds_what_the_source_card_puts_in_the_config(llama, tmp_path):
+    src = _copy_with(llama, tmp_path / "src")
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 5)]
+    (src / "README.md").write_text("---\n" + "\n".join(levels) + "\nlicense: mit\nlanguage: *a4\n---\n# bomb\n")
+    out = tmp_path / "out"
+    assert cli.main(["convert", str(src), str(out), "--quiet"]) == 0
+    assert (out / "config.json").stat().st_size < 20_000  # 10^5 aliased strings were copied into it
+    assert json.loads((out / "config.json").read_text())["conversion"]["card_data"] == {}
+
+    (src / "README.md").write_text("---\nlicense: mit\nlanguage: [en, [nested]]\ntags: [x]\n---\n")
+    out2 = tmp_path / "out2"
+    assert cli.main(["convert", str(src), str(out2), "--quiet"]) == 0
+    assert json.loads((out2 / "config.json").read_text())["conversion"]["card_data"] == {"license": "mit"}
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"pad_token_id": 500}, ["pad_token_id=500", "0 to 100"]),
+        ({"pad_token_id": -1}, ["pad_token_id=-1"]),
+        ({"rope_parameters": {"rope_type": "bogus", "rope_theta": 1e4}}, ["rope_type 'bogus'", "llama3"]),
+        ({"model_type": ["llama"]}, ["model_type ['llama'] is not a string"]),
+    ],
+)
+def test_convert_refuses_bad_configs_before_writing(llama, tmp_path, capsys, changes, words):
+    src = _copy_with(llama, tmp_path / "src", **changes)
+    refused(capsys, ["convert", src, tmp_path / "out", "--quiet", "--verify"], *words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_task_head_with_a_negative_pad_token_is_refused_before_writing(tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, num_labels=3, pad_token_id=-1,
+    )  # fmt: skip
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path / "cls")
+    refused(capsys, ["convert", tmp_path / "cls", tmp_path / "out", "--quiet", "--verify"], "pad_token_id=-1")
+    assert not (tmp_path / "out").exists()
+
+
+def _diff_checkpoint(tmp_path, **config_changes):
+    from conftest import tiny_model
+
+    path = tmp_path / "diff"
+    tiny_model(2).save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(config_changes)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"pad_token_id": 500}, ["pad_token_id=500"]),
+        ({"rope_parameters": {"rope_type": "bogus", "rope_theta": 1e4}}, ["rope_type 'bogus'"]),
+        ({"_attn_implementation": "flash_attention_2"}, ["_attn_implementation='flash_attention_2'", "install"]),
+        ({"model_type": 5}, ["model_type 5 is not a string"]),
+        ({"conversion": {"card_data": {"tags": ["x"], "license": "mit"}}}, ["card_data holds 'tags'"]),
+        ({"conversion": {"card_data": {"base_model": "a/b"}}}, ["card_data holds 'base_model'"]),
+        ({"conversion": {"card_data": {"pipeline_tag": "x"}}}, ["card_data holds 'pipeline_tag'"]),
+    ],
+)
+def test_generate_inspect_train_refuse_bad_configs_before_loading(tmp_path, capsys, changes, words):
+    if changes.get("_attn_implementation") == "flash_attention_2":
+        from transformers.utils import is_flash_attn_2_available
+
+        if is_flash_attn_2_available():
+            pytest.skip("flash-attn is installed")
+    model = _diff_checkpoint(tmp_path, **changes)
+    refused(capsys, ["generate", model, "5 6 7"], *words)
+    refused(capsys, ["inspect", model, "5 6 7", "--out", tmp_path / "f.png"], *words)
+    text = tmp_path / "t.txt"
+    text.write_text("hello world " * 50)
+    refused(capsys, ["train", model, "--data", text, "--output", tmp_path / "run", "--report-to", "none"], *words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["diff", "t.txt"]

@@ -302,15 +302,15 @@ def test_side_file_links_out_of_src_are_not_followed(tmp_path, caplog):
     src = make_llama(tmp_path / "llama")
     (tmp_path / "secrets").mkdir()
     (tmp_path / "secrets" / "token").write_text("hf_SECRET")
-    (src / "credentials.txt").symlink_to(tmp_path / "secrets" / "token")
+    (src / "tokenizer.model").symlink_to(tmp_path / "secrets" / "token")  # an allowed name, linking outside SRC
     (src / "extra").mkdir()
     (src / "extra" / "merges.txt").write_text("a b\n")
     (src / "merges.txt").symlink_to(src / "extra" / "merges.txt")  # a link inside SRC is fine
     with caplog.at_level(logging.WARNING, logger="diff_transformer"):
         out = convert_llama_to_diff(src, tmp_path / "diff", progress=False)
-    assert not (out / "credentials.txt").exists()
+    assert not (out / "tokenizer.model").exists()
     assert (out / "merges.txt").read_text() == "a b\n" and not (out / "merges.txt").is_symlink()
-    assert "not copying credentials.txt" in " ".join(caplog.messages)
+    assert "not copying tokenizer.model" in " ".join(caplog.messages)
 
 
 def test_bf16_conversion_verifies(llama, tmp_path, capsys):

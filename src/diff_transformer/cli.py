@@ -214,7 +214,7 @@ def _inspect(args) -> int:
     import torch
 
     from diff_transformer.analysis import attention_maps, layer_metrics, model_kind
-    from diff_transformer.loading import load_causal_lm, resolve_model
+    from diff_transformer.loading import check_diff_checkpoint, load_causal_lm, resolve_model
     from diff_transformer.plotting import _matplotlib, head_figure
 
     Figure, _ = _matplotlib()  # before anything loads: a missing matplotlib is one line
@@ -231,6 +231,9 @@ def _inspect(args) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     import diff_transformer  # noqa: F401  (registers the Auto classes: AutoConfig reads Diff configs)
+
+    if local is not None:
+        check_diff_checkpoint(local)
 
     tokenizer = _tokenizer(AutoTokenizer, location, local, args.model)
     if tokenizer is not None:

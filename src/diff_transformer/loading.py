@@ -69,6 +69,66 @@ def read_json(path: Path, *, error: type[UserError] = UserError):
         ) from None
 
 
+def check_model_type(raw, where: str, *, error: type[UserError] = UserError) -> None:
+    """A config.json's `model_type` must be a string (transformers would hash a list, or ask to run custom code)."""
+    if isinstance(raw, dict) and "model_type" in raw and not isinstance(raw["model_type"], str):
+        raise error(
+            f'{where}: model_type {raw["model_type"]!r} is not a string: set it to the model\'s type, e.g. "llama" '
+            'or "diff".'
+        )
+
+
+def check_model_config(config, where: str, *, error: type[UserError] = UserError) -> None:
+    """The values a model is built from, checked before any weight is read or written, each as one line naming the
+    field and the fix: token ids inside the vocabulary, a RoPE type transformers knows, an attention backend that is
+    installed; then the model itself is built on the meta device (no memory), so that whatever else transformers or
+    torch would refuse while building it is refused here too."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text_config, "vocab_size", None)
+    pad = getattr(text_config, "pad_token_id", None)
+    if isinstance(vocab, int) and isinstance(pad, int) and not 0 <= pad < vocab:
+        raise error(
+            f"{where}: pad_token_id={pad} is not a token id of the vocabulary (0 to {vocab - 1}): set it to a token "
+            "id below vocab_size, or to null (no padding token), in config.json."
+        )
+    rope = getattr(text_config, "rope_parameters", None)
+    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+    if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+        known = ", ".join(["default", *ROPE_INIT_FUNCTIONS])
+        raise error(
+            f"{where}: rope_parameters.rope_type {rope_type!r} is not one transformers knows: use one of {known}."
+        )
+    backend = getattr(config, "_attn_implementation", None)
+    try:
+        with torch.device("meta"):
+            architecture = (getattr(config, "architectures", None) or [None])[0]
+            model_class = _model_class(config, architecture)
+            model_class._from_config(config) if model_class is not None else AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # ImportError (backend), ValueError, AssertionError, KeyError... from the constructors
+        message = " ".join(str(exc).split())[:200] or type(exc).__name__
+        if backend not in (None, "eager", "sdpa") and isinstance(exc, (ImportError, ValueError)):
+            raise error(
+                f"{where}: _attn_implementation={backend!r} cannot be used here ({message}): remove it from "
+                "config.json, or install its package."
+            ) from None
+        raise error(
+            f"{where}: config.json does not describe a model transformers can build ({message}): fix it."
+        ) from None
+
+
+def _model_class(config, architecture: str | None):
+    """The class a Diff config's `architectures` names (task heads included), else None (the Auto class decides)."""
+    if getattr(config, "model_type", None) != "diff":
+        return None
+    from . import modeling_diff
+
+    return getattr(modeling_diff, architecture or "DiffForCausalLM", modeling_diff.DiffForCausalLM)
+
+
 def _weight_shapes(directory: Path, error: type[UserError]) -> dict[str, tuple[int, ...]] | None:
     """Tensor name -> shape from the safetensors headers, or None when the checkpoint has no safetensors weights."""
     from .conversion.errors import ConversionError
@@ -107,6 +167,7 @@ def check_diff_checkpoint(directory: Path, *, name: str = "MODEL", error: type[U
     if not config_file.is_file():
         return  # e.g. a PEFT adapter directory: transformers reports what is missing
     raw = read_json(config_file, error=error)
+    check_model_type(raw, f"{name} {directory}", error=error)
     if not isinstance(raw, dict) or raw.get("model_type") != "diff":
         return
     shapes = _weight_shapes(directory, error)
@@ -120,6 +181,7 @@ def check_diff_checkpoint(directory: Path, *, name: str = "MODEL", error: type[U
         raise error(
             f"{config_file} is not a valid Diff config ({' '.join(str(exc).split())[:200]}): fix it."
         ) from None
+    check_model_config(config, f"{name} {directory}", error=error)
     problem = _mismatch(config, shapes)
     if problem is None:
         return
@@ -158,4 +220,13 @@ def load_causal_lm(text, *, name: str = "MODEL", error: type[UserError] = UserEr
         ) from None
 
 
-__all__ = ["HUB_PREFIX", "check_diff_checkpoint", "hub_id", "load_causal_lm", "read_json", "resolve_model"]
+__all__ = [
+    "HUB_PREFIX",
+    "check_diff_checkpoint",
+    "check_model_config",
+    "check_model_type",
+    "hub_id",
+    "load_causal_lm",
+    "read_json",
+    "resolve_model",
+]

@@ -6,7 +6,7 @@ custom-code file's relative imports next to it when saving (the converter copies
 dependency of transformers) and `.configuration_diff` are imported.
 """
 
-from .configuration_diff import DiffConfig
+from .configuration_diff import CARD_DATA_KEYS, DiffConfig
 
 
 # The text of the card transformers writes when a repo has none (`transformers.utils.hub.create_and_tag_model_card`).
@@ -74,7 +74,7 @@ def _card_data(config: DiffConfig):
         library_name="transformers",
         pipeline_tag=_task(config)[0],
         tags=tags,
-        **conversion.get("card_data", {}),
+        **{key: value for key, value in (conversion.get("card_data") or {}).items() if key in CARD_DATA_KEYS},
     )
 
 
