@@ -296,3 +296,68 @@ def test_generate_inspect_train_refuse_bad_configs_before_loading(tmp_path, caps
     text.write_text("hello world " * 50)
     refused(capsys, ["train", model, "--data", text, "--output", tmp_path / "run", "--report-to", "none"], *words)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["diff", "t.txt"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Silent wrong results in the layer and the kernel; the kernel's cu_seqlens
+
+
+def test_differential_attention_refuses_what_sdpa_refuses():
+    from diff_transformer.layers import DifferentialAttention, differential_attention
+
+    q = torch.randn(1, 2, 4, 8)
+    mask = torch.ones(4, 4, dtype=torch.bool).tril()
+    expected = differential_attention(q, q, q[..., :4], 0.5, attn_mask=mask)
+    for dtype in (torch.int64, torch.uint8):
+        with pytest.raises(ValueError, match=f"attn_mask has dtype {dtype}: pass a bool mask"):
+            differential_attention(q, q, q[..., :4], 0.5, attn_mask=mask.to(dtype))
+        for sdpa_mask in (mask.to(dtype),):  # SDPA refuses the same masks
+            with pytest.raises(RuntimeError):
+                torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=sdpa_mask)
+    additive = torch.zeros(4, 4).masked_fill(~mask, float("-inf"))  # the float mask still equals the bool one
+    torch.testing.assert_close(differential_attention(q, q, q[..., :4], 0.5, attn_mask=additive), expected)
+    with pytest.raises(ValueError, match="query has dtype torch.int64"):
+        differential_attention(q.long(), q.long(), q.long(), 0.5)
+    for scale in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"scale={scale} must be a finite number"):
+            differential_attention(q, q, q, 0.5, scale=scale)
+    for lambda_init in (1.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match=f"lambda_init={lambda_init} must lie in \\[0, 1\\)"):
+            DifferentialAttention(16, 2, lambda_init=lambda_init)
+    DifferentialAttention(16, 2, lambda_mode="head", lambda_init=1.0)  # no (1 - λ_init) factor there
+
+
+@pytest.mark.parametrize(
+    "offsets, words",
+    [
+        ([0, 100], "end at N=6"),
+        ([0, -4, 6], "never decrease"),
+        ([0, 6, 12], "end at N=6"),
+        ([2, 6], "start at 0"),
+        ([0, 4], "end at N=6"),
+    ],
+)
+def test_kernel_refuses_cu_seqlens_outside_the_packed_rows(offsets, words):
+    pytest.importorskip("triton")
+    from diff_transformer.kernels import differential_attention_v1
+
+    q, kv = torch.randn(1, 4, 6, 16), torch.randn(1, 4, 6, 16)
+    with pytest.raises(ValueError, match=words):
+        differential_attention_v1(q, kv, kv, 0.5, scaling=0.25, cu_seqlens=torch.tensor(offsets, dtype=torch.int32))
+
+
+def test_kernel_refuses_integer_masks_and_bad_offsets_types():
+    pytest.importorskip("triton")
+    from diff_transformer.kernels import differential_attention_v1
+
+    q, kv = torch.randn(1, 4, 5, 16), torch.randn(1, 4, 5, 16)
+    mask = torch.ones(1, 1, 5, 5, dtype=torch.bool).tril()
+    for dtype in (torch.int64, torch.uint8):
+        with pytest.raises(ValueError, match=f"attention_mask has dtype {dtype}"):
+            differential_attention_v1(q, kv, kv, 0.5, scaling=0.25, attention_mask=mask.to(dtype))
+    with pytest.raises(ValueError, match="int32 or int64"):
+        differential_attention_v1(q, kv, kv, 0.5, scaling=0.25, cu_seqlens=torch.tensor([0.0, 5.0]))
+    with pytest.raises(ValueError, match="below the longest packed sequence"):
+        differential_attention_v1(q, kv, kv, 0.5, scaling=0.25, cu_seqlens=torch.tensor([0, 5]), max_seqlen=2)
+    out = differential_attention_v1(q, kv, kv, 0.5, scaling=0.25, cu_seqlens=torch.tensor([0, 2, 5]))  # int64 is fine
+    assert out.shape == (1, 5, 2, 32) and out.isfinite().all()
