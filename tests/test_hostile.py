@@ -361,3 +361,49 @@ def test_kernel_refuses_integer_masks_and_bad_offsets_types():
         differential_attention_v1(q, kv, kv, 0.5, scaling=0.25, cu_seqlens=torch.tensor([0, 5]), max_seqlen=2)
     out = differential_attention_v1(q, kv, kv, 0.5, scaling=0.25, cu_seqlens=torch.tensor([0, 2, 5]))  # int64 is fine
     assert out.shape == (1, 5, 2, 32) and out.isfinite().all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inspect: bounded memory, only the plotted layer's maps, options, outputs
+
+
+def test_inspect_refuses_texts_beyond_the_context_or_the_memory_budget(tmp_path, capsys):
+    model = _diff_checkpoint(tmp_path, max_position_embeddings=16)
+    out = tmp_path / "f.png"
+    refused(capsys, ["inspect", model, " ".join(["5"] * 17), "--out", out], "17 tokens", "context (16 positions)")
+    argv = ["inspect", model, " ".join(["5"] * 16), "--out", out, "--max-memory-gb", "1e-6"]
+    refused(capsys, argv, "16 tokens", "over --max-memory-gb 1e-06")
+    assert not out.exists()
+
+
+def test_inspect_computes_only_the_plotted_layers_maps(tmp_path, monkeypatch):
+    from diff_transformer import analysis
+
+    model = _diff_checkpoint(tmp_path)
+    computed = []
+    layer_maps = analysis._layer_maps
+    monkeypatch.setattr(analysis, "_layer_maps", lambda *a: computed.append(a[1]) or layer_maps(*a))
+    assert cli.main(["inspect", str(model), "5 6 7 8", "--layer", "1", "--out", str(tmp_path / "f.png")]) == 0
+    assert len(computed) == 1  # the old code computed (and held) every layer's maps for one plot
+    computed.clear()
+    assert (
+        cli.main(
+            ["inspect", str(model), "5 6 7 8", "--out", str(tmp_path / "g.png"), "--grid", str(tmp_path / "h.png")]
+        )
+        == 0
+    )
+    assert len(computed) == 2  # the grid needs every layer, one at a time
+
+
+def test_inspect_options_and_outputs(tmp_path, capsys):
+    model = _diff_checkpoint(tmp_path)
+    out = tmp_path / "f.png"
+    for dpi in ("0", "-5", "100000"):
+        refused(capsys, ["inspect", model, "5 6", "--out", out, "--dpi", dpi], f"--dpi {dpi}", "between 1 and 600")
+    refused(capsys, ["inspect", model, "5 6", "--out", "/sys/f.png"], "--out /sys/f.png", "cannot write")
+    refused(capsys, ["inspect", model, "5 6", "--out", out, "--json", "/sys/m.json"], "--json /sys/m.json")
+    config = (model / "config.json").read_bytes()
+    argv = ["inspect", model, "5 6", "--out", out, "--json", model / "config.json", "--overwrite"]
+    refused(capsys, argv, f"--json {model / 'config.json'} lies inside MODEL", "never modified")
+    refused(capsys, ["inspect", model, "5 6", "--out", model / "f.png"], "lies inside MODEL")
+    assert (model / "config.json").read_bytes() == config and not out.exists() and not (model / "f.png").exists()
