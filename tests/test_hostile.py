@@ -407,3 +407,32 @@ def test_inspect_options_and_outputs(tmp_path, capsys):
     refused(capsys, argv, f"--json {model / 'config.json'} lies inside MODEL", "never modified")
     refused(capsys, ["inspect", model, "5 6", "--out", model / "f.png"], "lies inside MODEL")
     assert (model / "config.json").read_bytes() == config and not out.exists() and not (model / "f.png").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# generate: generation_config.json and the length asked for
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("num_beams", -3, "num_beams=-3 must be >= 1"),
+        ("top_p", 2.0, "top_p=2.0 must be > 0.0 and <= 1.0"),
+        ("top_k", -1, "top_k=-1 must be >= 0"),
+        ("repetition_penalty", 0.0, "repetition_penalty=0.0 must be > 0.0"),
+        ("num_return_sequences", 0, "num_return_sequences=0"),
+        ("temperature", -1.0, "temperature=-1.0"),
+    ],
+)
+def test_generate_refuses_a_bad_generation_config(tmp_path, capsys, field, value, words):
+    model = _diff_checkpoint(tmp_path)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, field: value}))
+    refused(capsys, ["generate", model, "5 6 7", "--max-new-tokens", "2"], "generation_config.json", words)
+
+
+def test_generate_length_stays_within_the_context(tmp_path, capsys):
+    model = _diff_checkpoint(tmp_path, max_position_embeddings=8)
+    refused(capsys, ["generate", model, "5 6 7", "--max-new-tokens", "100000000"], "context (8 positions)", "at most 5")
+    refused(capsys, ["generate", model, " ".join(["5"] * 8)], "8 tokens", "shorten it")
+    assert cli.main(["generate", str(model), "5 6 7", "--max-new-tokens", "5"]) == 0

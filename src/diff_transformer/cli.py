@@ -107,7 +107,7 @@ def _generate(args) -> int:
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
-    from diff_transformer.loading import check_diff_checkpoint, load_causal_lm, resolve_model
+    from diff_transformer.loading import check_diff_checkpoint, check_generation_config, load_causal_lm, resolve_model
 
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} must be at least 1.")
@@ -117,6 +117,7 @@ def _generate(args) -> int:
     location, local = resolve_model(args.model)
     if local is not None:
         check_diff_checkpoint(local)
+    check_generation_config(location, f"MODEL {args.model}")
     tokenizer = _tokenizer(AutoTokenizer, location, local, args.model)
     if tokenizer is not None:
         inputs = tokenizer(args.prompt, return_tensors="pt")
@@ -133,11 +134,13 @@ def _generate(args) -> int:
     if not ids:
         raise UserError("PROMPT is empty: pass some text (or token ids).")
     try:
-        vocab = AutoConfig.from_pretrained(location).get_text_config().vocab_size
+        text_config = AutoConfig.from_pretrained(location).get_text_config()
+        vocab = text_config.vocab_size
     except Exception as exc:
         raise UserError(
             f"cannot read the config of MODEL {args.model} ({' '.join(str(exc).split())[:200]})."
         ) from None
+    _check_generation_length(args, len(ids), text_config)
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise UserError(
@@ -154,6 +157,21 @@ def _generate(args) -> int:
         else " ".join(map(str, output.tolist()))
     )
     return 0
+
+
+def _check_generation_length(args, prompt_tokens: int, config) -> None:
+    """PROMPT + --max-new-tokens within the model's context: beyond it the positions were never trained, and the
+    cache (memory) grows with whatever number is asked."""
+    context = getattr(config, "max_position_embeddings", None)
+    if context is not None and prompt_tokens >= context:
+        raise UserError(
+            f"PROMPT has {prompt_tokens} tokens, MODEL {args.model}'s context {context} positions: shorten it."
+        )
+    if context is not None and prompt_tokens + args.max_new_tokens > context:
+        raise UserError(
+            f"PROMPT ({prompt_tokens} tokens) + --max-new-tokens {args.max_new_tokens} exceeds MODEL {args.model}'s "
+            f"context ({context} positions): lower --max-new-tokens to at most {context - prompt_tokens}."
+        )
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")

@@ -11,6 +11,7 @@ before transformers tries it, so that every problem is one line naming the input
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -120,6 +121,63 @@ def check_model_config(config, where: str, *, error: type[UserError] = UserError
         ) from None
 
 
+# generation_config.json fields -> (lowest, highest, lowest excluded): what generate() would otherwise fail on deep
+# inside (num_beams -3: "negative dimension") or silently misuse (top_p 2, a negative repetition penalty).
+GENERATION_RANGES = {
+    "max_new_tokens": (1, None, False),
+    "max_length": (1, None, False),
+    "min_new_tokens": (0, None, False),
+    "min_length": (0, None, False),
+    "num_beams": (1, None, False),
+    "num_beam_groups": (1, None, False),
+    "num_return_sequences": (1, None, False),
+    "top_k": (0, None, False),
+    "no_repeat_ngram_size": (0, None, False),
+    "top_p": (0.0, 1.0, True),
+    "typical_p": (0.0, 1.0, True),
+    "min_p": (0.0, 1.0, False),
+    "epsilon_cutoff": (0.0, 1.0, False),
+    "eta_cutoff": (0.0, 1.0, False),
+    "temperature": (0.0, None, False),
+    "repetition_penalty": (0.0, None, True),
+    "diversity_penalty": (0.0, None, False),
+}
+_INTEGER_FIELDS = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "num_beams", "num_beam_groups"}
+_INTEGER_FIELDS |= {"num_return_sequences", "top_k", "no_repeat_ngram_size"}
+
+
+def generation_value_problem(field: str, value) -> str | None:
+    """Why `value` cannot be generation setting `field` (None: it can, or the field is not range-checked)."""
+    if field not in GENERATION_RANGES or value is None:
+        return None
+    low, high, open_low = GENERATION_RANGES[field]
+    integer = field in _INTEGER_FIELDS
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
+        return f"{field}={value!r} must be a{'n integer' if integer else ' finite number'}"
+    if (value <= low if open_low else value < low) or (high is not None and value > high):
+        bound = f"{'>' if open_low else '>='} {low}" + ("" if high is None else f" and <= {high}")
+        return f"{field}={value} must be {bound}"
+    return None
+
+
+def check_generation_config(location: str, where: str, *, error: type[UserError] = UserError) -> None:
+    """MODEL's generation_config.json (if any), range-checked before the weights load."""
+    from transformers import GenerationConfig
+
+    try:
+        generation = GenerationConfig.from_pretrained(location)
+    except OSError:
+        return  # none: generate() uses the model config's defaults
+    except Exception as exc:
+        message = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise error(f"{where}: generation_config.json is invalid ({message}): fix it.") from None
+    for field, value in generation.to_dict().items():
+        problem = generation_value_problem(field, value)
+        if problem:
+            raise error(f"{where}: in generation_config.json, {problem}: fix it or remove the field.")
+
+
 def _model_class(config, architecture: str | None):
     """The class a Diff config's `architectures` names (task heads included), else None (the Auto class decides)."""
     if getattr(config, "model_type", None) != "diff":
@@ -222,9 +280,12 @@ def load_causal_lm(text, *, name: str = "MODEL", error: type[UserError] = UserEr
 
 __all__ = [
     "HUB_PREFIX",
+    "GENERATION_RANGES",
     "check_diff_checkpoint",
+    "check_generation_config",
     "check_model_config",
     "check_model_type",
+    "generation_value_problem",
     "hub_id",
     "load_causal_lm",
     "read_json",
