@@ -433,6 +433,7 @@ def test_generate_refuses_a_bad_generation_config(tmp_path, capsys, field, value
 
 def test_generate_length_stays_within_the_context(tmp_path, capsys):
     model = _diff_checkpoint(tmp_path, max_position_embeddings=8)
-    refused(capsys, ["generate", model, "5 6 7", "--max-new-tokens", "100000000"], "context (8 positions)", "at most 5")
+    argv = ["generate", model, "5 6 7", "--max-new-tokens", "100000000"]
+    refused(capsys, argv, "context (8 positions)", "at most 5")
     refused(capsys, ["generate", model, " ".join(["5"] * 8)], "8 tokens", "shorten it")
     assert cli.main(["generate", str(model), "5 6 7", "--max-new-tokens", "5"]) == 0
