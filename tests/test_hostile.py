@@ -5,6 +5,7 @@ unbounded resources, bad values are refused instead of giving silently wrong res
 import json
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -437,3 +438,36 @@ def test_generate_length_stays_within_the_context(tmp_path, capsys):
     refused(capsys, argv, "context (8 positions)", "at most 5")
     refused(capsys, ["generate", model, " ".join(["5"] * 8)], "8 tokens", "shorten it")
     assert cli.main(["generate", str(model), "5 6 7", "--max-new-tokens", "5"]) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Examples follow the CLI's rules
+
+
+def _example(name):
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_continued_pretraining_keeps_a_non_empty_workdir(tmp_path, capsys, monkeypatch):
+    example = _example("continued_pretraining")
+    monkeypatch.setattr(example, "train", lambda *a: pytest.fail("trained into a non-empty --workdir"))
+    work = tmp_path / "W"
+    (work / "tiny-diff-v2").mkdir(parents=True)
+    (work / "tiny-diff-v2" / "my-notes.txt").write_text("mine")
+    (work / "run-v2").mkdir()
+    digest = tree_digest(work)
+    argv = ["--workdir", str(work), "--models", "v2", "--steps", "1", "--docs", str(tmp_path / "docs")]
+    assert example.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: --workdir {work} is not empty: pass --overwrite to replace the converted models and runs " \
+        "in it, or choose another directory"  # fmt: skip
+    assert tree_digest(work) == digest and not (tmp_path / "docs").exists()
+    assert example.main(["--workdir", str(Path.cwd()), "--steps", "1"]) == 2
+    assert "is the current directory" in capsys.readouterr().err
+    assert example.main(["--steps", "0"]) == 2 and "--steps 0 must be at least 1" in capsys.readouterr().err
