@@ -471,3 +471,27 @@ def test_continued_pretraining_keeps_a_non_empty_workdir(tmp_path, capsys, monke
     assert example.main(["--workdir", str(Path.cwd()), "--steps", "1"]) == 2
     assert "is the current directory" in capsys.readouterr().err
     assert example.main(["--steps", "0"]) == 2 and "--steps 0 must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--models", "llama,bogus"], "--models llama,bogus"),
+        (["--models", "v1,v1"], "distinct names"),
+        (["--seeds", "0"], "--seeds 0 must be at least 1"),
+        (["--log-every", "0"], "--log-every 0 must be at least 1"),
+        (["--threads", "-1"], "--threads -1 must be at least 1"),
+        (["--lr", "nan"], "--lr nan"),
+        (["--length", "100", "--min-length", "100", "--max-needles", "1"], "up to 6 needles"),
+        (["--max-needles", "100", "--length", "4000", "--min-length", "3000"], "--max-needles 100"),
+        (["--vocab-size", "10"], "--vocab-size 10"),
+        (["--heads", "3"], "--heads 3 even"),
+        (["--intermediate-size", "10"], "too small for V2"),
+    ],
+)
+def test_multi_needle_arguments_are_checked_before_training(tmp_path, capsys, extra, words):
+    example = _example("multi_needle")
+    with pytest.raises(SystemExit) as exit_:
+        example.parse_args(["--output", str(tmp_path / "out"), *extra])
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
