@@ -62,7 +62,7 @@ def test_demo_rerun_does_not_hang_on_a_fifo(tmp_path, capsys):
     worker = threading.Thread(target=lambda: status.append(cli.main(["demo", "--scratch", "--output", str(out)])))
     worker.daemon = True
     worker.start()
-    worker.join(timeout=120)
+    worker.join(timeout=60)
     if worker.is_alive():  # the old code blocks in open(): unblock it by opening the FIFO's other end
         with open(out / "f", "wb"):
             pass
@@ -495,3 +495,73 @@ def test_multi_needle_arguments_are_checked_before_training(tmp_path, capsys, ex
         example.parse_args(["--output", str(tmp_path / "out"), *extra])
     assert exit_.value.code == 2 and words in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# New hostile cases (found while fixing the above)
+
+
+def test_a_config_claiming_many_layers_is_refused_before_anything_is_built(tmp_path, capsys):
+    model = _diff_checkpoint(tmp_path, num_hidden_layers=20_000)  # the old code built all of them on meta first
+    refused(capsys, ["generate", model, "5 6 7"], "num_hidden_layers=20000", "the weights hold 2 layers")
+
+
+def test_float16_conversion_refuses_values_it_would_make_inf(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+    from test_conversion import make_llama
+
+    src = make_llama(tmp_path / "llama")
+    weights = load_file(src / "model.safetensors")
+    weights["model.layers.0.mlp.down_proj.weight"][0, 0] = 1e5  # fine in float32 and bfloat16, inf in float16
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    argv = ["convert", src, tmp_path / "out", "--dtype", "float16", "--quiet"]
+    refused(capsys, argv, "model.layers.0.mlp.down_proj.weight", "beyond float16's range", "bfloat16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama"]
+    assert cli.main(["convert", str(src), str(tmp_path / "out"), "--dtype", "bfloat16", "--quiet"]) == 0
+
+
+def test_train_does_not_write_over_a_directory_of_the_users(workdir, tmp_path, capsys):
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "README.md").write_text("my notes")  # the final save writes a model card README.md
+    argv = _train_argv(workdir, out, "--max-steps", "1")
+    refused(capsys, argv, "holds files that no training run wrote (README.md)")
+    assert (out / "README.md").read_text() == "my notes" and sorted(p.name for p in out.iterdir()) == ["README.md"]
+
+
+def test_overwrite_never_follows_a_checkpoint_link(workdir, tmp_path):
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    (elsewhere / "checkpoint-3").mkdir(parents=True)
+    (elsewhere / "checkpoint-3" / "trainer_state.json").write_text("{}")  # looks like a checkpoint, is not ours
+    run.mkdir()
+    (run / "trainer_state.json").write_text("{}")
+    (run / "checkpoint-3").symlink_to(elsewhere / "checkpoint-3")
+    assert cli.main([str(a) for a in _train_argv(workdir, run, "--max-steps", "1", "--overwrite")]) == 0
+    assert (elsewhere / "checkpoint-3" / "trainer_state.json").read_text() == "{}"
+
+
+def test_convert_does_not_block_on_a_fifo_card_and_checks_the_generation_config(llama, tmp_path, capsys):
+    src = _copy_with(llama, tmp_path / "src")
+    (src / "README.md").unlink()
+    os.mkfifo(src / "README.md")  # the old code opened it to read the licence: blocked forever
+    status = []
+    worker = threading.Thread(target=lambda: status.append(cli.main(["convert", str(src), str(tmp_path / "o")])))
+    worker.daemon = True
+    worker.start()
+    worker.join(timeout=60)
+    if worker.is_alive():
+        with open(src / "README.md", "wb"):
+            pass
+        worker.join(timeout=60)
+        pytest.fail("convert blocked reading a FIFO README.md")
+    assert status == [0]
+    (src / "generation_config.json").write_text(json.dumps({"num_beams": -3}))
+    refused(capsys, ["convert", src, tmp_path / "o2", "--quiet"], "num_beams=-3 must be >= 1")
+    assert not (tmp_path / "o2").exists()
+
+
+def test_oversized_config_is_not_read(tmp_path, capsys):
+    model = _diff_checkpoint(tmp_path)
+    with open(model / "config.json", "a") as handle:
+        handle.write(" " * (17 << 20))  # whitespace: still valid JSON, but no config is 17 MB
+    refused(capsys, ["generate", model, "5 6 7"], "is over 16 MB, not a config")

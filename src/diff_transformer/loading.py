@@ -58,9 +58,15 @@ def resolve_model(text, *, name: str = "MODEL", error: type[UserError] = UserErr
     return hub_id(text, name=name, error=error), None
 
 
+CONFIG_MAX_BYTES = 16 << 20  # a config.json is kilobytes; anything near this is not one (and is not read whole)
+
+
 def read_json(path: Path, *, error: type[UserError] = UserError):
-    """A JSON file's content, or `error` naming the file (also for nesting too deep for the parser)."""
+    """A JSON file's content, or `error` naming the file (also for nesting too deep for the parser, or a file far
+    larger than any config)."""
     try:
+        if path.stat().st_size > CONFIG_MAX_BYTES:
+            raise error(f"{path} is over {CONFIG_MAX_BYTES >> 20} MB, not a config: restore or re-download it.")
         return json.loads(path.read_text(encoding="utf-8"))
     except RecursionError:
         raise error(f"{path} is nested too deeply to be a config: restore or re-download it.") from None
@@ -68,6 +74,19 @@ def read_json(path: Path, *, error: type[UserError] = UserError):
         raise error(
             f"{path} is not valid JSON ({' '.join(str(exc).split())[:200]}): restore or re-download it."
         ) from None
+
+
+def _refuse_special(directory: Path, error: type[UserError]) -> None:
+    """A checkpoint's JSON files are read by transformers with a plain open(): a FIFO there would block forever."""
+    import stat
+
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json"):
+        try:
+            mode = (directory / name).stat().st_mode
+        except OSError:
+            continue
+        if not stat.S_ISREG(mode):
+            raise error(f"{directory / name} is not a regular file: restore it (reading it could block forever).")
 
 
 def check_model_type(raw, where: str, *, error: type[UserError] = UserError) -> None:
@@ -79,11 +98,12 @@ def check_model_type(raw, where: str, *, error: type[UserError] = UserError) -> 
         )
 
 
-def check_model_config(config, where: str, *, error: type[UserError] = UserError) -> None:
+def check_model_config(config, where: str, *, error: type[UserError] = UserError, build: bool = True) -> None:
     """The values a model is built from, checked before any weight is read or written, each as one line naming the
     field and the fix: token ids inside the vocabulary, a RoPE type transformers knows, an attention backend that is
-    installed; then the model itself is built on the meta device (no memory), so that whatever else transformers or
-    torch would refuse while building it is refused here too."""
+    installed; then (`build`) the model itself is built on the meta device (no memory for weights), so that whatever
+    else transformers or torch would refuse while building it is refused here too. Building costs time in the number
+    of layers: callers check that count against the weights first (a config.json claiming 10^5 layers)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -103,6 +123,8 @@ def check_model_config(config, where: str, *, error: type[UserError] = UserError
         raise error(
             f"{where}: rope_parameters.rope_type {rope_type!r} is not one transformers knows: use one of {known}."
         )
+    if not build:
+        return
     backend = getattr(config, "_attn_implementation", None)
     try:
         with torch.device("meta"):
@@ -165,6 +187,8 @@ def check_generation_config(location: str, where: str, *, error: type[UserError]
     """MODEL's generation_config.json (if any), range-checked before the weights load."""
     from transformers import GenerationConfig
 
+    if Path(location).is_dir():
+        _refuse_special(Path(location), error)
     try:
         generation = GenerationConfig.from_pretrained(location)
     except OSError:
@@ -200,6 +224,12 @@ def _weight_shapes(directory: Path, error: type[UserError]) -> dict[str, tuple[i
         raise error(str(exc)) from None
 
 
+def _stored_layers(shapes: dict) -> int:
+    """How many decoder layers the weights hold (`model.layers.<i>.` names)."""
+    indices = {int(m.group(1)) for name in shapes if (m := re.match(r"model\.layers\.(\d+)\.", name))}
+    return max(indices) + 1 if indices else 0
+
+
 def _mismatch(config, shapes: dict) -> str | None:
     """The first way the weights disagree with `DiffForCausalLM(config)`, or None."""
     import torch
@@ -222,6 +252,7 @@ def check_diff_checkpoint(directory: Path, *, name: str = "MODEL", error: type[U
     """For a local Diff checkpoint: its config.json parses and its weights are those the config describes; a
     `diff_version` that disagrees with the weights is named with the fix."""
     config_file = directory / "config.json"
+    _refuse_special(directory, error)
     if not config_file.is_file():
         return  # e.g. a PEFT adapter directory: transformers reports what is missing
     raw = read_json(config_file, error=error)
@@ -239,6 +270,13 @@ def check_diff_checkpoint(directory: Path, *, name: str = "MODEL", error: type[U
         raise error(
             f"{config_file} is not a valid Diff config ({' '.join(str(exc).split())[:200]}): fix it."
         ) from None
+    check_model_config(config, f"{name} {directory}", error=error, build=False)
+    layers = _stored_layers(shapes)
+    if layers != config.num_hidden_layers:  # before anything is built: a config can claim any number of layers
+        raise error(
+            f"{name} {directory}: config.json says num_hidden_layers={config.num_hidden_layers}, but the weights hold "
+            f"{layers} layers: fix config.json or re-download the checkpoint."
+        )
     check_model_config(config, f"{name} {directory}", error=error)
     problem = _mismatch(config, shapes)
     if problem is None:

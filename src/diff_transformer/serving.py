@@ -42,8 +42,16 @@ def expose_to_transformers_serve() -> None:
 
 
 def _generation_limit(model, inputs: dict, gen_config, limit: int | None) -> None:
-    """Clamp `gen_config.max_new_tokens` to the context left after the prompt (and to `limit`)."""
+    """Clamp `gen_config.max_new_tokens` to the context left after the prompt (and to `limit`); a request's
+    settings outside their range (`num_beams: -3` in its generation_config) are an HTTP 400, not a 500 mid-run."""
     from fastapi import HTTPException
+
+    from .loading import generation_value_problem
+
+    for field in ("num_beams", "num_return_sequences", "top_k", "top_p", "temperature", "repetition_penalty"):
+        problem = generation_value_problem(field, getattr(gen_config, field, None))
+        if problem:
+            raise HTTPException(status_code=400, detail=f"{problem}.")
 
     input_ids = inputs["input_ids"]
     prompt = len(input_ids) if isinstance(input_ids, list) else input_ids.shape[-1]

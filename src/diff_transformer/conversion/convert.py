@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..configuration_diff import AUTO_MAP
-from ..loading import check_model_config
+from ..loading import check_generation_config, check_model_config
 from ..modelcard_diff import diff_model_card
 from ..safe_output import Staging, check_target
 from .dtypes import cast_dtype, from_safetensors_code, parse_dtype
@@ -412,9 +412,13 @@ def _plan(source: SourceCheckpoint, source_kind: str, diff_version: int, target_
     tensor_map = make_tensor_map(source_kind, diff_version, geometry, lambda_std=lambda_std, seed=seed)
     # Built before any weights are downloaded or read, so that an unsupported config is refused early.
     config = _diff_config(source_config, source_kind, diff_version, geometry, lambda_std, where, task)
-    check_model_config(config, where, error=ConversionError)  # builds it on the meta device: nothing is written yet
+    check_model_config(config, where, error=ConversionError, build=False)  # before a Hub download
+    # OUT gets SRC's generation_config.json: one that generate() cannot use (num_beams -3) is refused here.
+    check_generation_config(str(source.path), where, error=ConversionError)
     read_weights_headers(source)
     _validate_tensors(source, geometry, source_kind)
+    # The weights hold the layers the config claims: now building it (on the meta device) costs what the model is.
+    check_model_config(config, where, error=ConversionError)
     config.dtype = target_dtype or _declared_dtype(source) or _stored_dtype(source, geometry)
     return config, tensor_map
 

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..loading import check_model_type, hub_id
+from ..loading import CONFIG_MAX_BYTES, check_model_type, hub_id
 from .errors import ConversionError, one_line
 
 
@@ -168,6 +168,10 @@ def load_config(path: Path) -> dict:
             f"no config.json in {path}: SRC must be a transformers checkpoint directory "
             "(config.json + *.safetensors); "
             "save the model with `save_pretrained` or download the full repository."
+        )
+    if config_file.stat().st_size > CONFIG_MAX_BYTES:
+        raise ConversionError(
+            f"{config_file} is over {CONFIG_MAX_BYTES >> 20} MB, not a config: restore or re-download it."
         )
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))

@@ -30,7 +30,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from ..conversion.source import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 from ..errors import UserError
 from ..loading import check_diff_checkpoint, load_causal_lm, read_json, resolve_model
-from ..safe_output import check_target
+from ..safe_output import RUN_LOCK, check_target
 from .args import parse_train_args
 from .callbacks import LambdaLoggingCallback, RunSettingsCallback
 from .data import TrainingError, build_datasets
@@ -243,13 +243,19 @@ def check_output(args) -> Path:
     )
     if os.path.lexists(output) and not output.is_dir():
         raise TrainingError(f"--output {args.output} is a file: pass a directory (it is created if missing)")
-    if output.is_dir() and not args.overwrite and not _checkpoints(output):
-        ran_here = any((output / name).exists() for name in _RUN_FILES)
+    if output.is_dir() and not args.overwrite and not _holds_run(output):
         model = [name for name in _MODEL_FILES if (output / name).exists()]
-        if model and not ran_here:
+        others = sorted(p.name for p in output.iterdir() if p.name != RUN_LOCK)
+        if model:
             raise TrainingError(
                 f"--output {output} holds a model ({model[0]}) that no training run wrote, and the final save would "
                 "overwrite it: choose another --output, or pass --overwrite to replace it"
+            )
+        if others:  # the final save writes README.md, config.json, tokenizer files... over whatever is there
+            shown = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
+            raise TrainingError(
+                f"--output {output} holds files that no training run wrote ({shown}), which the run's files could "
+                "overwrite: choose a new or empty --output, or pass --overwrite to write into it anyway"
             )
     return output
 
