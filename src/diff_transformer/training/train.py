@@ -121,8 +121,9 @@ def resolve_resume(args, block_size: int) -> str | None:
         checkpoint = Path(args.resume)
         if not checkpoint.is_dir():
             raise TrainingError(f"--resume {args.resume}: no such checkpoint directory")
-        _check_resume_target(checkpoint, output, args.overwrite)
     state = _checkpoint_state(checkpoint)
+    if args.resume != "auto":
+        _check_resume_target(checkpoint, output, args.overwrite)
     settings = state.get("stateful_callbacks", {}).get(RunSettingsCallback.__name__, {}).get("args", {})
     if settings.get("block_size", block_size) != block_size:
         raise TrainingError(
