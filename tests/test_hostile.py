@@ -565,3 +565,17 @@ def test_oversized_config_is_not_read(tmp_path, capsys):
     with open(model / "config.json", "a") as handle:
         handle.write(" " * (17 << 20))  # whitespace: still valid JSON, but no config is 17 MB
     refused(capsys, ["generate", model, "5 6 7"], "is over 16 MB, not a config")
+
+
+def test_a_full_disk_during_training_is_one_line(workdir, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from diff_transformer.training import train as train_module
+
+    out = tmp_path / "run"
+
+    def full(self, output_dir=None, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "model.safetensors"))
+
+    monkeypatch.setattr(train_module.CausalLMTrainer, "save_model", full)
+    refused(capsys, _train_argv(workdir, out, "--max-steps", "1"), "No space left on device", "--resume")

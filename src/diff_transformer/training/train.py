@@ -580,7 +580,10 @@ def run_cli(args) -> int:
                 pass
         return 2
     except OSError as error:
-        if error.errno not in _DISK_ERRORS:
+        inside = error.filename is None or Path(os.fsdecode(error.filename)).absolute().is_relative_to(
+            Path(args.output).absolute()
+        )
+        if error.errno not in _DISK_ERRORS or not inside:  # not a write into --output: a bug, with its traceback
             raise
         # The disk filled up or turned read-only during the run: the last complete checkpoint is resumable.
         print(
