@@ -579,3 +579,20 @@ def test_a_full_disk_during_training_is_one_line(workdir, tmp_path, capsys, monk
 
     monkeypatch.setattr(train_module.CausalLMTrainer, "save_model", full)
     refused(capsys, _train_argv(workdir, out, "--max-steps", "1"), "No space left on device", "--resume")
+
+
+def test_a_fifo_in_the_model_directory_is_never_opened(tmp_path, capsys):
+    model = _diff_checkpoint(tmp_path)
+    (model / "generation_config.json").unlink()
+    os.mkfifo(model / "generation_config.json")  # refused, not opened (transformers happened to skip it)
+    status = []
+    worker = threading.Thread(target=lambda: status.append(cli.main(["generate", str(model), "5 6 7"])))
+    worker.daemon = True
+    worker.start()
+    worker.join(timeout=60)
+    if worker.is_alive():
+        with open(model / "generation_config.json", "wb"):
+            pass
+        worker.join(timeout=60)
+        pytest.fail("generate blocked reading a FIFO generation_config.json")
+    assert status == [2] and "generation_config.json is not a regular file" in capsys.readouterr().err

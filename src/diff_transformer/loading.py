@@ -77,7 +77,7 @@ def read_json(path: Path, *, error: type[UserError] = UserError):
 
 
 def _refuse_special(directory: Path, error: type[UserError]) -> None:
-    """A checkpoint's JSON files are read by transformers with a plain open(): a FIFO there would block forever."""
+    """A checkpoint's JSON files are never opened when they are not regular files (a FIFO would block a read)."""
     import stat
 
     for name in ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json"):
