@@ -181,7 +181,7 @@ def main():
             serve = [
                 sys.executable,
                 "-m",
-                "diff_transformer.integrations.serving",
+                "diff_transformer.cli.serve",
                 str(model),
                 "--host",
                 "127.0.0.1",

@@ -20,7 +20,7 @@ import argparse
 import json
 import math
 import platform
-import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -52,6 +52,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--workdir", type=Path, default=None, help="keep the converted models and runs here (default: temporary)"
     )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace the converted models and runs of a non-empty --workdir"
+    )
     p.add_argument("--docs", type=Path, default=REPO / "docs", help="where the .png/.json/.md go")
     p.add_argument("--data", type=Path, default=REPO / "data" / "corpus.txt")
     p.add_argument("--heldout", type=Path, default=REPO / "data" / "heldout.txt")
@@ -82,8 +85,9 @@ def train(name: str, model: Path, out: Path, args) -> dict:
         "--seed",
         str(args.seed),
         "--quiet",
-        "--overwrite",
     ]
+    if args.overwrite:
+        argv.append("--overwrite")
     if name == "llama":
         argv.append("--any-model")
     print(f"\n=== {NAMES[name]}: diff-transformer {' '.join(argv)}", flush=True)
@@ -249,8 +253,36 @@ def markdown(results: dict, figures: dict, args) -> str:
     return "\n".join(lines)
 
 
+def check_args(args) -> str | None:
+    """The CLI's rules: a problem as one line (None: none). --workdir is checked like every output: never the
+    current directory, home or root, and a non-empty one only with --overwrite."""
+    from diff_transformer.errors import UserError
+    from diff_transformer.safe_output import check_target
+
+    for flag in ("steps", "batch_size", "block_size", "eval_every", "logging_steps"):
+        if getattr(args, flag) < 1:
+            return f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1"
+    if args.threads is not None and args.threads < 1:
+        return f"--threads {args.threads} must be at least 1"
+    if args.workdir is not None:
+        try:
+            work = check_target(args.workdir, name="--workdir")
+        except UserError as error:
+            return str(error)
+        if work.exists() and (not work.is_dir() or any(work.iterdir())) and not args.overwrite:
+            return (
+                f"--workdir {work} is not empty: pass --overwrite to replace the converted models and runs in it, "
+                "or choose another directory"
+            )
+    return None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    problem = None if args.from_json else check_args(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.from_json:
         figures = json.loads(args.from_json.read_text())
         vars(args).update(figures["settings"])
@@ -270,9 +302,7 @@ def main(argv=None) -> int:
         name = f"v{version}"
         if name in args.models:
             target = work / f"tiny-diff-{name}"
-            if target.exists():
-                shutil.rmtree(target)
-            convert_to_diff(LLAMA, target, diff_version=version, progress=False)
+            convert_to_diff(LLAMA, target, diff_version=version, progress=False, overwrite=args.overwrite)
             models[name] = target
 
     results = {}

@@ -608,7 +608,48 @@ def parse_args(argv=None):
             f"for --max-needles {args.max_needles} (needles, queries and some haystack), and --length >= "
             "--min-length; raise them or lower --max-needles"
         )
+    problem = _argument_problem(args)
+    if problem:
+        p.error(problem)
     return args
+
+
+# The models this experiment builds, and the most needles an evaluation places (EVAL_CELLS, evaluate_attention).
+MODEL_NAMES = ("llama", "v1", "v2")
+EVAL_MAX_NEEDLES = max(n for n, _ in EVAL_CELLS)
+
+
+def _argument_problem(args) -> str | None:
+    """What the options cannot do, found before anything is trained or written (None: nothing)."""
+    names = args.models.split(",")
+    unknown = [name for name in names if name not in MODEL_NAMES]
+    if unknown or len(set(names)) != len(names):
+        return f"--models {args.models}: give distinct names among {', '.join(MODEL_NAMES)}, comma-separated"
+    for flag in ("seeds", "log_every", "steps", "batch_size", "eval_per_cell", "eval_batch", "attention_per_depth"):
+        if getattr(args, flag) < 1:
+            return f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1"
+    if args.threads is not None and args.threads < 1:
+        return f"--threads {args.threads} must be at least 1"
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        return f"--lr {args.lr} must be a finite number > 0"
+    if not 1 <= args.max_needles <= len(CITIES):
+        return f"--max-needles {args.max_needles} must be between 1 and {len(CITIES)} (one city per needle)"
+    evaluated = 1 + EVAL_MAX_NEEDLES * (NEEDLE_LEN + QUERY_LEN) + 16
+    if args.length < evaluated:
+        return (
+            f"--length {args.length}: the evaluation places up to {EVAL_MAX_NEEDLES} needles and needs sequences of "
+            f"at least {evaluated} tokens; raise --length"
+        )
+    fixed = len(SPECIALS + NEEDLE_WORDS + CITIES + NUMBERS)
+    if args.vocab_size <= fixed:
+        return f"--vocab-size {args.vocab_size} must exceed the {fixed} words every sequence uses (needles, cities)"
+    if args.layers < 1 or args.heads < 2 or args.heads % 2:
+        return f"--layers {args.layers} must be >= 1 and --heads {args.heads} even and >= 2 (V1 pairs heads)"
+    if args.hidden_size % args.heads or (args.hidden_size // args.heads) % 2:
+        return f"--hidden-size {args.hidden_size} must split into --heads {args.heads} heads of an even size"
+    if args.intermediate_size - round((args.hidden_size + args.heads) / 3) < 1:  # V2's narrower MLP (build_configs)
+        return f"--intermediate-size {args.intermediate_size} is too small for V2's MLP at this --hidden-size"
+    return None
 
 
 def main(argv=None):

@@ -234,14 +234,23 @@ def test_killed_overwrite_is_recovered_by_the_next_run(llama, tmp_path, caplog):
     assert f"restored your previous {out}" in notes and "unfinished output of an interrupted run" in notes
 
 
+KILL_WHILE_WRITING = """
+import os, signal, sys
+from diff_transformer.conversion import convert_llama_to_diff
+from diff_transformer.conversion import writer
+
+def add_then_die(self, *args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+writer.ShardWriter.add = add_then_die
+convert_llama_to_diff(sys.argv[1], sys.argv[2], progress=False)
+"""
+
+
 def test_leftovers_of_dead_runs_are_removed_and_live_runs_left_alone(llama, tmp_path, capsys):
     out = tmp_path / "diff"
-    dead = tmp_path / ".diff.tmp-0dead000"
-    dead.mkdir()
-    (dead / ".shard-00000.safetensors.part").write_bytes(b"\x00" * 1000)
-    (tmp_path / ".diff.tmp-0dead000.lock").write_text("")  # nobody holds it
-    legacy = tmp_path / ".diff.tmp-k2j_x9qa"  # from a version without lock files
-    legacy.mkdir()
+    result = subprocess.run([sys.executable, "-c", KILL_WHILE_WRITING, str(llama), str(out)], timeout=300)
+    assert result.returncode == -9
+    (dead,) = [p for p in tmp_path.iterdir() if p.name.startswith(".diff.tmp-") and p.is_dir()]
     live = tmp_path / ".diff.tmp-11ve0000"
     live.mkdir()
     (live / "model.safetensors").write_bytes(b"being written")
@@ -249,16 +258,30 @@ def test_leftovers_of_dead_runs_are_removed_and_live_runs_left_alone(llama, tmp_
     fcntl.flock(lock, fcntl.LOCK_EX)  # a run that is still alive
     old = tmp_path / ".diff.old-0dead111"
     sentinel_tree(old)
-    (out / "x").mkdir(parents=True)  # OUT is taken: the old copy cannot go back and is kept
+    (out / "x").mkdir(parents=True)
     try:
         assert cli.main(["convert", str(llama), str(out), "--overwrite", "--quiet"]) == 0
     finally:
         lock.close()
     err = capsys.readouterr().err
-    assert err.count("note: removed") == 2 and ".diff.tmp-0dead000" in err and ".diff.tmp-k2j_x9qa" in err
-    assert f"{old} holds what an interrupted --overwrite moved out" in err
+    assert err.count("note: removed") == 1 and dead.name in err, err
     assert hidden_entries(tmp_path) == [".diff.old-0dead111", ".diff.tmp-11ve0000", ".diff.tmp-11ve0000.lock"]
     assert (live / "model.safetensors").read_bytes() == b"being written" and (old / "precious.txt").is_file()
+
+
+def test_directories_named_like_leftovers_are_the_users(llama, tmp_path, capsys):
+    """Issue 21: `mkdir .model.tmp-notes; convert SRC model` removed the user's directory, and a `.model.old-*` of
+    theirs was renamed into OUT, by name alone. Only what a run of ours marked at creation is recovered now."""
+    out = tmp_path / "model"
+    names = (".model.tmp-notes", ".model.old-notes", ".model.old-0dead")
+    mine = {name: sentinel_tree(tmp_path / name) for name in names}
+    (tmp_path / ".model.tmp-0dead.lock").write_text("")  # nobody holds it, but nothing proves it is ours
+    (tmp_path / ".model.lock-mine").write_text("my own file\n")
+    assert cli.main(["convert", str(llama), str(out), "--quiet"]) == 0
+    assert "note:" not in capsys.readouterr().err
+    assert {name: tree_digest(tmp_path / name) for name in mine} == mine
+    assert (tmp_path / ".model.lock-mine").read_text() == "my own file\n"
+    assert (tmp_path / ".model.tmp-0dead.lock").exists() and (out / "config.json").is_file()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -279,15 +302,15 @@ def test_side_file_links_out_of_src_are_not_followed(tmp_path, caplog):
     src = make_llama(tmp_path / "llama")
     (tmp_path / "secrets").mkdir()
     (tmp_path / "secrets" / "token").write_text("hf_SECRET")
-    (src / "credentials.txt").symlink_to(tmp_path / "secrets" / "token")
+    (src / "tokenizer.model").symlink_to(tmp_path / "secrets" / "token")  # an allowed name, linking outside SRC
     (src / "extra").mkdir()
     (src / "extra" / "merges.txt").write_text("a b\n")
     (src / "merges.txt").symlink_to(src / "extra" / "merges.txt")  # a link inside SRC is fine
     with caplog.at_level(logging.WARNING, logger="diff_transformer"):
         out = convert_llama_to_diff(src, tmp_path / "diff", progress=False)
-    assert not (out / "credentials.txt").exists()
+    assert not (out / "tokenizer.model").exists()
     assert (out / "merges.txt").read_text() == "a b\n" and not (out / "merges.txt").is_symlink()
-    assert "not copying credentials.txt" in " ".join(caplog.messages)
+    assert "not copying tokenizer.model" in " ".join(caplog.messages)
 
 
 def test_bf16_conversion_verifies(llama, tmp_path, capsys):

@@ -273,3 +273,74 @@ def test_continuous_batching_matches_generate(servers, models, references, name)
         assert (text, tokens) == references(name, messages, repetition_penalty=1.0)
     text, tokens, chunks = chat(server, models[name], CHATS[2], stream=True)
     assert (text, tokens) == references(name, CHATS[2], repetition_penalty=1.0) and chunks > 1
+
+
+def test_max_tokens_is_bounded_and_sigterm_stops_a_busy_server(models, tmp_path):
+    """Issue 21: `max_tokens: 100000000` generated without end (past the context, after the client left, through
+    SIGTERM). Now every generation stops at the model's context, and SIGTERM ends the server within seconds."""
+    import signal
+    import threading
+
+    server = Server(tmp_path / "serve.log")
+    try:
+        server.wait_healthy()
+        messages = [{"role": "user", "content": "Tell me everything."}]
+        client = server.client()
+        response = client.chat.completions.create(
+            model=str(models["v2"]), messages=messages, max_tokens=100_000_000, temperature=0
+        )
+        context = DiffConfig.from_pretrained(models["v2"]).max_position_embeddings
+        usage = response.usage
+        assert usage.prompt_tokens + usage.completion_tokens <= context, usage
+        assert response.choices[0].finish_reason in ("length", "stop")
+
+        started = threading.Event()
+
+        def stream():
+            try:
+                for _ in client.chat.completions.create(
+                    model=str(models["v2"]), messages=messages, max_tokens=100_000_000, temperature=0, stream=True
+                ):
+                    started.set()
+            except Exception:
+                pass
+
+        threading.Thread(target=stream, daemon=True).start()
+        assert started.wait(60)
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(timeout=30)  # the old server kept generating the 10^8 tokens
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+            server.process.wait()
+
+
+def test_generation_limit_clamps_to_the_context_and_the_flag():
+    from types import SimpleNamespace
+
+    from fastapi import HTTPException
+
+    from diff_transformer.serving import _generation_limit
+
+    model = SimpleNamespace(config=DiffConfig(max_position_embeddings=64, hidden_size=32, num_attention_heads=2))
+    inputs = {"input_ids": torch.zeros(1, 10, dtype=torch.long)}
+    for asked, limit, expected in ((10**8, None, 54), (10**8, 7, 7), (5, 7, 5), (None, None, 54)):
+        config = SimpleNamespace(max_new_tokens=asked)
+        _generation_limit(model, inputs, config, limit)
+        assert config.max_new_tokens == expected
+    with pytest.raises(HTTPException, match="64 positions"):
+        _generation_limit(model, {"input_ids": list(range(64))}, SimpleNamespace(max_new_tokens=1), None)
+    with pytest.raises(HTTPException, match="num_beams=-3 must be >= 1"):  # a request's generation_config
+        _generation_limit(model, inputs, SimpleNamespace(max_new_tokens=1, num_beams=-3), None)
+
+
+def test_serve_refuses_a_missing_model_and_a_bad_limit(capsys):
+    from diff_transformer import cli
+
+    assert cli.main(["serve", "/nonexistent"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: MODEL '/nonexistent' is neither an existing directory nor a valid Hub model id: check the path, or "
+        "pass an id like 'org/model'."
+    )
+    assert cli.main(["serve", "--max-new-tokens-limit", "0"]) == 2
+    assert "--max-new-tokens-limit '0' must be a whole number >= 1" in capsys.readouterr().err

@@ -19,6 +19,19 @@ def _check_finite(name: str, value: float, minimum: float | None = None, fix: st
         raise ValueError(f"{name}={value} must be a finite number{bound}: {fix}")
 
 
+def _check_inputs(query, key, value, attn_mask) -> None:
+    """Floating q/k/v (integer ones give an all-zero output) and a bool or float mask: an integer 0/1 mask would be
+    added to the scores as if additive. SDPA refuses both; so does this op."""
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name} has dtype {tensor.dtype}: pass floating-point tensors (e.g. .float()).")
+    if attn_mask is not None and attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise ValueError(
+            f"attn_mask has dtype {attn_mask.dtype}: pass a bool mask (True = attend; e.g. mask.bool() for a 0/1 "
+            "mask) or an additive float mask (0 or -inf), as scaled_dot_product_attention requires."
+        )
+
+
 def _broadcast_lambda(lam: float | torch.Tensor, num_heads: int, query_len: int, ref: torch.Tensor) -> torch.Tensor:
     """λ as a tensor broadcastable to attention maps (B, H, Nq, Nk)."""
     if isinstance(lam, (int, float)):
@@ -93,7 +106,10 @@ def differential_attention(
         )
     if key.shape[-2] != value.shape[-2]:
         raise ValueError(f"key and value must have the same length, got {key.shape[-2]} and {value.shape[-2]}.")
+    _check_inputs(query, key, value, attn_mask)
     half = query.shape[-1] // 2
+    if scale is not None and not isinstance(scale, torch.Tensor):
+        _check_finite("scale", scale, fix="pass the logit scale, e.g. head_dim ** -0.5, or None for that default.")
     scale = half**-0.5 if scale is None else scale
     q1, q2 = query.split(half, dim=-1)  # (B, H, Nq, d) each
     k1, k2 = key.split(half, dim=-1)  # (B, H, Nk, d) each
@@ -165,6 +181,12 @@ class DifferentialAttention(nn.Module):
         if lambda_mode not in ("scalar", "head", "token"):
             raise ValueError(f"lambda_mode={lambda_mode!r}: use 'scalar', 'head' or 'token'.")
         _check_finite("lambda_init", lambda_init, fix="use e.g. 0.8, or the paper's 0.8 - 0.6 exp(-0.3 layer_idx).")
+        if lambda_mode == "scalar" and not 0.0 <= lambda_init < 1.0:
+            # The scalar mode scales the output by 1 - λ_init (as DiffConfig, which refuses the same values).
+            raise ValueError(
+                f"lambda_init={lambda_init} must lie in [0, 1) in the scalar mode (the output is scaled by "
+                "1 - lambda_init: 1 gives an all-zero output): use e.g. 0.8, or 0.8 - 0.6 exp(-0.3 layer_idx)."
+            )
         _check_finite("lambda_std", lambda_std, 0.0, fix="use e.g. 0.1, the paper's value.")
         if not 0.0 < eps < math.inf:
             raise ValueError(

@@ -10,9 +10,18 @@ before transformers tries it, so that every problem is one line naming the input
 
 from __future__ import annotations
 
-import json
+import re
 from pathlib import Path
 
+from .config_checks import (
+    GENERATION_RANGES,
+    check_generation_config,
+    check_model_config,
+    check_model_type,
+    generation_value_problem,
+    read_json,
+    refuse_special_files,
+)
 from .errors import UserError
 from .hub_ids import HUB_PREFIX, hub_id
 
@@ -30,18 +39,6 @@ def resolve_model(text, *, name: str = "MODEL", error: type[UserError] = UserErr
     return hub_id(text, name=name, error=error), None
 
 
-def read_json(path: Path, *, error: type[UserError] = UserError):
-    """A JSON file's content, or `error` naming the file (also for nesting too deep for the parser)."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except RecursionError:
-        raise error(f"{path} is nested too deeply to be a config: restore or re-download it.") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise error(
-            f"{path} is not valid JSON ({' '.join(str(exc).split())[:200]}): restore or re-download it."
-        ) from None
-
-
 def _weight_shapes(directory: Path, error: type[UserError]) -> dict[str, tuple[int, ...]] | None:
     """Tensor name -> shape from the safetensors headers, or None when the checkpoint has no safetensors weights."""
     from .conversion.errors import ConversionError
@@ -53,6 +50,12 @@ def _weight_shapes(directory: Path, error: type[UserError]) -> dict[str, tuple[i
         return {name: info.shape for name, info in read_headers(directory, find_shards(directory)).items()}
     except ConversionError as exc:
         raise error(str(exc)) from None
+
+
+def _stored_layers(shapes: dict) -> int:
+    """How many decoder layers the weights hold (`model.layers.<i>.` names)."""
+    indices = {int(m.group(1)) for name in shapes if (m := re.match(r"model\.layers\.(\d+)\.", name))}
+    return max(indices) + 1 if indices else 0
 
 
 def _mismatch(config, shapes: dict) -> str | None:
@@ -77,9 +80,11 @@ def check_diff_checkpoint(directory: Path, *, name: str = "MODEL", error: type[U
     """For a local Diff checkpoint: its config.json parses and its weights are those the config describes; a
     `diff_version` that disagrees with the weights is named with the fix."""
     config_file = directory / "config.json"
+    refuse_special_files(directory, error)
     if not config_file.is_file():
         return  # e.g. a PEFT adapter directory: transformers reports what is missing
     raw = read_json(config_file, error=error)
+    check_model_type(raw, f"{name} {directory}", error=error)
     if not isinstance(raw, dict) or raw.get("model_type") != "diff":
         return
     shapes = _weight_shapes(directory, error)
@@ -93,6 +98,14 @@ def check_diff_checkpoint(directory: Path, *, name: str = "MODEL", error: type[U
         raise error(
             f"{config_file} is not a valid Diff config ({' '.join(str(exc).split())[:200]}): fix it."
         ) from None
+    check_model_config(config, f"{name} {directory}", error=error, build=False)
+    layers = _stored_layers(shapes)
+    if layers != config.num_hidden_layers:  # before anything is built: a config can claim any number of layers
+        raise error(
+            f"{name} {directory}: config.json says num_hidden_layers={config.num_hidden_layers}, but the weights hold "
+            f"{layers} layers: fix config.json or re-download the checkpoint."
+        )
+    check_model_config(config, f"{name} {directory}", error=error)
     problem = _mismatch(config, shapes)
     if problem is None:
         return
@@ -131,4 +144,16 @@ def load_causal_lm(text, *, name: str = "MODEL", error: type[UserError] = UserEr
         ) from None
 
 
-__all__ = ["HUB_PREFIX", "check_diff_checkpoint", "hub_id", "load_causal_lm", "read_json", "resolve_model"]
+__all__ = [
+    "HUB_PREFIX",
+    "GENERATION_RANGES",
+    "check_diff_checkpoint",
+    "check_generation_config",
+    "check_model_config",
+    "check_model_type",
+    "generation_value_problem",
+    "hub_id",
+    "load_causal_lm",
+    "read_json",
+    "resolve_model",
+]

@@ -11,9 +11,16 @@
 * A killed run leaves `.OUT.tmp-<token>` (ours: the next run into OUT removes it) and, when killed between the two
   renames of an overwrite, the user's previous OUT as `.OUT.old-<token>` (theirs: the next run renames it back).
   Every staging directory has a lock file `.OUT.tmp-<token>.lock` that its run holds (flock) while it lives, so the
-  files of a live run are never touched. Both recoveries are reported (logging, to stderr by default).
-* `write_manifest` / `wrote_this`: a directory listing the hashes of the files it holds, so a command (the demo) can
-  replace a directory only when it can prove that it wrote it and nobody changed it since.
+  files of a live run are never touched. Both recoveries are reported (logging, to stderr by default). Neither is
+  decided by the name: a staging directory is removed only when it holds the marker (`STAGING_MARK`, with its token)
+  written into it at creation, and `.OUT.old-<token>` is renamed back only when the lock file of its token records
+  that directory's identity (device, inode), written just before the rename that moved it. A directory of the
+  user's that happens to be called `.OUT.tmp-notes` is never touched.
+* `OutputLock(out)`: one run at a time into an output that is written in place (`train --output`): an flock on
+  `OUT/.diff-transformer.lock`; a second run is refused while the first lives.
+* `write_manifest` / `wrote_this`: a directory listing every entry it holds (the hashes of its regular files, its
+  subdirectories), so a command (the demo) can replace a directory only when it can prove that it wrote it and nobody
+  changed it since. Anything else (a link, a FIFO, a socket, a device) is never opened and disproves authorship.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -40,6 +48,8 @@ except ImportError:  # Windows
 logger = logging.getLogger(__name__)
 
 MANIFEST = ".diff-transformer-output.json"
+STAGING_MARK = ".diff-transformer-staging"  # inside a staging directory while it is ours: {"token": ...}
+_LOCK_LINE = "diff-transformer staging lock"  # a lock file's first line, with its token; an identity may follow
 
 
 class OutputError(UserError):
@@ -108,18 +118,79 @@ def _claim(parent: Path, name: str) -> tuple[str, int]:
     name before it is renamed into place, so no other run can ever see it unlocked while this one lives."""
     fd, temp = tempfile.mkstemp(prefix=f".{name}.lock-", dir=parent)
     try:
+        os.write(fd, _lock_line("").encode() + b"\n")  # proof that a leftover of this name is ours
         if not _try_lock(fd):
             raise OSError(errno.EAGAIN, "cannot lock a new file", temp)
         while True:
             token = secrets.token_hex(4)
             stem = parent / f".{name}.tmp-{token}"
             if not any(p.exists() for p in (stem, Path(f"{stem}.lock"), parent / f".{name}.old-{token}")):
+                _write_lock(fd, token)
                 os.rename(temp, f"{stem}.lock")
                 return token, fd
     except BaseException:
         os.close(fd)
         Path(temp).unlink(missing_ok=True)
         raise
+
+
+def _lock_line(token: str) -> str:
+    return f"{_LOCK_LINE} {token}".rstrip()
+
+
+def _write_lock(fd: int, token: str, **identities: tuple[int, int]) -> None:
+    """The lock file's content: our first line with the token, then the identities (device, inode) of the staging
+    directory and (during an overwrite) of the directory moved to `.OUT.old-<token>`, so that a later run removes or
+    renames back those directories and nothing else."""
+    record = {key: list(value) for key, value in identities.items()}
+    text = _lock_line(token) + "\n" + (json.dumps(record) + "\n" if record else "")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, text.encode(), 0)
+    os.fsync(fd)
+
+
+def _read_small(path: Path, limit: int = 4096) -> str | None:
+    """The text of a small regular file (never a FIFO or a device: opened non-blocking, checked), else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, limit).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+
+
+def _lock_record(lock: Path, token: str, key: str) -> tuple[int, int] | None:
+    """The identity `key` ("staging", "moved") recorded in our lock file of `token`, or None."""
+    lines = (_read_small(lock) or "").splitlines()
+    if len(lines) < 2 or lines[0] != _lock_line(token):
+        return None
+    try:
+        value = json.loads(lines[1])[key]
+        return int(value[0]), int(value[1])
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+def _is_our_lock(lock: Path, token: str) -> bool:
+    return (_read_small(lock) or "").splitlines()[:1] == [_lock_line(token)]
+
+
+def _is_our_staging(stem: Path, token: str, lock: Path) -> bool:
+    """`stem` holds the marker a run of ours wrote into it at creation, with this token, or (once the marker is gone,
+    just before the install) our lock file of this token records its identity."""
+    if stem.is_symlink() or not stem.is_dir():
+        return False
+    try:
+        if json.loads(_read_small(stem / STAGING_MARK) or "null") == {"token": token}:
+            return True
+    except ValueError:
+        pass
+    identity = _identity(stem)
+    return identity is not None and _lock_record(lock, token, "staging") == identity[:2]
 
 
 def _size_mb(path: Path) -> float:
@@ -149,13 +220,20 @@ def recover(out: Path) -> list[str]:
         if lock.exists() and fd is None:
             continue  # a live run
         try:
-            if stem.is_dir() and not stem.is_symlink():
+            if _is_our_staging(stem, token, lock):
                 size = _size_mb(stem)
                 shutil.rmtree(stem)
                 notes.append(
                     f"note: removed {stem.name} ({size:.1f} MB), the unfinished output of an interrupted run."
                 )
-            if old.is_dir() and not old.is_symlink():
+            elif stem.is_dir() and not stem.is_symlink() and _is_our_lock(lock, token):
+                try:  # killed between creating it and writing its marker: empty, or the user's
+                    stem.rmdir()
+                except OSError:
+                    pass
+            moved = _lock_record(lock, token, "moved") if fd is not None else None
+            identity = _identity(old)
+            if moved is not None and identity is not None and identity[:2] == moved and old.is_dir():
                 if not os.path.lexists(out):
                     os.rename(old, out)
                     notes.append(
@@ -167,15 +245,17 @@ def recover(out: Path) -> list[str]:
                         f"note: {old} holds what an interrupted --overwrite moved out of {out.name}; {out.name} holds "
                         "something else now, so it was kept: move it back or delete it."
                     )
-            if not os.path.lexists(old):
-                lock.unlink(missing_ok=True)
+            if fd is not None and _is_our_lock(lock, token) and not (moved and os.path.lexists(old)):
+                if not os.path.lexists(stem):
+                    lock.unlink(missing_ok=True)
         finally:
             if fd is not None:
                 os.close(fd)
     for entry in leftovers:
         fd = _lock_if_dead(entry)
         if fd is not None:
-            entry.unlink(missing_ok=True)
+            if _is_our_lock(entry, ""):  # a lock file not yet renamed: ours only with our first line
+                entry.unlink(missing_ok=True)
             os.close(fd)
     for note in notes:
         logger.warning(note)
@@ -240,6 +320,11 @@ class Staging:
             self.token = token
             self.path = parent / f".{self.out.name}.tmp-{token}"
             os.mkdir(self.path, 0o777)  # the umask applies, as for save_pretrained's directories
+            # What proves to a later run that this directory is ours (`recover`): a marker inside (removed just
+            # before the install) and its identity in the lock file.
+            (self.path / STAGING_MARK).write_text(json.dumps({"token": token}), encoding="utf-8")
+            self._staging_id = _identity(self.path)[:2]
+            _write_lock(self._fd, token, staging=self._staging_id)
         except OSError as exc:
             self._cleanup(failed=True)
             raise self.error(
@@ -253,9 +338,14 @@ class Staging:
             f"was replaced; remove or rename it (or choose another {self.name}) and run again."
         )
 
+    def seal(self) -> None:
+        """Remove the staging marker: the directory now holds exactly what OUT will hold (e.g. for a manifest)."""
+        (self.path / STAGING_MARK).unlink(missing_ok=True)
+
     def install(self) -> Path:
         """Rename the finished directory to OUT, replacing only what this run was told to replace."""
         out, tmp = self.out, self.path
+        self.seal()
         current = _identity(out)
         if self.replace is None or current is None:
             try:
@@ -268,6 +358,8 @@ class Staging:
             if current != self.replace:
                 raise self._appeared()
             old = out.parent / f".{out.name}.old-{self.token}"
+            # What a later run may rename back, and only that.
+            _write_lock(self._fd, self.token, staging=self._staging_id, moved=current[:2])
             os.rename(out, old)
             if _identity(old)[:2] != self.replace[:2]:  # swapped between the check and the rename
                 os.rename(old, out)
@@ -309,45 +401,144 @@ class Staging:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Outputs written in place (train): one run at a time.
+
+RUN_LOCK = ".diff-transformer.lock"
+
+
+class OutputLock:
+    """`with OutputLock(out, name="--output", error=...):` hold an exclusive lock on OUT (creating it and its parents)
+    while a run writes into it; a second run into the same OUT gets `error` naming the first. The lock file is
+    `OUT/RUN_LOCK`; the OS releases the lock if the run dies. On exit the lock file goes, and the directories this
+    created are removed while still empty (a refused or failed start leaves nothing behind)."""
+
+    def __init__(self, out, *, name: str = "OUT", error: type[UserError] = OutputError):
+        self.out, self.name, self.error = Path(out).absolute(), name, error
+        self._fd, self._created = None, None
+
+    def __enter__(self) -> Path:
+        lock = self.out / RUN_LOCK
+        try:
+            self._created = _make_parents(self.out)
+            while True:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
+                if not _try_lock(fd):
+                    holder = (_read_small(lock) or "").strip() or "another process"
+                    os.close(fd)
+                    raise self.error(
+                        f"{self.name} {self.out} is being written by another run ({holder}): wait for it to finish, "
+                        f"or choose another {self.name}."
+                    )
+                if os.path.samestat(os.fstat(fd), os.stat(lock, follow_symlinks=False)):
+                    break  # still the file at that path (the previous holder unlinks it before releasing)
+                os.close(fd)
+            os.ftruncate(fd, 0)
+            os.write(fd, f"diff-transformer run, process {os.getpid()}\n".encode())
+            self._fd = fd
+        except OSError as exc:
+            self._release()
+            raise self.error(
+                f"cannot write {self.name} {self.out} ({exc.strerror or exc}): choose a directory you can write to."
+            ) from None
+        except BaseException:
+            self._release()
+            raise
+        return self.out
+
+    def _release(self) -> None:
+        if self._fd is not None:
+            (self.out / RUN_LOCK).unlink(missing_ok=True)
+            os.close(self._fd)
+            self._fd = None
+        if self._created is not None:
+            for directory in [self.out, *self.out.parents]:  # remove only what is still empty
+                try:
+                    directory.rmdir()
+                except OSError:
+                    break
+                if directory == self._created:
+                    break
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._release()
+        return False
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Manifests: proof that a directory holds exactly what a command wrote there.
 
 
 def _file_hashes(directory: Path) -> dict[str, str] | None:
-    """relative path -> sha256 of every file under `directory` (the manifest excluded); None if a link is found."""
-    hashes = {}
-    for root, dirs, files in os.walk(directory):
-        for entry in dirs + files:
-            if os.path.islink(os.path.join(root, entry)):
-                return None
-        for entry in files:
-            path = Path(root) / entry
+    """relative path -> sha256 of every regular file under `directory` (the manifest excluded) and "directory" for
+    every subdirectory; None if anything else is found (a link, a FIFO, a socket, a device: never opened)."""
+    entries = {}
+    pending = [Path(directory)]
+    while pending:
+        folder = pending.pop()
+        try:
+            children = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError:
+            return None
+        for child in children:
+            path = Path(child.path)
             relative = path.relative_to(directory).as_posix()
-            if relative != MANIFEST:
-                digest = hashlib.sha256()
-                with open(path, "rb") as handle:
-                    for block in iter(lambda: handle.read(1 << 20), b""):
-                        digest.update(block)
-                hashes[relative] = digest.hexdigest()
-    return hashes
+            mode = child.stat(follow_symlinks=False).st_mode
+            if stat.S_ISDIR(mode):
+                entries[relative] = "directory"
+                pending.append(path)
+            elif not stat.S_ISREG(mode):
+                return None
+            elif relative != MANIFEST:
+                digest = _sha256(path)
+                if digest is None:
+                    return None
+                entries[relative] = digest
+    return entries
+
+
+def _sha256(path: Path) -> str | None:
+    """The hash of a regular file, opened without following a link or blocking (it could have been swapped for a
+    FIFO since it was listed), else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        digest = hashlib.sha256()
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def write_manifest(directory, written_by: str) -> None:
-    """Record in `directory` the hashes of every file it holds, as written by `written_by`."""
+    """Record in `directory` every entry it holds (file hashes, subdirectories), as written by `written_by`."""
     directory = Path(directory)
-    manifest = {"written_by": written_by, "files": _file_hashes(directory)}
+    manifest = {"written_by": written_by, "entries": _file_hashes(directory)}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def wrote_this(directory, written_by: str) -> bool:
-    """True when `directory` holds exactly the files `written_by` recorded there, unchanged."""
+    """True when `directory` holds exactly the entries `written_by` recorded there, unchanged."""
     directory = Path(directory)
     try:
-        manifest = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        manifest = json.loads(_read_small(directory / MANIFEST, limit=64 << 20) or "null")  # never a FIFO
+    except (OSError, ValueError, RecursionError):
         return False
     if not isinstance(manifest, dict) or manifest.get("written_by") != written_by:
         return False
-    return manifest.get("files") == _file_hashes(directory)
+    return manifest.get("entries") == _file_hashes(directory)
 
 
-__all__ = ["MANIFEST", "OutputError", "Staging", "check_target", "recover", "write_manifest", "wrote_this"]
+__all__ = [
+    "MANIFEST",
+    "RUN_LOCK",
+    "OutputError",
+    "OutputLock",
+    "Staging",
+    "check_target",
+    "recover",
+    "write_manifest",
+    "wrote_this",
+]

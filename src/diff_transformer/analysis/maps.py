@@ -140,7 +140,7 @@ def _layer_maps(kind: str, module, hidden_states, position_embeddings, allowed) 
         queries, keys = query.view(B, 2, H, N, d), key.view(B, 2, H_kv, N, d)  # (B, 2, H, N, d): [q1 | q2]
         first = _softmax_maps(module, queries[:, 0], keys[:, 0], allowed)  # (B, H, N, L)
         second = _softmax_maps(module, queries[:, 1], keys[:, 1], allowed)  # (B, H, N, L)
-        lam = module.diff_lambda().detach().float()  # ()
+        lam = _layer_lambda(kind, module, hidden_states)  # ()
         differential = first - lam * second
     else:
         query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)  # (B, Hq/Hk, N, d)
@@ -150,15 +150,11 @@ def _layer_maps(kind: str, module, hidden_states, position_embeddings, allowed) 
         if kind == "diff-v2":
             pairs = maps.view(B, -1, 2, N, maps.shape[-1])  # (B, H, 2, N, L): query heads (2h, 2h+1)
             first, second = pairs[:, :, 0], pairs[:, :, 1]
-            lam = module.diff_lambda(hidden_states).detach().float().transpose(1, 2)  # (B, H, N)
+            lam = _layer_lambda(kind, module, hidden_states)  # (B, H, N)
             differential = first - lam.unsqueeze(-1) * second
         else:  # diffllama: the first half of the query heads against the second half
             first, second = maps.chunk(2, dim=1)  # (B, H/2, N, L) each
-            lam = (
-                torch.exp(torch.sum(module.lambda_q1.float() * module.lambda_k1.float()))
-                - torch.exp(torch.sum(module.lambda_q2.float() * module.lambda_k2.float()))
-                + module.lambda_init
-            ).detach()  # ()
+            lam = _layer_lambda(kind, module, hidden_states)  # ()
             differential = first - lam * second
     return LayerMaps(first, second, lam, differential, allowed, kind)
 
@@ -172,8 +168,8 @@ def attention_maps(
     The model runs one ordinary forward (its backend unchanged, no cache); hooks only read each attention module's
     inputs, and are removed afterwards; the maps are recomputed from them. Diff (V1, V2), transformers' DiffLlama
     and Llama models give the same entries, so the three compare directly. Each layer holds three fp32
-    `(B, H, N, N)` maps, so for long prompts on large models pick the `layers` you need. λ at left-padding positions
-    is what the model computed there.
+    `(B, H, N, N)` maps, so for long prompts on large models pick the `layers` you need, or use `iter_attention_maps`.
+    λ at left-padding positions is what the model computed there.
 
     Args:
         model: a Diff, DiffLlama or Llama causal LM or base model (native or `trust_remote_code`).
@@ -194,6 +190,20 @@ def attention_maps(
         entries[0].differential.shape  # (B, H, N, N)
         ```
     """
+    return list(iter_attention_maps(model, input_ids, attention_mask, layers))
+
+
+@torch.no_grad()
+def iter_attention_maps(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    layers: list[int] | None = None,
+    maps_for: set[int] | None = None,
+):
+    """`attention_maps`, one layer at a time (its maps are computed when it is reached: memory holds one layer's
+    maps, not every layer's). Layers outside `maps_for` (None: all) yield only λ: their `first`, `second` and
+    `differential` are None (λ per layer costs no N x N map)."""
     kind = model_kind(model)
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}.")
@@ -222,7 +232,27 @@ def attention_maps(
         for handle in handles:
             handle.remove()
     allowed = _allowed(input_ids, attention_mask)
-    return [_layer_maps(kind, *captured[i], allowed) for i in sorted(captured)]
+    for i in sorted(captured):
+        module, hidden, position_embeddings = captured.pop(i)
+        if maps_for is None or i in maps_for:
+            yield _layer_maps(kind, module, hidden, position_embeddings, allowed)
+        else:
+            yield LayerMaps(None, None, _layer_lambda(kind, module, hidden), None, allowed, kind)
+
+
+def _layer_lambda(kind: str, module, hidden_states) -> torch.Tensor | None:
+    """λ of one layer as `_layer_maps` computes it: 0-d (V1, DiffLlama), (B, H, N) (V2), None (Llama)."""
+    if kind == "diff-v1":
+        return module.diff_lambda().detach().float()
+    if kind == "diff-v2":
+        return module.diff_lambda(hidden_states).detach().float().transpose(1, 2)
+    if kind == "diffllama":
+        return (
+            torch.exp(torch.sum(module.lambda_q1.float() * module.lambda_k1.float()))
+            - torch.exp(torch.sum(module.lambda_q2.float() * module.lambda_k2.float()))
+            + module.lambda_init
+        ).detach()
+    return None
 
 
 # ---- Metrics: each takes one map (B, H, N, L) and its mask (B, N, L) and returns (H,) ----
@@ -375,6 +405,7 @@ __all__ = [
     "LayerMaps",
     "attention_maps",
     "entropy",
+    "iter_attention_maps",
     "lambda_per_layer",
     "layer_metrics",
     "model_kind",

@@ -128,7 +128,7 @@ def _generate(args) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     from diff_transformer import adapters
-    from diff_transformer.loading import check_diff_checkpoint
+    from diff_transformer.loading import check_diff_checkpoint, check_generation_config
 
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} must be at least 1.")
@@ -139,6 +139,7 @@ def _generate(args) -> int:
     source = adapters.resolve(args.model, args.base)
     if source.local is not None:
         check_diff_checkpoint(source.local)
+    check_generation_config(source.location, f"MODEL {args.model}")
     tokenizer = _tokenizer(AutoTokenizer, source.tokenizer, source.tokenizer_local, args.model)
     if args.chat:
         inputs = _chat_inputs(args, tokenizer)
@@ -158,11 +159,13 @@ def _generate(args) -> int:
     if not ids:
         raise UserError("PROMPT is empty: pass some text (or token ids).")
     try:
-        vocab = AutoConfig.from_pretrained(source.location).get_text_config().vocab_size
+        text_config = AutoConfig.from_pretrained(source.location).get_text_config()
+        vocab = text_config.vocab_size
     except Exception as exc:
         raise UserError(
             f"cannot read the config of MODEL {args.model} ({' '.join(str(exc).split())[:200]})."
         ) from None
+    _check_generation_length(args, len(ids), text_config)
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise UserError(
@@ -222,6 +225,24 @@ def _chat_inputs(args, tokenizer):
         ) from None
 
 
+def _check_generation_length(args, prompt_tokens: int, config) -> None:
+    """PROMPT + --max-new-tokens within the model's context: beyond it the positions were never trained, and the
+    cache (memory) grows with whatever number is asked."""
+    context = getattr(config, "max_position_embeddings", None)
+    if context is not None and prompt_tokens >= context:
+        raise UserError(
+            f"PROMPT has {prompt_tokens} tokens, MODEL {args.model}'s context {context} positions: shorten it."
+        )
+    if context is not None and prompt_tokens + args.max_new_tokens > context:
+        raise UserError(
+            f"PROMPT ({prompt_tokens} tokens) + --max-new-tokens {args.max_new_tokens} exceeds MODEL {args.model}'s "
+            f"context ({context} positions): lower --max-new-tokens to at most {context - prompt_tokens}."
+        )
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
 def _tokenizer(auto_tokenizer, location: str, local: Path | None, shown: str):
     """The model's tokenizer; None when it has none (prompts are then token ids)."""
     from diff_transformer.adapters import has_tokenizer
@@ -251,14 +272,44 @@ def _output_file(path: str, option: str, overwrite: bool, suffixes=None) -> Path
         raise UserError(f"{option} {path} is a directory: give a file name.")
     if out.exists() and not overwrite:
         raise UserError(f"{option} {path} already exists: pass --overwrite to replace it, or choose another name.")
+    _probe_writable(out, option)
     return out
+
+
+def _probe_writable(out: Path, option: str) -> None:
+    """Create and remove a file beside OUT: a read-only or full directory is refused before any work is done."""
+    import os
+
+    try:
+        fd, probe = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UserError(
+            f"{option} {out}: cannot write in {out.parent} ({exc.strerror or exc}): choose a writable directory."
+        ) from None
+
+
+def _refuse_inside_model(paths, local: Path | None, model: str) -> None:
+    """No output may be written inside MODEL's directory (its config.json, say): sources are never modified."""
+    if local is None:
+        return
+    root = local.resolve()
+    for option, path in paths:
+        if path is not None and (path.resolve() == root or root in path.resolve().parents):
+            raise UserError(
+                f"{option} {path} lies inside MODEL {model}, which is never modified: write it somewhere else."
+            )
 
 
 def _write_atomically(out: Path, write) -> None:
     """`write(temporary path)` next to OUT, then rename it onto OUT: a failed write leaves nothing half-written."""
     import os
 
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=out.suffix)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=out.suffix)
+    except OSError as exc:
+        raise UserError(f"cannot write {out} ({exc.strerror or exc}): check the directory and free space.") from None
     os.close(fd)
     try:
         write(tmp)
@@ -266,6 +317,9 @@ def _write_atomically(out: Path, write) -> None:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private: the permissions of any file the user creates
         os.replace(tmp, out)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise UserError(f"writing {out} failed ({exc.strerror or exc}): check free space and permissions.") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -279,10 +333,12 @@ def _inspect(args) -> int:
     import torch
 
     from diff_transformer import adapters
-    from diff_transformer.analysis import attention_maps, layer_metrics, model_kind
+    from diff_transformer.analysis import model_kind
     from diff_transformer.analysis.plotting import _matplotlib, head_figure
+    from diff_transformer.loading import check_diff_checkpoint
 
     Figure, _ = _matplotlib()  # before anything loads: a missing matplotlib is one line
+    _check_inspect_options(args)
     figure_types = set(Figure().canvas.get_supported_filetypes())
     out = _output_file(args.out, "--out", args.overwrite, suffixes=figure_types)
     json_out = _output_file(args.json, "--json", args.overwrite, suffixes={"json"}) if args.json else None
@@ -293,10 +349,16 @@ def _inspect(args) -> int:
     if args.metric in ("answer", "noise") and args.grid and not args.span:
         raise UserError(f"--metric {args.metric} needs --span START:STOP (the answer's token positions).")
     source = adapters.resolve(args.model, args.base)
-    location = source.location
+    location, local = source.location, source.local
+    outputs = (("--out", out), ("--json", json_out), ("--grid", grid_out))
+    for directory in (local, source.adapter):
+        _refuse_inside_model(outputs, directory, args.model)
     from transformers import AutoConfig, AutoTokenizer
 
     import diff_transformer  # noqa: F401  (registers the Auto classes: AutoConfig reads Diff configs)
+
+    if local is not None:
+        check_diff_checkpoint(local)
 
     tokenizer = _tokenizer(AutoTokenizer, source.tokenizer, source.tokenizer_local, args.model)
     if tokenizer is not None:
@@ -344,9 +406,10 @@ def _inspect(args) -> int:
                 f"--span {args.span} must be START:STOP with "
                 f"0 <= START < STOP <= {ids.shape[1]} (the TEXT's token count)."
             )
+    need_metrics = json_out is not None or grid_out is not None
+    _check_inspect_size(args, ids.shape[1], config, kind, all_layers=need_metrics)
     model = adapters.load(source, merge=True).eval()  # an adapter merged: the maps of the model it makes
-    entries = attention_maps(model, ids)
-    metrics = layer_metrics(entries, span=span)  # (layers, heads) each; answer/noise at the last position
+    entries, metrics = _inspect_maps(model, ids, args.layer, span, need_metrics)
     if tokenizer is not None:
         tokens = [tokenizer.decode([i]) for i in ids[0].tolist()]  # readable pieces, not byte-level symbols
     else:
@@ -398,6 +461,54 @@ def _merge(args) -> int:
     return 0
 
 
+INSPECT_MAX_DPI = 600
+
+
+def _check_inspect_options(args) -> None:
+    if not 1 <= args.dpi <= INSPECT_MAX_DPI:
+        raise UserError(f"--dpi {args.dpi} must be between 1 and {INSPECT_MAX_DPI} (dots per inch of the figures).")
+    if not (math.isfinite(args.max_memory_gb) and args.max_memory_gb > 0):
+        raise UserError(f"--max-memory-gb {args.max_memory_gb} must be a number > 0.")
+
+
+def _check_inspect_size(args, tokens: int, config, kind: str, all_layers: bool) -> None:
+    """TEXT fits the model's context, and the maps computed for it fit --max-memory-gb, before the weights load.
+    Each layer's maps are (query heads, N, N) fp32, several at once (two softmaxes, their difference, the metrics'
+    temporaries): about 10 of them for the layer being measured plus the plotted layer's 3 when metrics run over
+    every layer (--grid/--json), 6 for the plotted layer alone."""
+    context = getattr(config, "max_position_embeddings", None)
+    if context is not None and tokens > context:
+        raise UserError(
+            f"TEXT has {tokens} tokens, beyond MODEL {args.model}'s context ({context} positions): shorten it."
+        )
+    query_heads = config.num_attention_heads * (2 if kind in ("diff-v1", "diff-v2") else 1)
+    needed = (13 if all_layers else 6) * query_heads * tokens * tokens * 4
+    if needed > args.max_memory_gb * 1e9:
+        raise UserError(
+            f"TEXT has {tokens} tokens: its attention maps need about {needed / 1e9:.1f} GB, over --max-memory-gb "
+            f"{args.max_memory_gb:g}: shorten the text, or raise --max-memory-gb if the memory is there."
+        )
+
+
+def _inspect_maps(model, ids, layer: int, span, need_metrics: bool):
+    """(entries for head_figure: the plotted layer's maps, every layer's λ; the (layers, heads) metrics or None),
+    one layer's maps in memory at a time; without metrics only the plotted layer's maps are computed."""
+    from dataclasses import replace
+
+    import torch
+
+    from diff_transformer.analysis import iter_attention_maps, layer_metrics
+
+    entries, rows = [], []
+    for index, entry in enumerate(iter_attention_maps(model, ids, maps_for=None if need_metrics else {layer})):
+        if need_metrics:
+            rows.append(layer_metrics([entry], span=span))  # (1, heads) each; answer/noise at the last position
+        entries.append(entry if index == layer else replace(entry, first=None, second=None, differential=None))
+    if not need_metrics:
+        return entries, None
+    return entries, {key: torch.cat([row[key] for row in rows]) for key in rows[0]}
+
+
 def _train(args) -> int:
     from diff_transformer.extras import hide_bitsandbytes_kernel_notice
 
@@ -412,7 +523,7 @@ def _serve(args) -> int:
     from diff_transformer.extras import require
 
     require(["fastapi", "uvicorn", "openai", "pydantic"], "serve", "diff-transformer serve")
-    from diff_transformer.integrations.serving import main as serve
+    from diff_transformer.cli.serve import main as serve
 
     return serve(args.serve_args)
 
@@ -520,7 +631,13 @@ def main(argv=None) -> int:
         default="entropy",
         help="metric of --grid (answer/noise need --span; see README, 'Inspecting attention')",
     )
-    inspect.add_argument("--dpi", type=int, default=80)
+    inspect.add_argument("--dpi", type=int, default=80, help=f"figure resolution, 1 to {INSPECT_MAX_DPI} (default 80)")
+    inspect.add_argument(
+        "--max-memory-gb",
+        type=float,
+        default=4.0,
+        help="refuse a TEXT whose attention maps would need more memory than this (default 4)",
+    )
     inspect.add_argument("--overwrite", action="store_true", help="replace an existing --out / --json file")
     _add_base_option(inspect)
     inspect.set_defaults(func=_inspect)

@@ -81,6 +81,7 @@ def demo_output(output, mark: str, overwrite: bool = False):
     staging = Staging(out, overwrite=replace, name="--output")
     with staging as tmp:
         yield tmp, out
+        staging.seal()
         write_manifest(tmp, mark)
         staging.install()
 

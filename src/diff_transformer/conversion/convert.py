@@ -9,6 +9,7 @@ ever read) is left as it was.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import re
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..config_checks import check_generation_config, check_model_config
 from ..configuration_diff import AUTO_MAP
 from ..integrations.hub import diff_model_card
 from ..safe_output import Staging, check_target
@@ -25,7 +27,7 @@ from .errors import ConversionError, one_line
 from .families import CAUSAL_LM, DIFFLLAMA, FAMILIES, family_of, source_geometry, task_of
 from .layout import IGNORED_SOURCE_TENSORS, Geometry, make_tensor_map
 from .provenance import conversion_provenance
-from .source import SourceCheckpoint, check_float_dtypes, open_source, read_weights_headers
+from .source import SIDE_FILE_PATTERNS, SourceCheckpoint, check_float_dtypes, open_source, read_weights_headers
 from .writer import ShardWriter
 
 
@@ -51,11 +53,9 @@ _COPIED_FIELDS = (
     "attention_dropout",
     "mlp_bias",
 )
-# Top-level files of SRC that are never copied to OUT (weights, configs the converter rewrites, code, the card).
-_NOT_COPIED = re.compile(
-    r"(^config\.json$|^README\.md$|\.safetensors$|\.index\.json$|\.(bin|pth|pt|ckpt|pkl|h5|msgpack|onnx|gguf|py|pyc)$|^\.)",
-    re.IGNORECASE,
-)
+# SRC files the converter writes anew in OUT, and SRC's weights (any format, never copied): not named as skipped.
+_REWRITTEN = ("config.json", "README.md", "model.safetensors.index.json")
+_WEIGHT_FILES = re.compile(r"\.(safetensors|bin|pth|pt|ckpt|pkl|h5|msgpack|onnx|gguf)$", re.IGNORECASE)
 # V1's λ vectors feed an exp() and stay float32 whatever `dtype` asks (DiffPreTrainedModel keeps them in fp32 too).
 _FP32_PARAMETERS = re.compile(r"\.diff_lambda\.lambda_[qk][12]$")
 _SOURCE_KINDS = {**dict.fromkeys(FAMILIES, "convert_llama_to_diff"), "diffllama": "convert_diffllama_to_diff"}
@@ -354,19 +354,34 @@ def _check_output_against_model(config, writer: ShardWriter) -> None:
 
 
 def _copy_side_files(source: SourceCheckpoint, target: Path) -> list[str]:
-    """Tokenizer files, chat template, generation config, licence... every top-level non-weight file. A symbolic link
-    is followed only to a file inside SRC (for a Hub id: inside its cache folder, where snapshots link to blobs), so a
-    link to, say, a credentials file elsewhere never ends up in OUT (and on the Hub)."""
+    """The top-level files of SRC that `SIDE_FILE_PATTERNS` allows (tokenizer, chat template, generation config,
+    licence...); every other file is named in a note, never copied (OUT is what users push: a secrets.env or id_rsa
+    in SRC must not end up on the Hub). A symbolic link is followed only to a file inside SRC (for a Hub id: inside
+    its cache folder, where snapshots link to blobs). Returns the names copied."""
     root = (source.path.parent.parent if source.repo_id is not None else source.path).resolve()
-    copied = []
+    copied, skipped = [], []
     for path in sorted(source.path.iterdir()):
-        if not path.is_file() or _NOT_COPIED.search(path.name):
+        if path.name in _REWRITTEN or path.name.startswith(".") or path.is_dir():
+            continue
+        if not any(fnmatch.fnmatchcase(path.name, pattern) for pattern in SIDE_FILE_PATTERNS):
+            skipped.append(path.name)
             continue
         if path.is_symlink() and root not in path.resolve().parents:
             logger.warning(f"note: not copying {path.name}: it is a symbolic link to {path.resolve()}, outside SRC.")
             continue
+        if not path.is_file():  # a FIFO, a device, a dangling link: never opened
+            logger.warning(f"note: not copying {path.name}: it is not a regular file.")
+            continue
         shutil.copyfile(path, target / path.name)
         copied.append(path.name)
+    weights = [name for name in skipped if _WEIGHT_FILES.search(name)]
+    others = [name for name in skipped if name not in weights]
+    if others:
+        shown = ", ".join(others[:8]) + (f" and {len(others) - 8} more" if len(others) > 8 else "")
+        logger.warning(
+            f"note: not copied from SRC into OUT (not a tokenizer, chat template, generation config or licence file): "
+            f"{shown}; copy what the converted model needs yourself."
+        )
     return copied
 
 
@@ -421,8 +436,13 @@ def _plan(source: SourceCheckpoint, source_kind: str, diff_version: int, target_
     tensor_map = make_tensor_map(source_kind, diff_version, geometry, lambda_std=lambda_std, seed=seed)
     # Built before any weights are downloaded or read, so that an unsupported config is refused early.
     config = _diff_config(source_config, source_kind, diff_version, geometry, lambda_std, where, task)
+    check_model_config(config, where, error=ConversionError, build=False)  # before a Hub download
+    # OUT gets SRC's generation_config.json: one that generate() cannot use (num_beams -3) is refused here.
+    check_generation_config(str(source.path), where, error=ConversionError)
     read_weights_headers(source)
     _validate_tensors(source, geometry, source_kind)
+    # The weights hold the layers the config claims: now building it (on the meta device) costs what the model is.
+    check_model_config(config, where, error=ConversionError)
     config.dtype = target_dtype or _declared_dtype(source) or _stored_dtype(source, geometry)
     return config, tensor_map
 

@@ -7,14 +7,22 @@ re-saved or pushed later still names its base model.
 
 from __future__ import annotations
 
+import logging
+import os
 import re
+import stat
+from pathlib import Path
 
+from ..configuration_diff import CARD_DATA_KEYS, card_data_problem
 from .source import SourceCheckpoint
 
 
 _CACHE_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+/?$")
-# Card fields that must follow the weights (a derivative keeps its source's licence).
-_COPIED_METADATA = ("license", "license_name", "license_link", "language")
+# A card's YAML front matter is read within these bounds: a few hundred bytes of aliases can otherwise expand into
+# gigabytes (each alias level multiplies), and whatever is copied lands in config.json.
+_FRONT_MATTER_BYTES = 64 * 1024
+_YAML_DEPTH = 16
+logger = logging.getLogger(__name__)
 
 
 def hub_id_of(source: SourceCheckpoint) -> str | None:
@@ -28,16 +36,63 @@ def hub_id_of(source: SourceCheckpoint) -> str | None:
 
 
 def source_card_metadata(source: SourceCheckpoint) -> dict:
+    """The source card's licence and language (`CARD_DATA_KEYS`), from a bounded front matter without YAML aliases;
+    anything else, or anything too large or malformed, is left out with a note (a card never stops a conversion)."""
     readme = source.path / "README.md"
-    if not readme.is_file():
+    metadata = _front_matter(readme)
+    if metadata is None:
         return {}
-    try:
-        from huggingface_hub.repocard import metadata_load
+    copied = {}
+    for key in CARD_DATA_KEYS:
+        if metadata.get(key) in (None, "", []):
+            continue
+        problem = card_data_problem({key: metadata[key]})
+        if problem is None:
+            copied[key] = metadata[key]
+        else:
+            logger.warning(f"note: {key} of SRC's README.md is not copied into the card: {problem}.")
+    return copied
 
-        metadata = metadata_load(readme) or {}
-    except Exception:  # a malformed card must not stop a conversion
-        return {}
-    return {key: metadata[key] for key in _COPIED_METADATA if metadata.get(key)}
+
+def _front_matter(readme: Path) -> dict | None:
+    """The YAML front matter of `readme` as a dict, or None (no card, not a regular file, too large, aliases, too
+    deep, malformed). Never opens a FIFO or a device, never reads more than the bound."""
+    import yaml
+
+    try:
+        fd = os.open(readme, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        head = handle.read(_FRONT_MATTER_BYTES + 8).decode("utf-8", "replace")
+    lines = head.split("\n")
+    if not lines or lines[0].strip() != "---":
+        return None
+    try:
+        end = next(i for i, line in enumerate(lines[1:], 1) if line.strip() == "---")
+    except StopIteration:
+        logger.warning(f"note: the front matter of SRC's README.md is over {_FRONT_MATTER_BYTES} bytes: not read.")
+        return None
+    text = "\n".join(lines[1:end])
+    try:
+        depth = 0
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+                logger.warning("note: the front matter of SRC's README.md uses YAML anchors/aliases: not read.")
+                return None
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                depth += 1
+                if depth > _YAML_DEPTH:
+                    logger.warning("note: the front matter of SRC's README.md is nested too deeply: not read.")
+                    return None
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                depth -= 1
+        metadata = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
+    return metadata if isinstance(metadata, dict) else None
 
 
 def conversion_provenance(source: SourceCheckpoint, source_kind: str, diff_version: int) -> dict:

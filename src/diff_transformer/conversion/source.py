@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config_checks import CONFIG_MAX_BYTES, check_model_type
 from ..hub_ids import hub_id
 from .errors import ConversionError, one_line
 
@@ -20,20 +21,29 @@ SAFETENSORS_SINGLE = "model.safetensors"
 _PICKLE_SUFFIXES = (".bin", ".pth", ".pt", ".ckpt", ".pkl")
 _FLOAT_DTYPES = {"F32", "F16", "BF16"}
 
-# What a Hub download fetches: transformers' safetensors weights only (not pickles, nor e.g. a duplicate
-# consolidated.safetensors), configs, tokenizer, chat template, card and licence.
-HUB_ALLOW_PATTERNS = [
-    "model*.safetensors",
-    "*.json",
-    "*.jinja",
+# The files of SRC that are copied into OUT beside the converted weights (OUT is what users push): tokenizer, chat
+# template, generation config, licence. Anything else (secrets.env, id_rsa, notes...) is not copied, and is named.
+SIDE_FILE_PATTERNS = [
     "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
     "*.model",
     "*.tiktoken",
-    "*.txt",
-    "*.md",
+    "*.jinja",
+    "chat_template.json",
+    "generation_config.json",
     "LICENSE*",
+    "LICENCE*",
     "NOTICE*",
+    "COPYING*",
+    "USE_POLICY*",
 ]
+# What a Hub download fetches: transformers' safetensors weights only (not pickles, nor e.g. a duplicate
+# consolidated.safetensors), the config and index, the card (for its licence) and the side files.
+HUB_ALLOW_PATTERNS = ["model*.safetensors", "config.json", SAFETENSORS_INDEX, "README.md", *SIDE_FILE_PATTERNS]
 HUB_IGNORE_PATTERNS = ["original/*", "*/original/*"]
 
 
@@ -164,6 +174,10 @@ def load_config(path: Path) -> dict:
             "(config.json + *.safetensors); "
             "save the model with `save_pretrained` or download the full repository."
         )
+    if config_file.stat().st_size > CONFIG_MAX_BYTES:
+        raise ConversionError(
+            f"{config_file} is over {CONFIG_MAX_BYTES >> 20} MB, not a config: restore or re-download it."
+        )
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except RecursionError:
@@ -176,6 +190,7 @@ def load_config(path: Path) -> dict:
         ) from exc
     if not isinstance(config, dict):
         raise ConversionError(f"{config_file} does not hold a JSON object: restore or re-download it.")
+    check_model_type(config, str(config_file), error=ConversionError)
     return config
 
 
@@ -301,6 +316,7 @@ def check_float_dtypes(source: SourceCheckpoint) -> None:
 
 __all__ = [
     "HUB_ALLOW_PATTERNS",
+    "SIDE_FILE_PATTERNS",
     "HUB_IGNORE_PATTERNS",
     "SourceCheckpoint",
     "TensorInfo",

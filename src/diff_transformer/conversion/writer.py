@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -15,6 +16,18 @@ from .source import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 
 
 _HEADER_BYTES_PER_TENSOR = 192  # a header entry is ~120 bytes for the longest Llama tensor names
+
+
+def _check_fits_float16(name: str, tensor: torch.Tensor) -> None:
+    """A cast to float16 turns values beyond ±65504 into inf (and the model's logits into NaN), silently: refused.
+    `aminmax` reduces over views (V2's expanded query heads) without materialising them."""
+    low, high = (float(v) for v in torch.aminmax(tensor.detach()))
+    limit = torch.finfo(torch.float16).max
+    if not (math.isfinite(low) and math.isfinite(high)) or max(-low, high) > limit:
+        raise ConversionError(
+            f"tensor {name} holds values in [{low:.4g}, {high:.4g}], beyond float16's range (±{limit:g}): the cast "
+            "would make them inf; convert with --dtype bfloat16 (or float32, or keep the stored dtype)."
+        )
 
 
 class ShardWriter:
@@ -44,6 +57,8 @@ class ShardWriter:
         dtype = dtype or tensor.dtype
         if dtype not in SAFETENSORS_CODES:
             raise ConversionError(f"tensor {name} has dtype {dtype}, which safetensors cannot store.")
+        if dtype == torch.float16 and tensor.dtype != torch.float16 and tensor.numel():
+            _check_fits_float16(name, tensor)
         shape = tuple(getattr(tensor, "stored_shape", tensor.shape))  # see layout.stored_as
         size = tensor.numel() * dtype.itemsize
         if self.max_shard_bytes is not None and self._entries and self._pending_bytes + size > self.max_shard_bytes:

@@ -4,7 +4,6 @@ and `modeling_diff.py` import only torch, transformers and each other):
 * `attention`: `attn_implementation="diff_triton"` (V1's fused kernel) registered with transformers;
 * `hub`: the model card, written by `save_pretrained`, `push_to_hub` and the converter;
 * `peft`: PEFT's default target modules for `model_type="diff"`;
-* `serving`: transformers' OpenAI-compatible server for Diff models (`diff-transformer serve`);
 * `vllm`: the vLLM model and its plugin entry point (imports vLLM; never imported by `import diff_transformer`).
 
 `install()` applies the first three to the package's model classes; `import diff_transformer` calls it.

@@ -9,7 +9,7 @@ import os
 
 from transformers import PreTrainedModel
 
-from ..configuration_diff import DiffConfig
+from ..configuration_diff import CARD_DATA_KEYS, DiffConfig
 from ..modeling_diff import DiffPreTrainedModel
 
 
@@ -78,7 +78,7 @@ def _card_data(config: DiffConfig):
         library_name="transformers",
         pipeline_tag=_task(config)[0],
         tags=tags,
-        **conversion.get("card_data", {}),
+        **{key: value for key, value in (conversion.get("card_data") or {}).items() if key in CARD_DATA_KEYS},
     )
 
 

@@ -338,9 +338,14 @@ def differential_attention_v1(
         if attention_mask.dtype not in (torch.bool, torch.float32, torch.float16, torch.bfloat16):
             attention_mask = attention_mask.to(torch.float32)
     if cu_seqlens is not None:
-        cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32)
+        longest = _check_cu_seqlens(cu_seqlens, N)
+        cu_seqlens = cu_seqlens.to(dtype=torch.int32)
         if max_seqlen is None:
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            max_seqlen = longest
+        elif not longest <= max_seqlen:
+            raise ValueError(
+                f"differential_attention_v1: max_seqlen {max_seqlen} is below the longest packed sequence ({longest})"
+            )
     # The kernels need unit column stride and int32 offsets inside one head's (rows, d) slice.
     query, key, value = (
         t if t.stride(-1) == 1 and t.stride(2) * t.shape[2] < 2**31 else t.contiguous() for t in (query, key, value)
@@ -355,6 +360,20 @@ def differential_attention_v1(
         with torch.cuda.device(query.device):
             return _DifferentialAttentionV1.apply(query, key, value, lam32, problem, path, needs_grad, atomic)
     return _DifferentialAttentionV1.apply(query, key, value, lam32, problem, path, needs_grad, atomic)
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, n: int) -> int:
+    """The longest sequence, once `cu_seqlens` is known to be offsets the kernels may index with: 0, non-decreasing,
+    ending at N. Anything else would read and write outside the packed rows (on a GPU: out-of-bounds accesses) or
+    leave output rows unwritten. One device-to-host read, the same one computing max_seqlen costs."""
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0 or offsets[-1] != n or any(b < a for a, b in zip(offsets, offsets[1:], strict=False)):
+        shown = offsets if len(offsets) <= 8 else [*offsets[:4], "...", *offsets[-2:]]
+        raise ValueError(
+            f"differential_attention_v1: cu_seqlens {shown} must start at 0, never decrease and end at N={n} (the "
+            "packed length): the offsets of each sequence's first token, then the total."
+        )
+    return max(b - a for a, b in zip(offsets, offsets[1:], strict=False))
 
 
 def _validate(query, key, value, lam, attention_mask, cu_seqlens, path):
@@ -414,11 +433,20 @@ def _validate(query, key, value, lam, attention_mask, cu_seqlens, path):
             )
         if m.device != query.device:
             fail(f"attention_mask is on {m.device}, the inputs on {query.device}")
+        if m.dtype != torch.bool and not m.is_floating_point():
+            fail(
+                f"attention_mask has dtype {m.dtype}: pass a bool mask (True = attend; mask.bool() for a 0/1 mask) or "
+                "an additive float mask, as scaled_dot_product_attention requires"
+            )
     if cu_seqlens is not None:
         if B != 1 or N != key.shape[2]:
             fail(f"cu_seqlens packs sequences into one batch row with N == L; got B={B}, N={N}, L={key.shape[2]}")
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             fail(f"cu_seqlens must be 1-D (number of sequences + 1,); got shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            fail(f"cu_seqlens must be int32 or int64 offsets; got {cu_seqlens.dtype}")
+        if cu_seqlens.device != query.device:
+            fail(f"cu_seqlens is on {cu_seqlens.device}, the inputs on {query.device}: move it there")
         if path == "decode":
             fail("path='decode' does not take cu_seqlens; use 'auto' or 'prefill'")
     if path == "decode" and (H // H_kv) * N > 2 * _DECODE_MAX_ROWS:

@@ -12,6 +12,8 @@ DDP) is Trainer's; this module only turns the command line into `TrainingArgumen
 
 from __future__ import annotations
 
+import errno
+import importlib.util
 import json
 import math
 import os
@@ -30,7 +32,7 @@ from ..conversion.source import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 from ..errors import UserError
 from ..extras import installed, missing, require
 from ..loading import check_diff_checkpoint, load_causal_lm, read_json, resolve_model
-from ..safe_output import check_target
+from ..safe_output import RUN_LOCK, check_target
 from .args import parse_train_args
 from .callbacks import LambdaLoggingCallback, RunSettingsCallback, console_logs, last_lambda_summary
 from .data import TrainingError, build_datasets
@@ -63,8 +65,41 @@ class CausalLMTrainer(Trainer):
         super()._issue_warnings_after_load(load_result)
 
 
+# What Trainer writes into a checkpoint-N directory: a directory holding none of these is not one of its checkpoints.
+_TRAINER_CHECKPOINT_FILES = (
+    "trainer_state.json",
+    "training_args.bin",
+    "optimizer.pt",
+    "scheduler.pt",
+    "rng_state.pth",
+    "config.json",
+    "adapter_config.json",
+    SAFETENSORS_SINGLE,
+    SAFETENSORS_INDEX,
+)
+
+
 def _checkpoints(output: Path) -> list[Path]:
-    return sorted(output.glob(f"{PREFIX_CHECKPOINT_DIR}-*")) if output.is_dir() else []
+    """The Trainer checkpoints in `output`: checkpoint-N directories (N a number) that are empty (a save killed at
+    once) or hold a file Trainer writes there. A user's `checkpoint-mynotes/` or a `checkpoint-3/` of other files is
+    neither counted nor ever deleted."""
+    if not output.is_dir():
+        return []
+    found = []
+    for path in output.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+        if _step(path) < 0 or path.is_symlink() or not path.is_dir():
+            continue
+        names = {entry.name for entry in path.iterdir()}
+        if not names or names & set(_TRAINER_CHECKPOINT_FILES):
+            found.append(path)
+    return sorted(found, key=_step)
+
+
+def _holds_run(output: Path) -> list[str]:
+    """What shows that `output` holds a training run: its checkpoints, or the files a finished run leaves."""
+    found = [path.name for path in _checkpoints(output)]
+    found += [name for name in _RUN_FILES if (output / name).exists()]
+    return found
 
 
 def resolve_resume(args, block_size: int) -> str | None:
@@ -89,6 +124,8 @@ def resolve_resume(args, block_size: int) -> str | None:
         if not checkpoint.is_dir():
             raise TrainingError(f"--resume {args.resume}: no such checkpoint directory")
     state = _checkpoint_state(checkpoint)
+    if args.resume != "auto":
+        _check_resume_target(checkpoint, output, args.overwrite)
     settings = state.get("stateful_callbacks", {}).get(RunSettingsCallback.__name__, {}).get("args", {})
     if settings.get("block_size", block_size) != block_size:
         raise TrainingError(
@@ -106,6 +143,21 @@ def resolve_resume(args, block_size: int) -> str | None:
             "raise --max-steps to train further"
         )
     return str(checkpoint)
+
+
+def _check_resume_target(checkpoint: Path, output: Path, overwrite: bool) -> None:
+    """Resuming run Y's checkpoint into an --output that holds another run X would overwrite X's later checkpoints
+    and final model with Y's: only with --overwrite (which then deletes X's checkpoints first)."""
+    if checkpoint.resolve().parent == output.resolve() or overwrite:
+        return
+    found = _holds_run(output)
+    if found:
+        shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+        raise TrainingError(
+            f"--output {output} holds another training run ({shown}) than the one --resume {checkpoint} continues: "
+            f"resume into {checkpoint.parent} (the run it belongs to) or a new --output, or pass --overwrite to "
+            f"replace the run in {output}"
+        )
 
 
 def _checkpoint_state(checkpoint: Path) -> dict:
@@ -248,13 +300,19 @@ def check_output(args) -> Path:
     output = check_target(args.output, name="--output", sources=sources or None, error=TrainingError)
     if os.path.lexists(output) and not output.is_dir():
         raise TrainingError(f"--output {args.output} is a file: pass a directory (it is created if missing)")
-    if output.is_dir() and not args.overwrite and not _checkpoints(output):
-        ran_here = any((output / name).exists() for name in _RUN_FILES)
+    if output.is_dir() and not args.overwrite and not _holds_run(output):
         model = [name for name in _MODEL_FILES if (output / name).exists()]
-        if model and not ran_here:
+        others = sorted(p.name for p in output.iterdir() if p.name != RUN_LOCK)
+        if model:
             raise TrainingError(
                 f"--output {output} holds a model ({model[0]}) that no training run wrote, and the final save would "
                 "overwrite it: choose another --output, or pass --overwrite to replace it"
+            )
+        if others:  # the final save writes README.md, config.json, tokenizer files... over whatever is there
+            shown = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
+            raise TrainingError(
+                f"--output {output} holds files that no training run wrote ({shown}), which the run's files could "
+                "overwrite: choose a new or empty --output, or pass --overwrite to write into it anyway"
             )
     return output
 
@@ -296,11 +354,75 @@ def check_args(args, config) -> int:
         raise TrainingError("--diff-only-steps needs a Diff model")
     if args.diff_only_steps and args.lora:
         raise TrainingError("--diff-only-steps and --lora do not combine (LoRA already trains only adapters and λ)")
+    _check_ranges(args)
+    _check_report_to(args.report_to)
     if args.load_in_4bit:
         if not args.lora:
             raise TrainingError("--load-in-4bit needs --lora (4-bit weights cannot be trained directly)")
         require(["bitsandbytes"], "qlora", "--load-in-4bit", error=TrainingError)
     return block_size
+
+
+_SEED_MAX = 2**32 - 1  # numpy's seed range (Trainer seeds numpy, random and torch alike)
+
+
+def _check_ranges(args) -> None:
+    """The numeric options check_args does not cover, each refused with its range before anything loads."""
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        raise TrainingError(f"--warmup-steps {args.warmup_steps} must be >= 0")
+    if not 0 <= args.seed <= _SEED_MAX:
+        raise TrainingError(f"--seed {args.seed} must be in [0, {_SEED_MAX}]")
+    if args.eval_batch_size is not None and args.eval_batch_size < 1:
+        raise TrainingError(f"--eval-batch-size {args.eval_batch_size} must be at least 1")
+    if args.save_total_limit is not None and args.save_total_limit < 1:
+        raise TrainingError(f"--save-total-limit {args.save_total_limit} must be at least 1 (omit it to keep all)")
+    if not (math.isfinite(args.eval_fraction) and 0 <= args.eval_fraction < 1):
+        raise TrainingError(f"--eval-fraction {args.eval_fraction} must be in [0, 1)")
+    if args.lora and (args.lora_r < 1 or args.lora_alpha < 1):
+        raise TrainingError(f"--lora-r {args.lora_r} and --lora-alpha {args.lora_alpha} must be at least 1")
+
+
+# --report-to name -> (module that makes it available, what to install)
+_REPORTERS = {
+    "azure_ml": ("azureml", "azureml-core"),
+    "comet_ml": ("comet_ml", "comet_ml"),
+    "mlflow": ("mlflow", "mlflow"),
+    "neptune": ("neptune", "neptune"),
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "trackio": ("trackio", "trackio"),
+    "wandb": ("wandb", "wandb"),
+    "codecarbon": ("codecarbon", "codecarbon"),
+    "clearml": ("clearml", "clearml"),
+    "dagshub": ("dagshub", "dagshub"),
+    "flyte": ("flytekit", "flytekit"),
+    "dvclive": ("dvclive", "dvclive"),
+    "swanlab": ("swanlab", "swanlab"),
+    "kubeflow": ("kubeflow", "kubeflow-training"),
+}
+
+
+def _check_report_to(names: list[str]) -> None:
+    """Every --report-to integration is one transformers knows and is installed (else: its install line)."""
+    from transformers.integrations.integration_utils import (
+        INTEGRATION_TO_CALLBACK,
+        get_available_reporting_integrations,
+    )
+
+    if names in (["none"], ["all"], []):
+        return
+    available = set(get_available_reporting_integrations())
+    for name in names:
+        if name in ("none", "all"):
+            raise TrainingError(f"--report-to {name} cannot be combined with other names: pass it alone")
+        if name not in INTEGRATION_TO_CALLBACK:
+            known = ", ".join(sorted(INTEGRATION_TO_CALLBACK))
+            raise TrainingError(f"--report-to {name} is not an integration transformers knows: use none, all, {known}")
+        module, package = _REPORTERS.get(name, (name, name))
+        if name not in available and importlib.util.find_spec(module) is None:
+            raise TrainingError(
+                f"--report-to {name} needs {package}, which is not installed: pip install {package} "
+                "(or pass --report-to none)"
+            )
 
 
 def use_bf16(choice: str) -> bool:
@@ -443,7 +565,9 @@ def build_trainer(args) -> PreparedRun:
     )
     training_args = training_arguments(args, eval_data is not None, resume is not None)
     model = load_model(args, training_args)
-    if args.overwrite and resume is None:  # only once the model has loaded: a failed start keeps the old run
+    foreign = resume is not None and Path(resume).resolve().parent != Path(args.output).resolve()
+    # Only once the model has loaded: a failed start keeps the old run.
+    if args.overwrite and (resume is None or foreign):
         with training_args.main_process_first(desc="removing old checkpoints"):
             if training_args.process_index == 0:
                 for old in _checkpoints(Path(args.output)):
@@ -481,6 +605,16 @@ class AdapterCardCallback(TrainerCallback):
 
 
 def run(args) -> int:
+    from ..safe_output import OutputLock
+
+    output = check_output(args)  # before the lock creates --output
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun the main process holds the lock for every rank
+        return _run(args)
+    with OutputLock(output, name="--output", error=TrainingError):
+        return _run(args)
+
+
+def _run(args) -> int:
     trainer, resume, block_size = build_trainer(args)
     main = trainer.is_world_process_zero()
     model, train_data, eval_data = trainer.model, trainer.train_dataset, trainer.eval_dataset
@@ -523,6 +657,9 @@ def run(args) -> int:
     return 0
 
 
+_DISK_ERRORS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)
+
+
 def run_cli(args) -> int:
     """`run`, with a bad option or input reported as one line on stderr and exit status 2 (and no empty --output
     directory left behind)."""
@@ -536,6 +673,19 @@ def run_cli(args) -> int:
                 os.rmdir(args.output)
             except OSError:
                 pass
+        return 2
+    except OSError as error:
+        inside = error.filename is None or Path(os.fsdecode(error.filename)).absolute().is_relative_to(
+            Path(args.output).absolute()
+        )
+        if error.errno not in _DISK_ERRORS or not inside:  # not a write into --output: a bug, with its traceback
+            raise
+        # The disk filled up or turned read-only during the run: the last complete checkpoint is resumable.
+        print(
+            f"error: writing {error.filename or args.output} failed ({error.strerror}): free space or fix the "
+            f"permissions, then continue with --resume",
+            file=sys.stderr,
+        )
         return 2
 
 

@@ -1,0 +1,164 @@
+"""Configs checked before anything is built from them or written: `config.json` (size, model_type, what a model
+can be built from) and `generation_config.json` (value ranges). Shared by the converter, the commands that load a
+model (`loading`) and the server, so each problem is one line naming the file and the fix."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .errors import UserError
+
+
+CONFIG_MAX_BYTES = 16 << 20  # a config.json is kilobytes; anything near this is not one (and is not read whole)
+
+
+def read_json(path: Path, *, error: type[UserError] = UserError):
+    """A JSON file's content, or `error` naming the file (also for nesting too deep for the parser, or a file far
+    larger than any config)."""
+    try:
+        if path.stat().st_size > CONFIG_MAX_BYTES:
+            raise error(f"{path} is over {CONFIG_MAX_BYTES >> 20} MB, not a config: restore or re-download it.")
+        return json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise error(f"{path} is nested too deeply to be a config: restore or re-download it.") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise error(
+            f"{path} is not valid JSON ({' '.join(str(exc).split())[:200]}): restore or re-download it."
+        ) from None
+
+
+def refuse_special_files(directory: Path, error: type[UserError]) -> None:
+    """A checkpoint's JSON files are never opened when they are not regular files (a FIFO would block a read)."""
+    import stat
+
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json"):
+        try:
+            mode = (directory / name).stat().st_mode
+        except OSError:
+            continue
+        if not stat.S_ISREG(mode):
+            raise error(f"{directory / name} is not a regular file: restore it (reading it could block forever).")
+
+
+def check_model_type(raw, where: str, *, error: type[UserError] = UserError) -> None:
+    """A config.json's `model_type` must be a string (transformers would hash a list, or ask to run custom code)."""
+    if isinstance(raw, dict) and "model_type" in raw and not isinstance(raw["model_type"], str):
+        raise error(
+            f'{where}: model_type {raw["model_type"]!r} is not a string: set it to the model\'s type, e.g. "llama" '
+            'or "diff".'
+        )
+
+
+def check_model_config(config, where: str, *, error: type[UserError] = UserError, build: bool = True) -> None:
+    """The values a model is built from, checked before any weight is read or written, each as one line naming the
+    field and the fix: token ids inside the vocabulary, a RoPE type transformers knows, an attention backend that is
+    installed; then (`build`) the model itself is built on the meta device (no memory for weights), so that whatever
+    else transformers or torch would refuse while building it is refused here too. Building costs time in the number
+    of layers: callers check that count against the weights first (a config.json claiming 10^5 layers)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text_config, "vocab_size", None)
+    pad = getattr(text_config, "pad_token_id", None)
+    if isinstance(vocab, int) and isinstance(pad, int) and not 0 <= pad < vocab:
+        raise error(
+            f"{where}: pad_token_id={pad} is not a token id of the vocabulary (0 to {vocab - 1}): set it to a token "
+            "id below vocab_size, or to null (no padding token), in config.json."
+        )
+    rope = getattr(text_config, "rope_parameters", None)
+    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+    if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+        known = ", ".join(["default", *ROPE_INIT_FUNCTIONS])
+        raise error(
+            f"{where}: rope_parameters.rope_type {rope_type!r} is not one transformers knows: use one of {known}."
+        )
+    if not build:
+        return
+    backend = getattr(config, "_attn_implementation", None)
+    try:
+        with torch.device("meta"):
+            architecture = (getattr(config, "architectures", None) or [None])[0]
+            model_class = _model_class(config, architecture)
+            model_class._from_config(config) if model_class is not None else AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # ImportError (backend), ValueError, AssertionError, KeyError... from the constructors
+        message = " ".join(str(exc).split())[:200] or type(exc).__name__
+        if backend not in (None, "eager", "sdpa") and isinstance(exc, (ImportError, ValueError)):
+            raise error(
+                f"{where}: _attn_implementation={backend!r} cannot be used here ({message}): remove it from "
+                "config.json, or install its package."
+            ) from None
+        raise error(
+            f"{where}: config.json does not describe a model transformers can build ({message}): fix it."
+        ) from None
+
+
+# generation_config.json fields -> (lowest, highest, lowest excluded): what generate() would otherwise fail on deep
+# inside (num_beams -3: "negative dimension") or silently misuse (top_p 2, a negative repetition penalty).
+GENERATION_RANGES = {
+    "max_new_tokens": (1, None, False),
+    "max_length": (1, None, False),
+    "min_new_tokens": (0, None, False),
+    "min_length": (0, None, False),
+    "num_beams": (1, None, False),
+    "num_beam_groups": (1, None, False),
+    "num_return_sequences": (1, None, False),
+    "top_k": (0, None, False),
+    "no_repeat_ngram_size": (0, None, False),
+    "top_p": (0.0, 1.0, True),
+    "typical_p": (0.0, 1.0, True),
+    "min_p": (0.0, 1.0, False),
+    "epsilon_cutoff": (0.0, 1.0, False),
+    "eta_cutoff": (0.0, 1.0, False),
+    "temperature": (0.0, None, False),
+    "repetition_penalty": (0.0, None, True),
+    "diversity_penalty": (0.0, None, False),
+}
+_INTEGER_FIELDS = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "num_beams", "num_beam_groups"}
+_INTEGER_FIELDS |= {"num_return_sequences", "top_k", "no_repeat_ngram_size"}
+
+
+def generation_value_problem(field: str, value) -> str | None:
+    """Why `value` cannot be generation setting `field` (None: it can, or the field is not range-checked)."""
+    if field not in GENERATION_RANGES or value is None:
+        return None
+    low, high, open_low = GENERATION_RANGES[field]
+    integer = field in _INTEGER_FIELDS
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
+        return f"{field}={value!r} must be a{'n integer' if integer else ' finite number'}"
+    if (value <= low if open_low else value < low) or (high is not None and value > high):
+        bound = f"{'>' if open_low else '>='} {low}" + ("" if high is None else f" and <= {high}")
+        return f"{field}={value} must be {bound}"
+    return None
+
+
+def check_generation_config(location: str, where: str, *, error: type[UserError] = UserError) -> None:
+    """MODEL's generation_config.json (if any), range-checked before the weights load."""
+    from transformers import GenerationConfig
+
+    if Path(location).is_dir():
+        refuse_special_files(Path(location), error)
+    try:
+        generation = GenerationConfig.from_pretrained(location)
+    except OSError:
+        return  # none: generate() uses the model config's defaults
+    except Exception as exc:
+        message = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise error(f"{where}: generation_config.json is invalid ({message}): fix it.") from None
+    for field, value in generation.to_dict().items():
+        problem = generation_value_problem(field, value)
+        if problem:
+            raise error(f"{where}: in generation_config.json, {problem}: fix it or remove the field.")
+
+
+def _model_class(config, architecture: str | None):
+    """The class a Diff config's `architectures` names (task heads included), else None (the Auto class decides)."""
+    if getattr(config, "model_type", None) != "diff":
+        return None
+    from . import modeling_diff
+
+    return getattr(modeling_diff, architecture or "DiffForCausalLM", modeling_diff.DiffForCausalLM)
