@@ -11,6 +11,7 @@ the line before it, which the test reports as the skip reason:
                                                 must not depend on what it makes
     <!-- docs-test: fails -->                   every command must exit 2, printing the `# error: ...` lines shown
                                                 (`...` stands for any text)
+    <!-- docs-test: partial reason -->           only the block's `diff-transformer` commands run, `serve` aside
 
 Blocks in other languages (text, yaml, output listings) are not code and are not collected.
 """
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 RUNNABLE = {"python", "bash", "sh", "shell", "console"}
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
-MARKER = re.compile(r"<!--\s*docs-test:\s*(?P<kind>skip|slow|fails)\b\s*(?P<reason>.*?)\s*-->\s*$")
+MARKER = re.compile(r"<!--\s*docs-test:\s*(?P<kind>skip|slow|fails|partial)\b\s*(?P<reason>.*?)\s*-->\s*$")
 
 
 class Block:
@@ -64,16 +65,20 @@ def extract(page: Path) -> list[Block]:
 BLOCKS = {page: extract(page) for page in PAGES}
 
 
-def shell_commands(code: str) -> list[list[str]] | None:
-    """The block's commands as argument lists, or None if any command is not `diff-transformer ...`."""
+def shell_commands(code: str, partial: bool = False) -> list[list[str]] | None:
+    """The block's commands as argument lists, or None if any command is not `diff-transformer ...`. `partial`: only
+    the `diff-transformer` commands, `serve` (a server that runs until stopped) aside."""
     commands = []
     for line in code.replace("\\\n", " ").splitlines():
         words = shlex.split(line, comments=True)
         if not words:
             continue
         if words[0] != "diff-transformer":
+            if partial:
+                continue
             return None
-        commands.append(words[1:])
+        if not (partial and words[1:2] == ["serve"]):
+            commands.append(words[1:])
     return commands
 
 
@@ -96,7 +101,7 @@ class Session:
             return
         from diff_transformer.cli import main
 
-        commands = shell_commands(block.code)
+        commands = shell_commands(block.code, partial=block.kind == "partial")
         assert commands is not None, f"{block.id}: runs commands other than diff-transformer: mark it skip, say why"
         stderr = io.StringIO()
         for argv in commands:
@@ -117,9 +122,14 @@ SESSIONS: dict[Path, Session] = {}
 
 
 def cases():
+    seen = {}  # code of each block -> its id
     for blocks in BLOCKS.values():
         for block in blocks:
             marks = [pytest.mark.slow] if block.kind == "slow" else []
+            # The journey is in README.md and in docs/long_description.md, word for word (tests/test_journey.py).
+            if block.kind == "partial" and block.code in seen:
+                block.kind, block.reason = "skip", f"the same block as {seen[block.code]}, run there"
+            seen.setdefault(block.code, block.id)
             yield pytest.param(block, id=block.id, marks=marks)
 
 
@@ -143,7 +153,10 @@ def test_every_block_is_runnable_or_says_why_not():
         for block in blocks:
             if block.kind == "skip" and not block.reason:
                 problems.append(f"{block.id}: skip marker without a reason")
-            if block.kind != "skip" and block.lang != "python" and shell_commands(block.code) is None:
+            if block.kind == "partial" and not block.reason:
+                problems.append(f"{block.id}: partial marker without a reason")
+            runnable = shell_commands(block.code, partial=block.kind == "partial") is not None
+            if block.kind != "skip" and block.lang != "python" and not runnable:
                 problems.append(f"{block.id}: commands other than diff-transformer, and no skip reason")
     assert not problems, "\n".join(problems)
     assert sum(len(blocks) for blocks in BLOCKS.values()) > 20
@@ -157,7 +170,7 @@ def test_block(block: Block, session_for, one_torch_thread):
     # Run the earlier blocks of the page this one builds on that have not run yet (under -k). Slow blocks are never
     # prerequisites: later blocks must not need what they make, so the quick loop can leave them out.
     for earlier in BLOCKS[block.page][session.done + 1 : block.index]:
-        if earlier.kind is None and (earlier.lang == "python" or shell_commands(earlier.code) is not None):
+        if earlier.kind in (None, "partial"):  # an unmarked shell block is runnable: checked above
             session.run(earlier)
     session.done = block.index
     torch.manual_seed(0)
@@ -170,7 +183,9 @@ def test_extract_finds_markers_and_nested_fences(tmp_path):
         "text\n\n<!-- docs-test: skip needs a GPU -->\n```python\nimport torch\n```\n\n"
         "* item\n\n  ```bash\n  diff-transformer convert a b \\\n    --verify  # exact\n  ```\n\n"
         "```text\nnot code\n```\n<!-- docs-test: slow -->\n```bash\npip install x\n```\n"
-        "<!-- docs-test: fails -->\n```bash\ndiff-transformer generate nowhere hi\n# error: MODEL ...\n```\n",
+        "<!-- docs-test: fails -->\n```bash\ndiff-transformer generate nowhere hi\n# error: MODEL ...\n```\n"
+        "<!-- docs-test: partial pip is not run -->\n```bash\npip install x\ndiff-transformer merge a b\n"
+        "diff-transformer serve --port 1\n```\n",
         encoding="utf-8",
     )
     blocks = extract(page)
@@ -179,7 +194,9 @@ def test_extract_finds_markers_and_nested_fences(tmp_path):
         ("bash", None, ""),
         ("bash", "slow", ""),
         ("bash", "fails", ""),
+        ("bash", "partial", "pip is not run"),
     ]
+    assert shell_commands(blocks[4].code, partial=True) == [["merge", "a", "b"]]
     assert shell_commands(blocks[1].code) == [["convert", "a", "b", "--verify"]]
     assert shell_commands(blocks[2].code) is None
 
