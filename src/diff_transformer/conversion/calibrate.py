@@ -97,19 +97,24 @@ def plan_calibration(
     text = read_calibration_text(calibration_data) if calibration_data is not None else None
     description = f"--calibration-data {Path(calibration_data).name}" if text is not None else BUILTIN_DESCRIPTION
     tokenizer = _tokenizer(source_path)
-    if tokenizer is None:
-        if text is not None:
-            raise ConversionError(
-                f"--calibration-data needs SRC's tokenizer, but {source_path} has none that loads: add its tokenizer "
-                "files, or convert without --calibration-data."
-            )
-        logger.warning("note: SRC has no tokenizer: V1 calibration runs on seeded random token ids.")
+    if tokenizer is None and text is not None:
+        raise ConversionError(
+            f"--calibration-data needs SRC's tokenizer, but {source_path} has none that loads: add its tokenizer "
+            "files, or convert without --calibration-data."
+        )
+    ids = (
+        tokenizer(text or BUILTIN_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+        if (tokenizer is not None)
+        else []
+    )
+    if text is None and len(ids) < MIN_TOKENS:  # no tokenizer, or one that does not read English text
+        reason = (
+            "SRC has no tokenizer" if tokenizer is None else "SRC's tokenizer reads the built-in text as no tokens"
+        )
+        logger.warning(f"note: {reason}: V1 calibration runs on seeded random token ids.")
         generator = torch.Generator().manual_seed(seed)
         blocks = torch.randint(0, vocab_size, (num_blocks, block_size), generator=generator)
-        return CalibrationPlan(blocks, f"random token ids (seed {seed}; SRC has no tokenizer)")
-    if text is None:
-        text = BUILTIN_TEXT.read_text(encoding="utf-8")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return CalibrationPlan(blocks, f"random token ids (seed {seed}; {reason})")
     bos = tokenizer.bos_token_id
     body = block_size - (bos is not None)
     if len(ids) < MIN_TOKENS:
