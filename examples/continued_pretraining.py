@@ -111,7 +111,11 @@ def train(name: str, model: Path, out: Path, seed: int, args) -> dict:
     start = time.perf_counter()
     if cli.main(argv) != 0:
         raise SystemExit(f"training {name} (seed {seed}) failed")
-    seconds = time.perf_counter() - start
+    return read_run(out, time.perf_counter() - start)
+
+
+def read_run(out: Path, seconds: float) -> dict:
+    """The figures of one finished run, from its trainer_state.json."""
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     train_logs = [h for h in history if "loss" in h]
     evals = {}
