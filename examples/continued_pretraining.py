@@ -1,6 +1,6 @@
 """Continued pretraining after conversion, on real text: the shipped tiny Llama vs its Diff V2 and V1 conversions.
 
-    python examples/continued_pretraining.py                       # 6 configurations x 3 seeds of 200 steps
+    python examples/continued_pretraining.py   # 6 configurations x 3 seeds of 200 steps: ~30 min on 2 idle cores
     python examples/continued_pretraining.py --models llama v1cal --seeds 0 --steps 40    # a quick look
     python examples/continued_pretraining.py --merge a.json b.json  # tables and figure from several partial runs
 
