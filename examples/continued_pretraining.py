@@ -165,9 +165,8 @@ def plot(results: dict, path: Path, args) -> None:
             steps, mean, low, high = curve(r["runs"], key)
             ax.plot(steps, mean, marker=marker, markersize=3, **style)
             ax.fill_between(steps, low, high, color=COLORS[name], alpha=0.15)
-    seeds = len(next(iter(results.values()))["runs"])
     loss_ax.set(
-        title=f"training loss (mean over each logging window; mean of {seeds} seeds, band: min-max)",
+        title="training loss (mean over each logging window; mean over seeds, band: min-max)",
         xlabel="step",
         ylabel="cross-entropy",
     )
@@ -222,6 +221,7 @@ def summary(results: dict) -> dict:
             "ppl_step0": mean_sd([run["ppl_step0"] for run in runs.values()]),
             "ppl_end": mean_sd([run["ppl_end"] for run in runs.values()]),
             "seconds": mean_sd([run["train_seconds"] for run in runs.values()]),
+            "seeds": len(runs),
         }
         paired = [seed for seed in runs if seed in base]
         if paired:
@@ -236,18 +236,19 @@ def summary(results: dict) -> dict:
 def markdown(results: dict, figures: dict, args) -> str:
     table = summary(results)
 
-    def cell(pair, digits=2):
-        return f"{pair[0]:.{digits}f} ± {pair[1]:.{digits}f}"
+    def cell(pair, digits=2, n=2):
+        return f"{pair[0]:.{digits}f}" + (f" ± {pair[1]:.{digits}f}" if n > 1 else "")
 
     def ratio(row, key):
         if f"ratio_{key}" not in row:
             return "-"
         low, high = row[f"ratio_{key}_range"]
-        return f"{cell(row[f'ratio_{key}'], 3)} ({low:.3f}-{high:.3f})"
+        n = row["seeds"]
+        return cell(row[f"ratio_{key}"], 3, n) + (f" ({low:.3f}-{high:.3f})" if n > 1 else "")
 
     rows = [
-        f"| {NAMES[name]} | {cell(row['ppl_step0'])} | {ratio(row, 'ppl_step0')} | {cell(row['ppl_end'])} | "
-        f"{ratio(row, 'ppl_end')} | {row['seconds'][0]:.0f} s |"
+        f"| {NAMES[name]} | {row['seeds']} | {cell(row['ppl_step0'], n=row['seeds'])} | {ratio(row, 'ppl_step0')} | "
+        f"{cell(row['ppl_end'], n=row['seeds'])} | {ratio(row, 'ppl_end')} | {row['seconds'][0]:.0f} s |"
         for name, row in table.items()
     ]
     settings = figures["settings"]
@@ -260,14 +261,14 @@ def markdown(results: dict, figures: dict, args) -> str:
         "",
         f"Produced by `python examples/continued_pretraining.py {command}`. Held-out perplexity: `diff-transformer "
         "train`'s evaluation (exp of the mean token NLL over data/heldout.txt packed into blocks of "
-        f"{args.block_size} tokens, each starting with `<s>`). Every figure is the mean ± standard deviation over "
-        f"{seeds} seeds (the seed drives the data order and V1's λ vectors); ratios are taken per seed against the "
-        "Llama of the same seed (step 0: the source itself; the end: the Llama trained the same way), with their "
-        "min-max in brackets.",
+        f"{args.block_size} tokens, each starting with `<s>`). Figures are the mean ± standard deviation over the "
+        f"n seeds of each configuration (of {seeds}; the seed drives the data order and V1's λ vectors); ratios are "
+        "taken per seed against the Llama of the same seed (step 0: the source itself; the end: the Llama trained "
+        "the same way), with their min-max in brackets.",
         "",
-        f"| model | held-out ppl, step 0 | ÷ source | held-out ppl, step {args.steps} | ÷ Llama trained alike | "
+        f"| model | n | held-out ppl, step 0 | ÷ source | held-out ppl, step {args.steps} | ÷ Llama trained alike | "
         "training time (mean) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
         *rows,
         "",
     ]
@@ -281,7 +282,8 @@ def markdown(results: dict, figures: dict, args) -> str:
         "init: λ_init = 0 and mirrored λ vectors (λ = 0 exactly at step 0, trainable), sub-layer norm gains fitted "
         "per layer by least squares on the built-in calibration text (Persuasion, chapters 1-2; not the held-out "
         f"text). '+ λ warm-up': `--lambda-warmup-steps {args.lambda_warmup_steps}` (λ used = min(1, step/"
-        f"{args.lambda_warmup_steps}) λ)."
+        f"{args.lambda_warmup_steps}) λ); its step 0 is the model as trained there (nothing subtracted; the paper "
+        "init still has its unit-gain norm and 1 - λ_init)."
     )
     lines.append(
         "* A difference between two configurations counts only where it exceeds the seed spread shown next to it."
@@ -290,8 +292,8 @@ def markdown(results: dict, figures: dict, args) -> str:
     if with_lambda:
         lines += [
             "",
-            "λ per layer, first log (step 1) -> last log, seed 0 "
-            f"(seed {args.seeds[0]}; V1: the layer's scalar as used, i.e. times the warm-up multiplier; "
+            "λ per layer, first log (step 1) -> last log, lowest seed "
+            "(V1: the layer's scalar as used, i.e. times the warm-up multiplier; "
             "V2: mean ± std of sigmoid(λ) over the tokens and heads of the logging window):",
             "",
         ]
@@ -307,7 +309,8 @@ def markdown(results: dict, figures: dict, args) -> str:
             lines.append(f"* {NAMES[name]}: " + ", ".join(cells))
     lines += [
         "",
-        f"Machine: {figures['machine']}. Training times are wall-clock, evaluations and tokenisation included"
+        f"Machine: {figures['machine']}. Training times: "
+        + figures.get("time_basis", "wall-clock, evaluations and tokenisation included")
         + (f"; {figures['note']}." if figures.get("note") else "."),
         "",
         "![](continued_pretraining.png)",
