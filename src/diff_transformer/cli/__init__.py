@@ -76,6 +76,8 @@ def _scratch_models(args, out: Path, shown: Path | None) -> int:
 
 
 def _convert(args) -> int:
+    import json
+
     from diff_transformer.conversion import convert_to_diff
 
     out = convert_to_diff(
@@ -85,12 +87,21 @@ def _convert(args) -> int:
         dtype=args.dtype,
         overwrite=args.overwrite,
         progress=not args.quiet,
+        **{k: v for k, v in (("v1_init", args.v1_init), ("calibration_data", args.calibration_data)) if v is not None},
     )
     print(f"wrote {out}")
-    if args.diff_version == 1:
+    conversion = json.loads((Path(out) / "config.json").read_text(encoding="utf-8")).get("conversion") or {}
+    if conversion.get("v1_init") == "calibrated":
+        blocks, length = conversion["calibration_tokens"]
         print(
-            "note: diff_version=1 re-pairs the Llama heads and adds fresh λ: "
-            "not function-preserving; continue pretraining."
+            f"V1 calibrated on {conversion['calibration_text']} ({blocks} blocks x {length} tokens): sub-layer norm "
+            "gains fitted by least squares, λ = 0 at step 0 (λ_init 0, mirrored λ vectors); relative residual per "
+            f"layer {conversion['subln_relative_residual']}."
+        )
+    if args.diff_version == 1 and conversion.get("source_model_type") != "diffllama":
+        print(
+            "note: diff_version=1 re-pairs the Llama heads: not function-preserving (--v1-init calibrated starts "
+            "closest); continue pretraining."
         )
     if args.verify:
         report = _verify(args, out)
@@ -347,6 +358,18 @@ def main(argv=None) -> int:
         "--verify",
         action="store_true",
         help="compare logits and greedy continuations with the source (with --dtype: the source cast the same way)",
+    )
+    convert.add_argument(
+        "--v1-init",
+        choices=("calibrated", "paper"),
+        default=None,
+        help="with --diff-version 1: calibrated (default: λ = 0 at start, sub-layer norm fitted on text) or paper",
+    )
+    convert.add_argument(
+        "--calibration-data",
+        metavar="FILE",
+        default=None,
+        help="UTF-8 text to calibrate V1 on (default: a built-in public-domain English text)",
     )
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
     convert.set_defaults(func=_convert)
