@@ -1,17 +1,23 @@
 """Continued pretraining after conversion, on real text: the shipped tiny Llama vs its Diff V2 and V1 conversions.
 
-    python examples/continued_pretraining.py                  # 3 runs of 200 steps: ~4.5 min on 2 idle CPU cores
-    python examples/continued_pretraining.py --steps 40       # a quick look
+    python examples/continued_pretraining.py   # 6 configurations x 3 seeds of 200 steps: ~30 min on 2 idle cores
+    python examples/continued_pretraining.py --models llama v1cal --seeds 0 --steps 40    # a quick look
+    python examples/continued_pretraining.py --merge a.json b.json  # tables and figure from several partial runs
 
 1. Convert `src/diff_transformer/assets/tiny-llama` (a 2.1M-parameter Llama trained by examples/train_tiny_llama.py on
-   four Jane Austen novels) to Diff V2 (function-preserving) and to Diff V1 (paper layout: heads re-paired, fresh λ).
-2. Train the Llama (the baseline, `--any-model`), V2 and V1 with `diff-transformer train` (run in this process) for
-   the same budget and settings on data/corpus.txt, evaluating held-out perplexity on data/heldout.txt (the last two
-   chapters of each book, never trained on) at step 0, every `--eval-every` steps and at the end.
-3. Write docs/continued_pretraining.png (loss, held-out perplexity, λ per layer over steps), .json (all figures)
-   and .md (tables).
+   four Jane Austen novels) to Diff V2 (function-preserving) and to Diff V1 twice: the paper's start (`--v1-init
+   paper`: heads re-paired, λ_init schedule, fresh λ, unit sub-layer norm) and the calibrated start (`--v1-init
+   calibrated`: λ = 0 exactly but trainable, sub-layer norm gains fitted on the built-in calibration text, which is
+   not the held-out text). Each seed converts again (the λ vectors are drawn with the seed).
+2. Train the Llama (the baseline, `--any-model`), V2 and both V1s, each V1 with and without `--lambda-warmup-steps`,
+   with `diff-transformer train` (run in this process) for the same budget and settings on data/corpus.txt, evaluating
+   held-out perplexity on data/heldout.txt (the last two chapters of each book, never trained on) at step 0, every
+   `--eval-every` steps and at the end; once per seed (the seed drives the data order and the λ vectors).
+3. Write docs/continued_pretraining.png (loss, held-out perplexity: mean over seeds with the min-max band; λ per
+   layer), .json (every run) and .md (tables: means ± standard deviation over seeds, ratios to the Llama of the same
+   seed).
 
-Every run is seeded; what differs between the three is only the model.
+What differs between configurations of one seed is only the model and, for "+ warm-up", the λ ramp.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import argparse
 import json
 import math
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -33,8 +40,25 @@ from diff_transformer.conversion import convert_to_diff
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA = REPO / "src" / "diff_transformer" / "assets" / "tiny-llama"
-NAMES = {"llama": "Llama (source, baseline)", "v2": "Diff V2 (converted)", "v1": "Diff V1 (converted)"}
-COLORS = {"llama": "tab:gray", "v2": "tab:blue", "v1": "tab:red"}
+NAMES = {
+    "llama": "Llama (source, baseline)",
+    "v2": "Diff V2 (converted)",
+    "v1": "Diff V1, paper init",
+    "v1-wu": "Diff V1, paper init + λ warm-up",
+    "v1cal": "Diff V1, calibrated init",
+    "v1cal-wu": "Diff V1, calibrated init + λ warm-up",
+}
+COLORS = {
+    "llama": "tab:gray",
+    "v2": "tab:blue",
+    "v1": "tab:red",
+    "v1-wu": "tab:orange",
+    "v1cal": "tab:green",
+    "v1cal-wu": "tab:olive",
+}
+# How each configuration's model is made: (diff_version, v1_init) or None for the source itself.
+CONVERSIONS = {"llama": None, "v2": (2, None), "v1": (1, "paper"), "v1cal": (1, "calibrated")}
+SETTINGS = ("steps", "batch_size", "block_size", "lr", "warmup_steps", "eval_every", "seeds", "lambda_warmup_steps")
 
 
 def parse_args(argv=None):
@@ -44,9 +68,10 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=256, help="as the tiny Llama was trained")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--lambda-warmup-steps", type=int, default=50, help="the '+ warm-up' configurations' λ ramp")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--logging-steps", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--models", nargs="+", choices=list(NAMES), default=list(NAMES))
     p.add_argument(
@@ -61,11 +86,14 @@ def parse_args(argv=None):
     p.add_argument(
         "--from-json", type=Path, default=None, help="redraw the .png/.md from an earlier .json, no training"
     )
+    p.add_argument(
+        "--merge", type=Path, nargs="+", default=None, help="combine the runs of several .json files (same settings)"
+    )
     p.add_argument("--note", default=None, help="a remark on the machine for the .md (e.g. its load)")
     return p.parse_args(argv)
 
 
-def train(name: str, model: Path, out: Path, args) -> dict:
+def train(name: str, model: Path, out: Path, seed: int, args) -> dict:
     argv = ["train", str(model), "--data", str(args.data), "--eval-data", str(args.heldout), "--output", str(out)]
     argv += [
         "--block-size",
@@ -83,18 +111,24 @@ def train(name: str, model: Path, out: Path, args) -> dict:
         "--save-total-limit",
         "1",
         "--seed",
-        str(args.seed),
+        str(seed),
         "--quiet",
     ]
     if args.overwrite:
         argv.append("--overwrite")
     if name == "llama":
         argv.append("--any-model")
-    print(f"\n=== {NAMES[name]}: diff-transformer {' '.join(argv)}", flush=True)
+    if name.endswith("-wu"):
+        argv += ["--lambda-warmup-steps", str(args.lambda_warmup_steps)]
+    print(f"\n=== {NAMES[name]}, seed {seed}: diff-transformer {' '.join(argv)}", flush=True)
     start = time.perf_counter()
     if cli.main(argv) != 0:
-        raise SystemExit(f"training {name} failed")
-    seconds = time.perf_counter() - start
+        raise SystemExit(f"training {name} (seed {seed}) failed")
+    return read_run(out, time.perf_counter() - start)
+
+
+def read_run(out: Path, seconds: float) -> dict:
+    """The figures of one finished run, from its trainer_state.json."""
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     train_logs = [h for h in history if "loss" in h]
     evals = {}
@@ -108,7 +142,6 @@ def train(name: str, model: Path, out: Path, args) -> dict:
                 lambdas.setdefault(key, []).append((h["step"], value))
     steps = sorted(evals)
     return {
-        "name": NAMES[name],
         "train_seconds": seconds,
         "train_loss": [(h["step"], h["loss"]) for h in train_logs],
         "eval_loss": [(s, evals[s]) for s in steps],
@@ -119,121 +152,166 @@ def train(name: str, model: Path, out: Path, args) -> dict:
     }
 
 
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def curve(runs: dict, key: str) -> tuple[list, list, list, list]:
+    """(steps, mean, min, max) over seeds of a per-step series present in every run."""
+    series = [dict(run[key]) for run in runs.values()]
+    steps = sorted(set.intersection(*(set(s) for s in series)))
+    values = [[s[step] for s in series] for step in steps]
+    return steps, [statistics.fmean(v) for v in values], [min(v) for v in values], [max(v) for v in values]
+
+
 def plot(results: dict, path: Path, args) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     (loss_ax, ppl_ax), (v1_ax, v2_ax) = axes
     for name, r in results.items():
-        steps, losses = zip(*r["train_loss"])
-        style = dict(
-            color=COLORS[name],
-            label=r["name"],
-            linestyle="--" if name == "llama" else "-",
-            zorder=3 if name == "llama" else 2,
-        )
-        loss_ax.plot(steps, losses, **style)
-        steps, ppl = zip(*r["eval_perplexity"])
-        ppl_ax.plot(steps, ppl, marker="o", **style)
-    loss_ax.set(title="training loss (mean over each logging window)", xlabel="step", ylabel="cross-entropy")
+        style = dict(color=COLORS[name], label=NAMES[name], linestyle="--" if name == "llama" else "-")
+        for ax, key, marker in ((loss_ax, "train_loss", None), (ppl_ax, "eval_perplexity", "o")):
+            steps, mean, low, high = curve(r["runs"], key)
+            ax.plot(steps, mean, marker=marker, markersize=3, **style)
+            ax.fill_between(steps, low, high, color=COLORS[name], alpha=0.15)
+    loss_ax.set(
+        title="training loss (mean over each logging window; mean over seeds, band: min-max)",
+        xlabel="step",
+        ylabel="cross-entropy",
+    )
     ppl_ax.set(
         title="held-out perplexity (data/heldout.txt)", xlabel="step", ylabel="perplexity (log scale)", yscale="log"
     )
     for ax in (loss_ax, ppl_ax):
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
     cmap = plt.get_cmap("viridis")
-    for ax, name, title in (
-        (v1_ax, "v1", "V1: λ per layer (the layer's scalar)"),
-        (v2_ax, "v2", "V2: mean sigmoid(λ) per layer (± std over tokens, heads)"),
+    v1_panel = [(n, ls) for n, ls in (("v1cal", "-"), ("v1", ":")) if n in results]
+    for ax, panel, title in (
+        (v1_ax, v1_panel, "V1: λ per layer, seed-mean (solid: calibrated init, dotted: paper init)"),
+        (v2_ax, [("v2", "-")] if "v2" in results else [], "V2: mean sigmoid(λ) per layer, seed-mean"),
     ):
-        lam = results.get(name, {}).get("lambda", {})
-        layers = sorted(k for k in lam if k.startswith("lambda/"))
-        for i, key in enumerate(layers):
-            steps, values = zip(*lam[key])
-            color = cmap(i / max(1, len(layers) - 1))
-            ax.plot(steps, values, color=color, label=key.split("/")[1].replace("_", " "))
-            std_key = key.replace("lambda/", "lambda_std/")
-            if std_key in lam:
-                std = [s for _, s in lam[std_key]]
-                ax.fill_between(
-                    steps,
-                    [v - s for v, s in zip(values, std)],
-                    [v + s for v, s in zip(values, std)],
-                    color=color,
-                    alpha=0.15,
+        labelled = set()
+        for name, linestyle in panel:
+            first = next(iter(results[name]["runs"].values()))["lambda"]
+            layers = sorted(k for k in first if k.startswith("lambda/"))
+            for i, key in enumerate(layers):
+                steps, mean, low, high = curve(
+                    {s: {key: r["lambda"][key]} for s, r in results[name]["runs"].items()}, key
                 )
+                label = key.split("/")[1].replace("_", " ")
+                color = cmap(i / max(1, len(layers) - 1))
+                ax.plot(steps, mean, color=color, linestyle=linestyle, label=None if label in labelled else label)
+                ax.fill_between(steps, low, high, color=color, alpha=0.1)
+                labelled.add(label)
         ax.set(title=title, xlabel="step", ylabel="λ")
         ax.grid(alpha=0.3)
-        if layers:
+        if labelled:
             ax.legend(ncol=2, fontsize=8)
     fig.suptitle(
         "Continued pretraining of the converted tiny Llama: "
         f"{args.steps} steps x {args.batch_size} x {args.block_size} tokens, "
-        f"lr {args.lr:g} (cosine, {args.warmup_steps} warm-up), same seed",
+        f"lr {args.lr:g} (cosine, {args.warmup_steps} warm-up), λ warm-up {args.lambda_warmup_steps} steps, "
+        f"seeds {', '.join(map(str, args.seeds))}",
         fontsize=11,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
+def summary(results: dict) -> dict:
+    """Per configuration: means ± sd over seeds of perplexities and of ratios to the Llama of the same seed."""
+    base = results.get("llama", {}).get("runs", {})
+    out = {}
+    for name, r in results.items():
+        runs = r["runs"]
+        row = {
+            "ppl_step0": mean_sd([run["ppl_step0"] for run in runs.values()]),
+            "ppl_end": mean_sd([run["ppl_end"] for run in runs.values()]),
+            "seconds": mean_sd([run["train_seconds"] for run in runs.values()]),
+            "seeds": len(runs),
+        }
+        paired = [seed for seed in runs if seed in base]
+        if paired:
+            for key in ("ppl_step0", "ppl_end"):
+                ratios = [runs[seed][key] / base[seed][key] for seed in paired]
+                row[f"ratio_{key}"] = mean_sd(ratios)
+                row[f"ratio_{key}_range"] = (min(ratios), max(ratios))
+        out[name] = row
+    return out
+
+
 def markdown(results: dict, figures: dict, args) -> str:
+    table = summary(results)
+
+    def cell(pair, digits=2, n=2):
+        return f"{pair[0]:.{digits}f}" + (f" ± {pair[1]:.{digits}f}" if n > 1 else "")
+
+    def ratio(row, key):
+        if f"ratio_{key}" not in row:
+            return "-"
+        low, high = row[f"ratio_{key}_range"]
+        n = row["seeds"]
+        return cell(row[f"ratio_{key}"], 3, n) + (f" ({low:.3f}-{high:.3f})" if n > 1 else "")
+
     rows = [
-        f"| {r['name']} | {r['ppl_step0']:.2f} | {r['ppl_end']:.2f} | "
-        f"{r['train_loss'][-1][1]:.3f} | {r['train_seconds']:.0f} s |"
-        for r in results.values()
+        f"| {NAMES[name]} | {row['seeds']} | {cell(row['ppl_step0'], n=row['seeds'])} | {ratio(row, 'ppl_step0')} | "
+        f"{cell(row['ppl_end'], n=row['seeds'])} | {ratio(row, 'ppl_end')} | {row['seconds'][0]:.0f} s |"
+        for name, row in table.items()
     ]
+    settings = figures["settings"]
+    command = " ".join(
+        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in settings.items()
+    )
+    seeds = len(args.seeds)
     lines = [
         "# Continued pretraining after conversion (tiny Llama, Jane Austen)",
         "",
-        "Produced by `python examples/continued_pretraining.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in figures["settings"].items())
-        + "`. Held-out perplexity: `diff-transformer train`'s evaluation (exp of the mean token NLL over"
-        f" data/heldout.txt packed into blocks of {args.block_size} tokens, each starting with `<s>`).",
+        f"Produced by `python examples/continued_pretraining.py {command}`. Held-out perplexity: `diff-transformer "
+        "train`'s evaluation (exp of the mean token NLL over data/heldout.txt packed into blocks of "
+        f"{args.block_size} tokens, each starting with `<s>`). Figures are the mean ± standard deviation over the "
+        f"n seeds of each configuration (of {seeds}; the seed drives the data order and V1's λ vectors); ratios are "
+        "taken per seed against the Llama of the same seed (step 0: the source itself; the end: the Llama trained "
+        "the same way), with their min-max in brackets.",
         "",
-        "| model | held-out ppl, step 0 | held-out ppl, step "
-        + str(args.steps)
-        + " | last logged training loss | training time |",
-        "| --- | --- | --- | --- | --- |",
+        f"| model | n | held-out ppl, step 0 | ÷ source | held-out ppl, step {args.steps} | ÷ Llama trained alike | "
+        "training time (mean) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
         *rows,
         "",
     ]
-    base = results.get("llama")
     if "v2_vs_llama_step0_abs_loss_diff" in figures:
         lines.append(
-            "* V2 at step 0 vs the Llama: |Δ eval loss| = "
-            f"{figures['v2_vs_llama_step0_abs_loss_diff']:.2e} (the V2 conversion "
-            "preserves the function)."
+            "* V2 at step 0 vs the Llama: max |Δ eval loss| over seeds = "
+            f"{figures['v2_vs_llama_step0_abs_loss_diff']:.2e} (the V2 conversion preserves the function)."
         )
-    if base:
-        for name in ("v2", "v1"):
-            if name not in results:
-                continue
-            r = results[name]
-            lines.append(
-                f"* {NAMES[name]}: step 0 at {r['ppl_step0'] / base['ppl_step0']:.2f}x the Llama's perplexity, "
-                f"step {args.steps} at "
-                f"{r['ppl_end'] / base['ppl_end']:.3f}x the Llama trained for the same budget "
-                f"({r['ppl_end']:.2f} vs {base['ppl_end']:.2f})."
-            )
-        lines.append(
-            "* One seed per model; seed-to-seed spread was not measured, so differences of a few tenths of a percent "
-            "mean 'no worse', not 'better'."
-        )
-    with_lambda = {name: r["lambda"] for name, r in results.items() if r["lambda"]}
+    lines.append(
+        "* V1 paper init: the paper's λ_init schedule, λ vectors ~ N(0, 0.1²), unit sub-layer norm. V1 calibrated "
+        "init: λ_init = 0 and mirrored λ vectors (λ = 0 exactly at step 0, trainable), sub-layer norm gains fitted "
+        "per layer by least squares on the built-in calibration text (Persuasion, chapters 1-2; not the held-out "
+        f"text). '+ λ warm-up': `--lambda-warmup-steps {args.lambda_warmup_steps}` (λ used = min(1, step/"
+        f"{args.lambda_warmup_steps}) λ); its step 0 is the model as trained there (nothing subtracted; the paper "
+        "init still has its unit-gain norm and 1 - λ_init)."
+    )
+    lines.append(
+        "* A difference between two configurations counts only where it exceeds the seed spread shown next to it."
+    )
+    with_lambda = {name: r for name, r in results.items() if next(iter(r["runs"].values()))["lambda"]}
     if with_lambda:
         lines += [
             "",
-            "λ per layer, first log (step 1) -> last log (V1: the layer's scalar; "
-            "V2: mean ± std of sigmoid(λ) over the "
-            "tokens and heads of the logging window):",
+            "λ per layer, first log (step 1) -> last log, lowest seed "
+            "(V1: the layer's scalar as used, i.e. times the warm-up multiplier; "
+            "V2: mean ± std of sigmoid(λ) over the tokens and heads of the logging window):",
             "",
         ]
-        for name, lam in with_lambda.items():
+        for name, r in with_lambda.items():
+            lam = r["runs"][min(r["runs"], key=int)]["lambda"]
             cells = []
             for key in sorted(k for k in lam if k.startswith("lambda/")):
                 first, last = lam[key][0][1], lam[key][-1][1]
@@ -244,7 +322,8 @@ def markdown(results: dict, figures: dict, args) -> str:
             lines.append(f"* {NAMES[name]}: " + ", ".join(cells))
     lines += [
         "",
-        f"Machine: {figures['machine']}. Training times are wall-clock, evaluations and tokenisation included"
+        f"Machine: {figures['machine']}. Training times: "
+        + figures.get("time_basis", "wall-clock, evaluations and tokenisation included")
         + (f"; {figures['note']}." if figures.get("note") else "."),
         "",
         "![](continued_pretraining.png)",
@@ -277,44 +356,79 @@ def check_args(args) -> str | None:
     return None
 
 
+def render(figures: dict, args) -> None:
+    vars(args).update(figures["settings"])
+    results = {name: figures["results"][name] for name in NAMES if name in figures["results"]}
+    figures["summary"] = summary(results)
+    args.docs.mkdir(parents=True, exist_ok=True)
+    plot(results, args.docs / "continued_pretraining.png", args)
+    (args.docs / "continued_pretraining.json").write_text(json.dumps(figures, indent=1) + "\n")
+    (args.docs / "continued_pretraining.md").write_text(markdown(results, figures, args))
+
+
+def merge(paths: list[Path]) -> dict:
+    """One figures dict from several partial runs with the same settings (runs of a configuration are combined)."""
+    merged = None
+    for path in paths:
+        figures = json.loads(path.read_text())
+        if merged is None:
+            merged = figures
+            continue
+        same = {k: v for k, v in figures["settings"].items() if k != "seeds"}
+        if same != {k: v for k, v in merged["settings"].items() if k != "seeds"}:
+            raise SystemExit(f"{path} was run with other settings than {paths[0]}: not merged")
+        for name, r in figures["results"].items():
+            merged["results"].setdefault(name, {"name": r["name"], "runs": {}})["runs"].update(r["runs"])
+        merged["settings"]["seeds"] = sorted(set(merged["settings"]["seeds"]) | set(figures["settings"]["seeds"]))
+    _step0_check(merged)
+    return merged
+
+
+def _step0_check(figures: dict) -> None:
+    results = figures["results"]
+    if "llama" in results and "v2" in results:
+        paired = set(results["llama"]["runs"]) & set(results["v2"]["runs"])
+        figures["v2_vs_llama_step0_abs_loss_diff"] = max(
+            abs(results["v2"]["runs"][s]["eval_loss"][0][1] - results["llama"]["runs"][s]["eval_loss"][0][1])
+            for s in paired
+        )
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    problem = None if args.from_json else check_args(args)
+    problem = None if (args.from_json or args.merge) else check_args(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    if args.from_json:
-        figures = json.loads(args.from_json.read_text())
-        vars(args).update(figures["settings"])
+    if args.from_json or args.merge:
+        figures = merge(args.merge) if args.merge else json.loads(args.from_json.read_text())
         if args.note:
             figures["note"] = args.note
-            args.from_json.write_text(json.dumps(figures, indent=1) + "\n")
-        args.docs.mkdir(parents=True, exist_ok=True)
-        plot(figures["results"], args.docs / "continued_pretraining.png", args)
-        (args.docs / "continued_pretraining.md").write_text(markdown(figures["results"], figures, args))
+        render(figures, args)
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="diff-cpt-"))
     work.mkdir(parents=True, exist_ok=True)
-    models = {"llama": LLAMA}
-    for version in (2, 1):
-        name = f"v{version}"
-        if name in args.models:
-            target = work / f"tiny-diff-{name}"
-            convert_to_diff(LLAMA, target, diff_version=version, progress=False, overwrite=args.overwrite)
-            models[name] = target
-
-    results = {}
-    for name in args.models:
-        results[name] = train(name, models[name], work / f"run-{name}", args)
+    results = {name: {"name": NAMES[name], "runs": {}} for name in args.models}
+    for seed in args.seeds:
+        models = {"llama": LLAMA}
+        for key, conversion in CONVERSIONS.items():
+            if conversion is None or not any(name.split("-")[0] == key for name in args.models):
+                continue
+            version, v1_init = conversion
+            target = work / f"tiny-diff-{key}-seed{seed}"
+            options = {"v1_init": v1_init} if v1_init else {}
+            convert_to_diff(
+                LLAMA, target, diff_version=version, progress=False, seed=seed, overwrite=args.overwrite, **options
+            )
+            models[key] = target
+        for name in args.models:
+            run = train(name, models[name.split("-")[0]], work / f"run-{name}-seed{seed}", seed, args)
+            results[name]["runs"][str(seed)] = run
 
     figures = {
-        "settings": {
-            k: v
-            for k, v in vars(args).items()
-            if k in ("steps", "batch_size", "block_size", "lr", "warmup_steps", "eval_every", "seed")
-        },
+        "settings": {k: v for k, v in vars(args).items() if k in SETTINGS},
         "machine": (
             f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
             f"torch {torch.__version__}"
@@ -322,23 +436,13 @@ def main(argv=None) -> int:
         "note": args.note,
         "results": results,
     }
-    if "llama" in results and "v2" in results:
-        figures["v2_vs_llama_step0_abs_loss_diff"] = abs(
-            results["v2"]["eval_loss"][0][1] - results["llama"]["eval_loss"][0][1]
-        )
-    figures["lambda_end"] = {
-        name: {k: round(v[-1][1], 4) for k, v in r["lambda"].items()} for name, r in results.items() if r["lambda"]
-    }
-
-    args.docs.mkdir(parents=True, exist_ok=True)
-    plot(results, args.docs / "continued_pretraining.png", args)
-    (args.docs / "continued_pretraining.json").write_text(json.dumps(figures, indent=1) + "\n")
-    (args.docs / "continued_pretraining.md").write_text(markdown(results, figures, args))
+    _step0_check(figures)
+    render(figures, args)
     print()
-    for r in results.values():
+    for name, row in figures["summary"].items():
         print(
-            f"{r['name']:28s} held-out ppl step 0 {r['ppl_step0']:9.2f}   "
-            f"step {args.steps} {r['ppl_end']:8.2f}   ({r['train_seconds']:.0f} s)"
+            f"{NAMES[name]:40s} held-out ppl step 0 {row['ppl_step0'][0]:9.2f} ± {row['ppl_step0'][1]:.2f}   "
+            f"step {args.steps} {row['ppl_end'][0]:8.2f} ± {row['ppl_end'][1]:.2f}   ({row['seconds'][0]:.0f} s)"
         )
     print(f"wrote {args.docs / 'continued_pretraining.png'}, .json, .md; runs in {work}")
     return 0

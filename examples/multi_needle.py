@@ -11,9 +11,12 @@ asked for R of them at the end: "what is the magic number of CITY ? NUMBER ." To
 
 - a word-level vocabulary (the corpus's most frequent lowercased words, `<unk>` for the rest, plus 64 cities and the
   numbers 10..99 as single tokens), so an answer is one token and accuracy is the argmax at the "?" position;
-- training asks for every needle of a sequence (N uniform in 1..6), in random order, and the loss is the
-  cross-entropy on the answer tokens only: the haystack is not modelled, as in a retrieval fine-tune; each batch's
-  length is uniform in 128..384 tokens (evaluation: 384, and 128/256 for accuracy by length);
+- training asks N questions of a sequence of N needles (N uniform in 1..6), the needles drawn with replacement, and
+  the loss is the cross-entropy on the answer tokens only: the haystack is not modelled, as in a retrieval
+  fine-tune; each batch's length is uniform in 128..384 tokens (evaluation: 384, and 128/256 for accuracy by
+  length). (Asking every needle once, as this script first did, rewards elimination: "a number not asked yet".)
+- accuracy is the first answer's, and per query position: the R evaluation queries ask distinct needles (as the
+  paper), so later answers can be narrowed down from the earlier ones;
 - three models of equal parameter count: Llama with H heads of size d; V1 with H/2 differential heads of the same d
   (the paper's matching: the same parameters as the Llama plus 6d per layer); V2 with H differential heads of d (2H
   query heads over the Llama's K/V, as V2 specifies) and a narrower MLP to pay for its second query and W_λ;
@@ -117,18 +120,27 @@ class NeedleTask:
     def query(self, city: int, number: int) -> list[int]:
         return [self.what, self.is_, self.the, self.magic, self.number, self.of, city, self.question, number, self.dot]
 
-    def sample(self, rng, n_needles: int, n_queries: int, first_depth: float | None = None, length: int | None = None):
-        """One sequence of exactly `length` tokens (default: `self.length`). The first queried needle goes at
-        `first_depth` (a fraction of the haystack) when given; every other needle at a random depth. Returns
-        (ids, answers, needle_starts): answers are (position of "?", answer token) in query order, needle_starts where
-        the queried needles begin, same order."""
+    def sample(
+        self,
+        rng,
+        n_needles: int,
+        n_queries: int,
+        first_depth: float | None = None,
+        length: int | None = None,
+        replace: bool = False,
+    ):
+        """One sequence of exactly `length` tokens (default: `self.length`). The queried needles are distinct, or with
+        `replace` drawn with replacement (then no answer can be inferred from the earlier ones). The first queried
+        needle goes at `first_depth` (a fraction of the haystack) when given; every other needle at a random depth.
+        Returns (ids, answers, needle_starts): answers are (position of "?", answer token) in query order,
+        needle_starts where the queried needles begin, same order."""
         length = length or self.length
         hay_len = length - 1 - NEEDLE_LEN * n_needles - QUERY_LEN * n_queries
         start = rng.integers(0, len(self.haystack) - hay_len)
         hay = self.haystack[start : start + hay_len].tolist()
         cities = rng.choice(self.cities, size=n_needles, replace=False)
         numbers = rng.choice(self.numbers, size=n_needles)
-        asked = rng.permutation(n_needles)[:n_queries]
+        asked = rng.integers(0, n_needles, n_queries) if replace else rng.permutation(n_needles)[:n_queries]
         cuts = rng.integers(0, hay_len + 1, size=n_needles)
         if first_depth is not None:
             cuts[asked[0]] = round(first_depth * hay_len)
@@ -156,13 +168,15 @@ class NeedleTask:
     def training_batch(self, rng: np.random.Generator, batch: int, max_needles: int, min_length: int):
         """(B, L) ids and (B, L) labels, -100 except at the answer positions (labels[i, t] = token at t + 1).
         L is drawn per batch, uniform in [min_length, self.length]: short haystacks early in training let a model
-        find the retrieval circuit sooner, long ones teach it to ignore more text."""
+        find the retrieval circuit sooner, long ones teach it to ignore more text. N queries are drawn with
+        replacement: asking every needle once let "a number of the context not asked yet" (elimination) score
+        0.75 / 0.29 / 0.18 at N = 2 / 4 / 6 without any retrieval (docs/multi_needle.md)."""
         length = int(rng.integers(min_length, self.length + 1))
         ids = torch.empty(batch, length, dtype=torch.long)
         labels = torch.full((batch, length), -100, dtype=torch.long)
         for b in range(batch):
             n = int(rng.integers(1, max_needles + 1))
-            seq, answers, _ = self.sample(rng, n, n, length=length)
+            seq, answers, _ = self.sample(rng, n, n, length=length, replace=True)
             ids[b] = torch.tensor(seq)
             for position, answer in answers:
                 labels[b, position] = answer
@@ -233,17 +247,23 @@ def answer_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), labels[picked])
 
 
-def train(name, model, task, args, seed, log):
-    rng = np.random.default_rng(1000 + seed)  # the data stream: the same for every model of a seed
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warmup = max(1, args.steps // 20)
+def optimizer(model, lr: float, steps: int):
+    """AdamW (betas 0.9/0.95, weight decay 0.1), 5% linear warm-up, cosine decay to 10% of `lr`."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         opt,
         lambda s: (
             min(1.0, (s + 1) / warmup)
-            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, args.steps - warmup)))))
+            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps - warmup)))))
         ),
     )
+    return opt, schedule
+
+
+def train(name, model, task, args, seed, log):
+    rng = np.random.default_rng(1000 + seed)  # the data stream: the same for every model of a seed
+    opt, schedule = optimizer(model, args.lr, args.steps)
     model.train()
     curve, started, recent = [], time.perf_counter(), []
     for step in range(1, args.steps + 1):
@@ -278,26 +298,32 @@ def answer_hits(model, samples) -> list[list[bool]]:
 
 @torch.no_grad()
 def evaluate_accuracy(model, task, args, seed):
-    """Accuracy per (N, R) over all answers, and per depth of the first queried needle."""
+    """Per (N, R): "accuracy" = the first answer's (the only one no earlier answer tells anything about),
+    "by_query" = each query position's, "all_answers" = every answer's (what elimination inflates: the R queries ask
+    distinct needles, as in the paper), and the first answer's per depth of its needle."""
     rng = np.random.default_rng(10_000 + seed)
     results = {}
     for n, r in EVAL_CELLS:
-        correct_all, correct_depth = [], {}
+        hits, correct_depth = [], {}
         for depth in DEPTHS:
             samples = [task.sample(rng, n, r, first_depth=depth) for _ in range(args.eval_per_cell)]
-            hits_first = []
-            for i in range(0, len(samples), args.eval_batch):
-                for hits in answer_hits(model, samples[i : i + args.eval_batch]):
-                    correct_all += hits
-                    hits_first.append(hits[0])
-            correct_depth[str(depth)] = float(np.mean(hits_first))
-        results[f"N={n},R={r}"] = {"accuracy": float(np.mean(correct_all)), "by_depth": correct_depth}
+            at_depth = [h for i in range(0, len(samples), args.eval_batch)
+                        for h in answer_hits(model, samples[i : i + args.eval_batch])]  # fmt: skip
+            correct_depth[str(depth)] = float(np.mean([h[0] for h in at_depth]))
+            hits += at_depth
+        by_query = np.mean(hits, 0)  # (R,)
+        results[f"N={n},R={r}"] = {
+            "accuracy": float(by_query[0]),
+            "by_query": by_query.tolist(),
+            "all_answers": float(by_query.mean()),
+            "by_depth": correct_depth,
+        }
     return results
 
 
 @torch.no_grad()
 def accuracy_by_length(model, task, args, seed):
-    """Accuracy per (N, R) over all answers at each context length, needles at random depths."""
+    """The first answer's accuracy per (N, R) at each context length, needles at random depths."""
     rng = np.random.default_rng(30_000 + seed)
     results = {}
     for length in [n for n in EVAL_LENGTHS if n <= args.length]:
@@ -305,7 +331,7 @@ def accuracy_by_length(model, task, args, seed):
             hits = []
             for _ in range(0, 2 * args.eval_per_cell, args.eval_batch):
                 chunk = [task.sample(rng, n, r, length=length) for _ in range(args.eval_batch)]
-                hits += [hit for sample_hits in answer_hits(model, chunk) for hit in sample_hits]
+                hits += [sample_hits[0] for sample_hits in answer_hits(model, chunk)]
             results.setdefault(str(length), {})[f"N={n},R={r}"] = float(np.mean(hits))
     return results
 
@@ -415,7 +441,7 @@ def plot(results: dict, task: NeedleTask, tokenizer, models_dir: Path, out: Path
     for i, (n, _) in enumerate(EVAL_CELLS):  # copying one of the context's N numbers at random
         axes[0].hlines(1 / n, i - 0.45, i + 0.45, colors="k", linestyles="--", lw=0.8, label="1/N" if i == 0 else None)
     axes[0].set_xticks(range(len(cells)), cells)
-    axes[0].set_ylabel("accuracy (all answers)")
+    axes[0].set_ylabel("accuracy (first answer)")
     axes[0].set_ylim(0, 1.05)
     axes[0].set_title("multi-needle retrieval (dots: seeds)")
     axes[0].legend()
@@ -424,7 +450,7 @@ def plot(results: dict, task: NeedleTask, tokenizer, models_dir: Path, out: Path
     axes[1].set_ylim(0, 1.05)
     axes[1].set_title("N=6, R=2 by depth (mean over seeds)")
     axes[2].set_xlabel("context length (tokens)")
-    axes[2].set_ylabel("accuracy (all answers)")
+    axes[2].set_ylabel("accuracy (first answer)")
     axes[2].set_ylim(0, 1.05)
     axes[2].set_title("by context length (mean over seeds)")
     axes[2].legend(fontsize=7)
@@ -529,6 +555,14 @@ def tables(results: dict) -> str:
             + " | ".join(accs)
             + " |"
         )
+    lines += ["", "| model: accuracy per query position (1st / 2nd) | " + " | ".join(cells) + " |"]
+    lines.append("|---" * (len(cells) + 1) + "|")
+    for name in names:
+        per_query = [
+            " / ".join(cell([run["accuracy"][c]["by_query"][q] for run in runs(name)]) for q in range(r))
+            for c, (_, r) in zip(cells, EVAL_CELLS)
+        ]
+        lines.append(f"| {name} | " + " | ".join(per_query) + " |")
     lines += [
         "",
         "| model (N=6, R=2) | " + " | ".join(f"depth {d}" for d in DEPTHS) + " |",

@@ -13,6 +13,8 @@ from transformers import (
     LlamaForCausalLM,
 )
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
+from transformers.models.llama import modeling_llama
+from transformers.models.llama.modeling_llama import repeat_kv
 
 from diff_transformer.analysis import (
     attention_maps,
@@ -72,6 +74,12 @@ def test_differential_maps_equal_eager_output_attentions(diff_version, backend):
         assert not entry.first.triu(1).any()  # causal
         # The two maps are different softmaxes (q1 k1 vs q2 k2, or query heads 2h vs 2h+1).
         assert (entry.first - entry.second).abs().max() > 1e-3
+        # The logits are what the two maps are the softmax of: first's heads, then second's (V1), or pairs (V2).
+        assert entry.logits.shape == (2, 2 * H, 10, 10)
+        maps = torch.softmax(entry.logits, -1).nan_to_num(0.0)
+        first, second = maps.chunk(2, 1) if diff_version == 1 else (maps[:, 0::2], maps[:, 1::2])
+        torch.testing.assert_close(first, entry.first)
+        torch.testing.assert_close(second, entry.second)
 
 
 def test_lambda_matches_the_lambda_modules(diff_version):
@@ -133,17 +141,30 @@ def test_remote_code_model(tmp_path, diff_version):
     assert remote.config._attn_implementation == "sdpa"
 
 
-def test_llama_maps_and_metrics():
+def test_llama_maps_and_metrics(monkeypatch):
     torch.manual_seed(0)
     config = LlamaConfig(**TINY_SIZES)
     model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
     ids, mask = batch()
     entries = attention_maps(model, ids, mask)
+    # transformers' own eager attention, its rotated query and key captured: q kᵀ · scaling is the logit reference.
+    qk = []
+    eager = modeling_llama.eager_attention_forward
+
+    def capture(module, query, key, value, attention_mask, scaling, **kwargs):
+        qk.append(torch.matmul(query, repeat_kv(key, module.num_key_value_groups).transpose(2, 3)) * scaling)
+        return eager(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    monkeypatch.setattr(modeling_llama, "eager_attention_forward", capture)
     reference = eager_reference(model, ids, mask)
     rows = mask.bool()
-    for entry, expected in zip(entries, reference):
+    allowed = mask.bool()[:, None, None, :] & torch.ones(10, 10, dtype=torch.bool).tril()  # (B, 1, N, L)
+    for entry, expected, logits in zip(entries, reference, qk, strict=True):
         assert entry.second is None and entry.lam is None and entry.differential is entry.first
         torch.testing.assert_close(entry.first.permute(0, 2, 1, 3)[rows], expected.permute(0, 2, 1, 3)[rows])
+        allowed_h = allowed.expand_as(logits)
+        torch.testing.assert_close(entry.logits[allowed_h], logits[allowed_h])
+        assert torch.isinf(entry.logits[~allowed_h]).all()
     metrics = layer_metrics(entries, span=(4, 6))
     assert torch.all(metrics["negative_fraction"] == 0)
     assert torch.isnan(metrics["lambda"]).all()

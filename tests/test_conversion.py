@@ -484,13 +484,15 @@ def test_convert_to_diff_dispatches(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# V1: paper layout from Llama
+# V1: paper layout from Llama (v1_init="paper"; the calibrated start is tested in test_v1_init.py)
 
 
 def test_v1_layout_mha(tmp_path):
     """docs/design.md's pairing: q1 of head h = Llama head 2h, q2 = head 2h+1; k/v of group g = kv heads 2g, 2g+1."""
     src = make_llama(tmp_path / "llama", num_attention_heads=4, num_key_value_heads=4, attention_bias=True)
-    out = convert_llama_to_diff(src, tmp_path / "diff", diff_version=1, lambda_std=0.05, seed=3, progress=False)
+    out = convert_llama_to_diff(
+        src, tmp_path / "diff", diff_version=1, v1_init="paper", lambda_std=0.05, seed=3, progress=False
+    )
     config = json.loads((out / "config.json").read_text())
     assert (
         config["diff_version"],
@@ -521,10 +523,14 @@ def test_v1_layout_mha(tmp_path):
         assert lambdas.dtype == torch.float32 and lambdas.shape == (4, d) and 0 < lambdas.std() < 0.15
     # seeded: the same seed gives the same λ vectors, another seed others
     again = out_state(
-        convert_llama_to_diff(src, tmp_path / "again", diff_version=1, lambda_std=0.05, seed=3, progress=False)
+        convert_llama_to_diff(
+            src, tmp_path / "again", diff_version=1, v1_init="paper", lambda_std=0.05, seed=3, progress=False
+        )
     )
     other = out_state(
-        convert_llama_to_diff(src, tmp_path / "other", diff_version=1, lambda_std=0.05, seed=4, progress=False)
+        convert_llama_to_diff(
+            src, tmp_path / "other", diff_version=1, v1_init="paper", lambda_std=0.05, seed=4, progress=False
+        )
     )
     name = "model.layers.1.self_attn.diff_lambda.lambda_q2"
     assert torch.equal(again[name], after[name]) and not torch.equal(other[name], after[name])
@@ -543,7 +549,7 @@ def test_v1_pairs_queries_with_the_keys_they_were_trained_with(tmp_path, heads, 
         hidden_size=hidden,
         attention_bias=True,
     )
-    out = convert_llama_to_diff(src, tmp_path / "diff", diff_version=1, progress=False)
+    out = convert_llama_to_diff(src, tmp_path / "diff", diff_version=1, v1_init="paper", progress=False)
     llama = LlamaForCausalLM.from_pretrained(src, attn_implementation="eager").eval()
     diff = load_converted(out, attn_implementation="eager")
     ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))

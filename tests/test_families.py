@@ -141,7 +141,8 @@ def test_v1_through_the_cli_pairs_each_query_with_its_key(tmp_path, capsys, fami
     """V1 is not function-preserving, but each of its maps A_c of head h must be one source head's attention map:
     same query (bias, q_norm) and same key (bias, k_norm). Checked on layer 0 with λ set to isolate A1 and A2."""
     src, source = make_source(tmp_path / family, family)
-    code, out, err = convert(capsys, src, tmp_path / "diff", "--diff-version", "1")
+    # the paper start: its λ_init != 0 is what isolates A2 below (the calibrated start has λ_init = 0)
+    code, out, err = convert(capsys, src, tmp_path / "diff", "--diff-version", "1", "--v1-init", "paper")
     assert code == 0, err
     assert "not function-preserving" in out
     diff, info = DiffForCausalLM.from_pretrained(

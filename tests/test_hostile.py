@@ -378,7 +378,7 @@ def test_inspect_refuses_texts_beyond_the_context_or_the_memory_budget(tmp_path,
 
 
 def test_inspect_computes_only_the_plotted_layers_maps(tmp_path, monkeypatch):
-    from diff_transformer import analysis
+    from diff_transformer.analysis import maps as analysis
 
     model = _diff_checkpoint(tmp_path)
     computed = []

@@ -735,3 +735,92 @@ def test_bitsandbytes_kernel_notice_is_hidden_outside_4bit(caplog):
         logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please ...", "no kernels")
         logger.warning("another bitsandbytes warning")
     assert caplog.messages == ["another bitsandbytes warning"]
+
+
+# --- λ warm-up (--lambda-warmup-steps) ----------------------------------------------------------------------------
+
+
+def _v1_lambda(weights: dict, layer: int) -> float:
+    """V1's λ from saved weights, by the paper's formula (independent of the model code)."""
+    p = f"model.layers.{layer}.self_attn.diff_lambda."
+    dot = lambda a, b: torch.sum(weights[p + a].double() * weights[p + b].double())  # noqa: E731
+    return (
+        math.exp(dot("lambda_q1", "lambda_k1"))
+        - math.exp(dot("lambda_q2", "lambda_k2"))
+        + 0.8
+        - 0.6 * math.exp(-0.3 * layer)
+    )
+
+
+def test_lambda_warmup_ramps_the_logged_lambda_and_saves_plain_weights(workdir, tmp_path):
+    common = ("--max-steps", "6", "--lr", "1e-2", "--logging-steps", "1", "--save-steps", "2", "--eval-fraction", "0")
+    train(workdir, 1, tmp_path, *common, "--lambda-warmup-steps", "4")
+    logs = train_logs(tmp_path)
+    # m = min(1, step / 4) after each step (what the next step and an evaluation there use); exactly 1 from step 4
+    assert [logs[step]["lambda_warmup"] for step in range(1, 7)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    checkpoint = load_file(tmp_path / "checkpoint-2" / "model.safetensors")
+    final = load_file(tmp_path / "model.safetensors")
+    plain = load_file(workdir / "v1" / "model.safetensors")
+    assert checkpoint.keys() == final.keys() == plain.keys()  # no multiplier (parameter or buffer) is saved
+    for layer in (0, 1):
+        key = f"lambda/layer_{layer:02d}"
+        # the logged λ is the one used: 0.5 x the λ of the saved weights at step 2, that λ itself after the ramp
+        assert logs[2][key] == pytest.approx(0.5 * _v1_lambda(checkpoint, layer), abs=1e-6)
+        assert logs[6][key] == pytest.approx(_v1_lambda(final, layer), abs=1e-6)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_lambda_warmup_multiplier_leaves_weights_unchanged_and_ends_at_exactly_one(workdir, tmp_path, version):
+    from diff_transformer.training.callbacks import LambdaWarmupCallback, lambda_modules
+
+    model = AutoModelForCausalLM.from_pretrained(workdir / f"v{version}", attn_implementation="eager").eval()
+    reference = AutoModelForCausalLM.from_pretrained(workdir / f"v{version}", attn_implementation="eager").eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(2, 16, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+
+    def lam(m):
+        module = lambda_modules(m)[0]
+        with torch.no_grad():
+            return module() if version == 1 else module(hidden)
+
+    warmup = LambdaWarmupCallback(model, steps=4)
+    warmup.set_step(1)
+    assert warmup.multiplier == 0.25 and torch.equal(lam(model), 0.25 * lam(reference))
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    model.save_pretrained(tmp_path / "saved")  # mid-ramp
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert saved.keys() == load_file(workdir / f"v{version}" / "model.safetensors").keys()
+    assert all(torch.equal(saved[k], before[k]) for k in saved)
+    with torch.no_grad():
+        assert not torch.equal(model(ids).logits, reference(ids).logits)  # the ramp does change the forward
+    warmup.set_step(4)
+    assert warmup.multiplier == 1.0 and warmup.handles == []  # exactly 1: hooks gone, the model is what it saves
+    assert all(not m._forward_hooks for m in lambda_modules(model).values())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_lambda_warmup_is_refused_where_it_cannot_end_or_has_no_lambda(workdir, tmp_path, capsys):
+    model, text = workdir / "v1", workdir / "text.txt"
+    common = ["--data", text, "--output", tmp_path / "out", *QUIET, "--eval-fraction", "0"]
+    _refused(capsys, [model, *common, "--max-steps", "3", "--lambda-warmup-steps", "4"], "exceeds --max-steps 3")
+    _refused(capsys, [model, *common, "--lambda-warmup-steps", "-1"], "--lambda-warmup-steps must be >= 0")
+    # no --max-steps: the run's length is known once the data is; the ramp must still end within it
+    _refused(capsys, [model, *common, "--epochs", "1", "--lambda-warmup-steps", "1000"], "longer than the run")
+    llama = tmp_path / "llama"
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=2048,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+        )
+    ).save_pretrained(llama)
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(llama)
+    _refused(capsys, [llama, *common, "--any-model", "--lambda-warmup-steps", "2"], "needs a Diff model")

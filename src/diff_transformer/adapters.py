@@ -73,6 +73,20 @@ def resolve(text, base: str | None = None, *, name: str = "MODEL", error: type[U
     return Source(base_location, base_local, local, str(named), base_location, base_local)
 
 
+def load_tokenizer(auto_tokenizer, location: str, local: Path | None, shown: str):
+    """The model's tokenizer; None when it has none (prompts are then token ids)."""
+    has_files = has_tokenizer(local)
+    try:
+        return auto_tokenizer.from_pretrained(location)
+    except Exception as exc:  # transformers raises OSError, ValueError, TypeError... for a missing or broken tokenizer
+        if has_files:
+            message = " ".join(str(exc).split())[:200]
+            raise UserError(
+                f"the tokenizer files of MODEL {shown} cannot be loaded ({message}): restore them."
+            ) from None
+        return None
+
+
 @contextlib.contextmanager
 def quiet_peft_wrapping():
     """PEFT (0.21) asks every model it wraps for `is_gradient_checkpointing`, which transformers 5 deprecated with a
@@ -243,6 +257,7 @@ def merge_adapter(adapter, out, *, base: str | None = None, overwrite: bool = Fa
 
 
 __all__ = [
+    "load_tokenizer",
     "ADAPTER_CONFIG",
     "Source",
     "adapter_card",

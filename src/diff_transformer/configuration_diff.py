@@ -108,7 +108,9 @@ class DiffConfig(PreTrainedConfig):
         conversion (dict | None):
             Provenance of a checkpoint converted from another architecture, written by the converter: `source`,
             `base_model` (Hub id, when known), `source_model_type`, `function_preserving`, `converter` and
-            `card_data` (licence/language of the source's card). The model card is built from it, so a converted
+            `card_data` (licence/language of the source's card); a Llama -> V1 conversion adds `v1_init` ("calibrated":
+            λ_init = 0 with mirrored λ vectors and fitted `subln` gains, with `calibration_text`, `calibration_tokens`
+            and `subln_relative_residual`; or "paper"). The model card is built from it, so a converted
             model re-saved or pushed later still names its base model. `None` for models built as Diff models.
     """
 

@@ -18,6 +18,9 @@ Which maps are paired (docs/design.md has the layouts):
   its output along the head axis); λ = exp(λq1·λk1) - exp(λq2·λk2) + λ_init per layer.
 * Llama (`model_type="llama"`): `first` is its softmax map, `second` and `lam` are None and `differential` is `first`.
 
+Every `LayerMaps` also holds `logits`, the scaled q·kᵀ before softmax of every query (sub-)head: the paper's
+"attention logits", whose outliers it compares (Table 5).
+
 Metrics (per layer and head; the paper, §3.4 Table 3, does not publish its aggregation, so these are ours):
 
 * `span_mass(maps, span, queries)`: "attention to answer": the weights of the chosen query rows on the key positions
@@ -59,6 +62,10 @@ class LayerMaps:
         differential: `(B, H, N, L)` fp32, `first - lam * second` (`first` for Llama).
         mask: `(B, N, L)` bool, True where query n may attend key l.
         kind: `"diff-v1"`, `"diff-v2"`, `"diffllama"` or `"llama"`.
+        logits: `(B, Hq, N, L)` fp32, the scaled `q·kᵀ` of every query (sub-)head before softmax, -inf where masked
+            (the paper's "attention logits", Table 5); None where not computed.
+
+    For a layer outside `iter_attention_maps`' `maps_for`, `first`, `second` and `differential` are None (only λ).
     """
 
     first: torch.Tensor
@@ -67,6 +74,10 @@ class LayerMaps:
     differential: torch.Tensor
     mask: torch.Tensor
     kind: str  # "diff-v1", "diff-v2", "diffllama" or "llama"
+    # (B, Hq, N, L) fp32: the scaled q·kᵀ of every query (sub-)head before softmax, -inf where masked; the paper's
+    # "attention logits" (Table 5). Heads in the order of `first` then `second` (V1, DiffLlama), or the model's
+    # query-head order (V2: pairs (2h, 2h+1); Llama).
+    logits: torch.Tensor | None = None
 
 
 def model_kind(model) -> str:
@@ -108,11 +119,14 @@ def _allowed(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> to
     return causal.unsqueeze(0) & keys.unsqueeze(1)  # (B, N, L)
 
 
-def _softmax_maps(module, query: torch.Tensor, key: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """softmax(q kᵀ · scaling) over the allowed keys, fp32; query (B, Hq, N, d), key (B, Hk, L, d) -> (B, Hq, N, L)."""
+def _scores(module, query: torch.Tensor, key: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """q kᵀ · scaling, fp32, -inf where not allowed; query (B, Hq, N, d), key (B, Hk, L, d) -> (B, Hq, N, L)."""
     key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # (B, Hq, L, d): GQA, as repeat_kv
     scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * module.scaling  # (B, Hq, N, L)
-    scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    return scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+
+
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
     return torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no allowed key: all zero
 
 
@@ -138,15 +152,16 @@ def _layer_maps(kind: str, module, hidden_states, position_embeddings, allowed) 
         key = v1_component_major(key.view(B, N, H_kv, 2, d))  # (B, 2H_kv, N, d): [k1 | k2]
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         queries, keys = query.view(B, 2, H, N, d), key.view(B, 2, H_kv, N, d)  # (B, 2, H, N, d): [q1 | q2]
-        first = _softmax_maps(module, queries[:, 0], keys[:, 0], allowed)  # (B, H, N, L)
-        second = _softmax_maps(module, queries[:, 1], keys[:, 1], allowed)  # (B, H, N, L)
+        logits = torch.cat([_scores(module, queries[:, i], keys[:, i], allowed) for i in (0, 1)], 1)  # (B, 2H, N, L)
+        first, second = _softmax(logits).chunk(2, dim=1)  # (B, H, N, L) each
         lam = _layer_lambda(kind, module, hidden_states)  # ()
         differential = first - lam * second
     else:
         query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)  # (B, Hq/Hk, N, d)
-        maps = _softmax_maps(module, query, key, allowed)  # (B, Hq, N, L)
+        logits = _scores(module, query, key, allowed)  # (B, Hq, N, L)
+        maps = _softmax(logits)
         if kind == "llama":
-            return LayerMaps(maps, None, None, maps, allowed, kind)
+            return LayerMaps(maps, None, None, maps, allowed, kind, logits)
         if kind == "diff-v2":
             pairs = maps.view(B, -1, 2, N, maps.shape[-1])  # (B, H, 2, N, L): query heads (2h, 2h+1)
             first, second = pairs[:, :, 0], pairs[:, :, 1]
@@ -156,7 +171,7 @@ def _layer_maps(kind: str, module, hidden_states, position_embeddings, allowed) 
             first, second = maps.chunk(2, dim=1)  # (B, H/2, N, L) each
             lam = _layer_lambda(kind, module, hidden_states)  # ()
             differential = first - lam * second
-    return LayerMaps(first, second, lam, differential, allowed, kind)
+    return LayerMaps(first, second, lam, differential, allowed, kind, logits)
 
 
 @torch.no_grad()

@@ -58,6 +58,7 @@ _REWRITTEN = ("config.json", "README.md", "model.safetensors.index.json")
 _WEIGHT_FILES = re.compile(r"\.(safetensors|bin|pth|pt|ckpt|pkl|h5|msgpack|onnx|gguf)$", re.IGNORECASE)
 # V1's λ vectors feed an exp() and stay float32 whatever `dtype` asks (DiffPreTrainedModel keeps them in fp32 too).
 _FP32_PARAMETERS = re.compile(r"\.diff_lambda\.lambda_[qk][12]$")
+V1_INITS = ("calibrated", "paper")
 _SOURCE_KINDS = {**dict.fromkeys(FAMILIES, "convert_llama_to_diff"), "diffllama": "convert_diffllama_to_diff"}
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,10 @@ def convert_llama_to_diff(
     *,
     lambda_std: float = 0.1,
     seed: int = 0,
+    v1_init: str | None = None,
+    calibration_data: str | os.PathLike | None = None,
+    calibration_blocks: int = 16,
+    calibration_block_size: int = 256,
     max_shard_size: int | str | None = None,
     revision: str | None = None,
     token: str | bool | None = None,
@@ -96,6 +101,15 @@ def convert_llama_to_diff(
         progress: show a tqdm bar over tensors.
         lambda_std: std of V1's fresh λ vectors (ignored for V2).
         seed: seeds V1's fresh λ vectors (per layer).
+        v1_init: V1 only. "calibrated" (the default for V1): λ_init = 0 with mirrored λ vectors (λ = 0 at step 0,
+            trainable) and the sub-layer norm gains fitted by least squares, layer by layer, so that each head's
+            normalised output matches the source's pair of heads on `calibration_blocks` blocks of
+            `calibration_block_size` tokens (`calibrate.py`). "paper": the paper's λ_init schedule, λ vectors
+            ~ N(0, lambda_std), unit gains.
+        calibration_data: a UTF-8 text file to calibrate on (its first 4 MiB); default: a built-in public-domain
+            English text (assets/calibration.txt). A source without a tokenizer is calibrated on random token ids.
+        calibration_blocks: how many blocks of text the V1 calibration fits the gains on.
+        calibration_block_size: tokens per calibration block.
         max_shard_size: bytes (int) or "5GB"-style string for the output shards; None mirrors the input shards.
         revision: Hub revision (branch, tag or commit) of a Hub id, forwarded to `snapshot_download`.
         token: Hub token for a Hub id, forwarded to `snapshot_download`.
@@ -121,6 +135,10 @@ def convert_llama_to_diff(
         progress=progress,
         lambda_std=lambda_std,
         seed=seed,
+        v1_init=v1_init,
+        calibration_data=calibration_data,
+        calibration_blocks=calibration_blocks,
+        calibration_block_size=calibration_block_size,
         max_shard_size=max_shard_size,
         revision=revision,
         token=token,
@@ -184,7 +202,13 @@ def convert_to_diff(
         )
     if model_type == "diffllama":
         version = 1 if diff_version is None else diff_version
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("lambda_std", "seed")}
+        if kwargs.get("calibration_data") is not None or kwargs.get("v1_init") not in (None, "calibrated"):
+            raise ConversionError(
+                f"{src} is a DiffLlama checkpoint, imported exactly: there is no V1 initialisation to choose or "
+                "calibrate; drop --v1-init / --calibration-data."
+            )
+        dropped = ("lambda_std", "seed", "v1_init", "calibration_data", "calibration_blocks", "calibration_block_size")
+        kwargs = {k: v for k, v in kwargs.items() if k not in dropped}
         return convert_diffllama_to_diff(
             source.path if source.repo_id is None else src, out, version, dtype, overwrite, progress, **kwargs
         )
@@ -267,6 +291,7 @@ def _diff_config(
     lambda_std: float,
     where: str,
     task=CAUSAL_LM,
+    lambda_init: float | None = None,
 ):
     from ..configuration_diff import DiffConfig
 
@@ -294,7 +319,7 @@ def _diff_config(
             num_key_value_heads=kv_heads,
             head_dim=geometry.head_dim,
             diff_version=diff_version,
-            lambda_init=None,  # V1: the paper's depth schedule (also DiffLlama's)
+            lambda_init=lambda_init,  # None: the paper's depth schedule (also DiffLlama's); 0.0: calibrated V1
             lambda_std=float(lambda_std),
         )
     except Exception as exc:
@@ -402,6 +427,10 @@ def _convert(
     progress: bool,
     lambda_std: float = 0.1,
     seed: int = 0,
+    v1_init: str | None = None,
+    calibration_data=None,
+    calibration_blocks: int = 16,
+    calibration_block_size: int = 256,
     max_shard_size=None,
     revision=None,
     token=None,
@@ -410,13 +439,16 @@ def _convert(
     max_shard_bytes = parse_size(max_shard_size)
     if lambda_std < 0:
         raise ConversionError(f"lambda_std={lambda_std} must be >= 0.")
+    v1_init = _check_v1_init(source_kind, diff_version, v1_init, calibration_data)
     out_path = check_target(out, error=ConversionError)
     # Refused (and dead runs' leftovers recovered) before anything is downloaded or read.
     staging = Staging(out_path, overwrite=overwrite, flag="overwrite=True (--overwrite)", error=ConversionError)
 
     source = open_source(src, revision=revision, token=token)
     check_target(out_path, sources={"SRC": source.path}, error=ConversionError)
-    config, tensor_map = _plan(source, source_kind, diff_version, target_dtype, lambda_std, seed)
+    config, tensor_map = _plan(source, source_kind, diff_version, target_dtype, lambda_std, seed, v1_init)
+    if v1_init == "calibrated":  # before anything is written: a bad calibration text is refused with OUT untouched
+        _calibrate(source, config, tensor_map, calibration_data, calibration_blocks, calibration_block_size, seed)
     try:
         with staging as tmp:
             _write(source, config, tensor_map, tmp, out_path.name, target_dtype, max_shard_bytes, progress)
@@ -428,14 +460,71 @@ def _convert(
     return out_path
 
 
-def _plan(source: SourceCheckpoint, source_kind: str, diff_version: int, target_dtype, lambda_std: float, seed: int):
+def _check_v1_init(source_kind: str, diff_version: int, v1_init: str | None, calibration_data) -> str | None:
+    """The V1 initialisation to use ("calibrated" / "paper"), None where there is none to choose (V2, DiffLlama)."""
+    if v1_init not in (None, *V1_INITS):
+        raise ConversionError(f"v1_init={v1_init!r} is not one of {', '.join(V1_INITS)} (--v1-init).")
+    if source_kind != "llama" or diff_version != 1:
+        if v1_init is not None or calibration_data is not None:
+            raise ConversionError(
+                "--v1-init / --calibration-data choose how a Llama -> Diff V1 conversion starts: add "
+                "--diff-version 1, or drop them (V2 is function-preserving, nothing to calibrate)."
+            )
+        return None
+    v1_init = v1_init or "calibrated"
+    if v1_init == "paper" and calibration_data is not None:
+        raise ConversionError("--calibration-data calibrates --v1-init calibrated, not paper: drop one of them.")
+    return v1_init
+
+
+def _calibrate(source, config, tensor_map, calibration_data, num_blocks: int, block_size: int, seed: int) -> None:
+    """Fit V1's sub-layer norm gains on text (conversion/calibrate.py) and record how in `tensor_map.provenance`."""
+    from .calibrate import calibrate_subln, plan_calibration
+
+    plan = plan_calibration(
+        source.path,
+        config.vocab_size,
+        config.max_position_embeddings,
+        calibration_data,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        seed=seed,
+    )
+    gains, residuals = calibrate_subln(source, config, tensor_map.geometry, tensor_map, plan)
+    tensor_map.subln_gains = gains
+    tensor_map.provenance = {
+        "v1_init": "calibrated",
+        "lambda": "λ_init = 0, λq2 = λq1 and λk2 = λk1 (λ = 0 at step 0, trainable)",
+        "subln": "gains fitted per layer, in layer order, by least squares: g ⊙ y/rms(y) ≈ the source's pair output",
+        "calibration_text": plan.description,
+        "calibration_tokens": list(plan.blocks.shape),
+        "subln_relative_residual": residuals,
+    }
+
+
+def _plan(
+    source: SourceCheckpoint,
+    source_kind: str,
+    diff_version: int,
+    target_dtype,
+    lambda_std: float,
+    seed: int,
+    v1_init: str | None = None,
+):
     """Validate SRC (config, then every tensor header) and return the Diff config and the tensor map."""
     where = source.repo_id or str(source.path)
     source_config, family, task = _source_config(source, source_kind)
     geometry = source_geometry(family, task, source_config)
-    tensor_map = make_tensor_map(source_kind, diff_version, geometry, lambda_std=lambda_std, seed=seed)
+    calibrated = v1_init == "calibrated"
+    tensor_map = make_tensor_map(
+        source_kind, diff_version, geometry, lambda_std=lambda_std, seed=seed, mirrored_lambda=calibrated
+    )
+    if v1_init == "paper":
+        tensor_map.provenance = {"v1_init": "paper"}
     # Built before any weights are downloaded or read, so that an unsupported config is refused early.
-    config = _diff_config(source_config, source_kind, diff_version, geometry, lambda_std, where, task)
+    config = _diff_config(
+        source_config, source_kind, diff_version, geometry, lambda_std, where, task, 0.0 if calibrated else None
+    )
     check_model_config(config, where, error=ConversionError, build=False)  # before a Hub download
     # OUT gets SRC's generation_config.json: one that generate() cannot use (num_beams -3) is refused here.
     check_generation_config(str(source.path), where, error=ConversionError)
@@ -467,6 +556,7 @@ def _write(source, config, tensor_map, tmp: Path, name: str, target_dtype, max_s
     writer.finish()
     _check_output_against_model(config, writer)
     config.conversion = conversion_provenance(source, source_kind, config.diff_version)
+    config.conversion.update(getattr(tensor_map, "provenance", None) or {})
     config.to_json_file(str(tmp / "config.json"))
     _copy_custom_code(tmp)
     _copy_side_files(source, tmp)

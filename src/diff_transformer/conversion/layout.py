@@ -237,12 +237,18 @@ class LlamaToV2(TensorMap):
 
 class LlamaToV1(TensorMap):
     """Paper layout, reusing every Llama weight (not function-preserving); new λ vectors ~ N(0, lambda_std),
-    subln 1."""
+    subln 1.
 
-    def __init__(self, geometry: Geometry, lambda_std: float = 0.1, seed: int = 0):
+    `mirrored_lambda` draws only λq1 and λk1 and sets λq2 = λq1, λk2 = λk1, so that with λ_init = 0 the layer's
+    λ = exp(λq1·λk1) − exp(λq2·λk2) is exactly 0 yet has a gradient (zeroing q2 and k2 instead would leave them at a
+    saddle with none). `subln_gains` ({layer: (2d,)}, set by `calibrate.calibrate_subln`) replaces the unit gains."""
+
+    def __init__(self, geometry: Geometry, lambda_std: float = 0.1, seed: int = 0, mirrored_lambda: bool = False):
         super().__init__(geometry)
         self.lambda_std = float(lambda_std)
         self.seed = int(seed)
+        self.mirrored_lambda = mirrored_lambda
+        self.subln_gains: dict[int, torch.Tensor] | None = None
         self.perm = llama_to_v1_query_permutation(geometry.num_heads, geometry.num_kv_heads)
 
     def new_parameters(self, layer: int, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -250,10 +256,16 @@ class LlamaToV1(TensorMap):
         # Seeded per layer, so the result does not depend on the order in which shards are streamed.
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + layer)
         prefix = f"model.layers.{layer}.self_attn."
+        drawn = {}
         for lam in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
-            values = torch.randn(d, generator=generator, dtype=torch.float32) * self.lambda_std
+            if self.mirrored_lambda and lam.endswith("2"):
+                values = drawn[lam[:-1] + "1"].clone()
+            else:
+                values = torch.randn(d, generator=generator, dtype=torch.float32) * self.lambda_std
+            drawn[lam] = values
             yield prefix + f"diff_lambda.{lam}", values  # fp32 whatever the model dtype (they feed an exp)
-        yield prefix + "subln.weight", torch.ones(2 * d, dtype=dtype)
+        gain = torch.ones(2 * d) if self.subln_gains is None else self.subln_gains[layer]
+        yield prefix + "subln.weight", gain.to(dtype)
 
     def attention(self, name, layer, proj, kind, tensor):
         d = self.geometry.head_dim
@@ -295,7 +307,13 @@ class DiffLlamaToV1(TensorMap):
 
 
 def make_tensor_map(
-    source_kind: str, diff_version: int, geometry: Geometry, *, lambda_std: float = 0.1, seed: int = 0
+    source_kind: str,
+    diff_version: int,
+    geometry: Geometry,
+    *,
+    lambda_std: float = 0.1,
+    seed: int = 0,
+    mirrored_lambda: bool = False,
 ) -> TensorMap:
     H, H_kv = geometry.num_heads, geometry.num_kv_heads
     if source_kind == "diffllama":
@@ -319,7 +337,7 @@ def make_tensor_map(
                 f"diff_version=1 pairs Llama heads into differential heads and needs an even num_attention_heads and "
                 f"num_key_value_heads (got {H} and {H_kv}): use diff_version=2 (function-preserving, any head count)."
             )
-        return LlamaToV1(geometry, lambda_std=lambda_std, seed=seed)
+        return LlamaToV1(geometry, lambda_std=lambda_std, seed=seed, mirrored_lambda=mirrored_lambda)
     raise ConversionError(
         f"diff_version={diff_version!r} is not supported: use 2 (function-preserving, default) or 1 (paper layout)."
     )

@@ -140,7 +140,23 @@ def _provenance(config: DiffConfig) -> str:
     exact = "yes" if conversion.get("function_preserving") else "no"
     return (
         f'\n## Conversion\n\nConverted from {source} (`model_type="{conversion.get("source_model_type")}"`) with '
-        f"{conversion.get('converter', 'diff-transformer')}. Function-preserving at conversion: {exact}. {method}\n"
+        f"{conversion.get('converter', 'diff-transformer')}. Function-preserving at conversion: {exact}. {method}"
+        f"{_v1_init(conversion)}\n"
+    )
+
+
+def _v1_init(conversion: dict) -> str:
+    """How a Llama -> V1 conversion started (`convert --v1-init`)."""
+    if conversion.get("v1_init") == "paper":
+        return " Start: the paper's (λ_init depth schedule, λ vectors drawn at random, unit sub-layer norm gains)."
+    if conversion.get("v1_init") != "calibrated":
+        return ""
+    blocks, length = conversion.get("calibration_tokens", ("?", "?"))
+    return (
+        " Start: calibrated. λ_init = 0 with λq2 = λq1 and λk2 = λk1, so λ = 0 exactly at step 0 and learns from "
+        "the first step; the sub-layer norm gains were fitted per layer, in layer order, by least squares so that "
+        "each differential head's normalised output approximates the source's pair of heads, on "
+        f"{conversion.get('calibration_text')} ({blocks} blocks of {length} tokens)."
     )
 
 

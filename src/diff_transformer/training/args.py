@@ -66,6 +66,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         metavar="K",
         help="train only the new differential parameters for the first K steps, then everything",
     )
+    opt.add_argument(
+        "--lambda-warmup-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="ramp the subtracted term in: λ used = min(1, step/N) λ (V1 and V2; nothing of it is saved)",
+    )
 
     run = p.add_argument_group("precision and memory")
     run.add_argument(

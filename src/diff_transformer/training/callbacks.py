@@ -94,19 +94,72 @@ class LambdaLoggingCallback(TrainerCallback):
         layers = [value for key, value in values.items() if key.startswith("lambda/")]
         if layers:
             values.update(lambda_mean=sum(layers) / len(layers), lambda_min=min(layers), lambda_max=max(layers))
-        logs.update(values)
-        # Trainer appended a copy of `logs` to log_history just before calling on_log.
-        if (
-            state.log_history
-            and state.log_history[-1].get("step") == state.global_step
-            and "loss" in state.log_history[-1]
-        ):
-            state.log_history[-1].update(values)
+        _add_to_log(state, logs, values)
 
     def remove(self):
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+
+class LambdaWarmupCallback(TrainerCallback):
+    """`--lambda-warmup-steps N`: ramps the subtracted term in, λ_used = m λ with m = min(1, step / N), for V1 and V2.
+
+    The multiplier is applied by a forward hook on every `diff_lambda` module (what λ is, not how attention uses
+    it), so no parameter or buffer changes: saved weights carry no trace of it. m is set from the optimizer step
+    before each step and each evaluation (step 0: m = 0; m = 1 exactly from step N on, when the hooks are removed and
+    the model computes exactly what it saves). Resuming recomputes m from the checkpoint's step. The hooks go first,
+    so the λ that `LambdaLoggingCallback` logs is the one used; `lambda_warmup` logs m.
+    """
+
+    def __init__(self, model, steps: int):
+        if steps < 1:
+            raise ValueError(f"lambda warm-up needs steps >= 1, got {steps}")
+        self.steps = steps
+        self.multiplier = 0.0
+        modules = lambda_modules(model).values()
+        self.handles = [module.register_forward_hook(self._scale, prepend=True) for module in modules]
+
+    def _scale(self, module, inputs, output):
+        return output * self.multiplier
+
+    def set_step(self, step: int) -> None:
+        self.multiplier = min(1.0, step / self.steps)
+        if self.multiplier == 1.0:
+            self.remove()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.max_steps < self.steps:
+            from .data import TrainingError
+
+            raise TrainingError(
+                f"--lambda-warmup-steps {self.steps} is longer than the run ({state.max_steps} steps): the ramp must "
+                "end before the run does, or the saved model is not the one trained; lower it"
+            )
+        self.set_step(state.global_step)  # 0, or the step a resumed run continues from
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.set_step(state.global_step)  # for the evaluation after this step and for the next step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and "loss" in logs:
+            _add_to_log(state, logs, {"lambda_warmup": self.multiplier})
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def _add_to_log(state, logs: dict, values: dict) -> None:
+    logs.update(values)
+    # Trainer appended a copy of `logs` to log_history just before calling on_log.
+    if (
+        state.log_history
+        and state.log_history[-1].get("step") == state.global_step
+        and "loss" in state.log_history[-1]
+    ):
+        state.log_history[-1].update(values)
 
 
 class RunSettingsCallback(TrainerCallback, ExportableState):

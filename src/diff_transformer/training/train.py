@@ -34,7 +34,13 @@ from ..extras import installed, missing, require
 from ..loading import check_diff_checkpoint, load_causal_lm, read_json, resolve_model
 from ..safe_output import RUN_LOCK, check_target
 from .args import parse_train_args
-from .callbacks import LambdaLoggingCallback, RunSettingsCallback, console_logs, last_lambda_summary
+from .callbacks import (
+    LambdaLoggingCallback,
+    LambdaWarmupCallback,
+    RunSettingsCallback,
+    console_logs,
+    last_lambda_summary,
+)
 from .data import TrainingError, build_datasets
 from .freeze import DiffOnlyCallback
 
@@ -352,6 +358,15 @@ def check_args(args, config) -> int:
         raise TrainingError("--diff-only-steps must be >= 0")
     if args.diff_only_steps and config.model_type != "diff":
         raise TrainingError("--diff-only-steps needs a Diff model")
+    if args.lambda_warmup_steps < 0:
+        raise TrainingError("--lambda-warmup-steps must be >= 0")
+    if args.lambda_warmup_steps and config.model_type != "diff":
+        raise TrainingError("--lambda-warmup-steps needs a Diff model (it ramps in differential attention's λ)")
+    if args.lambda_warmup_steps and args.max_steps is not None and args.lambda_warmup_steps > args.max_steps:
+        raise TrainingError(
+            f"--lambda-warmup-steps {args.lambda_warmup_steps} exceeds --max-steps {args.max_steps}: the ramp must "
+            "end before the run does, or the saved model is not the one trained; lower it"
+        )
     if args.diff_only_steps and args.lora:
         raise TrainingError("--diff-only-steps and --lora do not combine (LoRA already trains only adapters and λ)")
     _check_ranges(args)
@@ -587,6 +602,8 @@ def build_trainer(args) -> PreparedRun:
     # First in line, so the λ values it adds to a log reach TensorBoard and the progress bar in the same call.
     trainer.callback_handler.callbacks.insert(0, LambdaLoggingCallback(model))
     console_logs(trainer)  # the console shows one λ summary; TensorBoard and log_history keep every layer
+    if args.lambda_warmup_steps:
+        trainer.callback_handler.callbacks.insert(0, LambdaWarmupCallback(model, args.lambda_warmup_steps))
     return PreparedRun(trainer, resume, block_size)
 
 

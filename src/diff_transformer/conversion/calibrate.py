@@ -1,0 +1,263 @@
+"""Calibrated initialisation of a Llama -> Diff V1 conversion (docs/design.md, "Starting V1 close to its source").
+
+V1 cannot reuse a Llama's weights and compute the same function (see the design note), but three of the errors it
+starts with can be removed before the first step:
+
+* λ starts at exactly 0 while still learning: λ_init = 0 and mirrored vectors (λq2 = λq1, λk2 = λk1), so
+  λ = exp(λq1·λk1) − exp(λq2·λk2) = 0 and ∂λ/∂λq1 = exp(λq1·λk1) λk1 ≠ 0 (`LlamaToV1(mirrored_lambda=True)`);
+* with λ_init = 0 the output factor (1 − λ_init) is 1;
+* the sub-layer norm's gain g (2d channels, shared by the layer's heads) is fitted by least squares so that
+  g ⊙ y / rms(y) ≈ t, where y is the V1 head's pre-norm output (A1 − λA2)[v1 | v2] and t the source's output of the
+  same pair of heads, [A1 v1 | A2 v2] (both from the same layer input): per channel j,
+  g_j = Σ ŷ_j t_j / ((1 − λ_init) Σ ŷ_j²), summed over tokens and heads (`least_squares_gain`).
+
+Layers are fitted in order: layer l is fitted on the hidden states that the already calibrated layers 0..l-1 of the
+V1 model produce, so each gain corrects what reaches it. Only one decoder layer is in memory at a time (its source
+tensors mapped by the same `TensorMap` that writes the checkpoint), plus the hidden states of the calibration blocks
+(blocks x block_size x hidden_size floats) and, once, the embedding matrix to look the tokens up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import ConversionError, one_line
+from .layout import IGNORED_SOURCE_TENSORS, Geometry, TensorMap
+
+
+# The built-in calibration text: public domain, and not the held-out text (assets/heldout.txt) examples evaluate on.
+BUILTIN_TEXT = Path(__file__).resolve().parent.parent / "assets" / "calibration.txt"
+BUILTIN_DESCRIPTION = (
+    "built-in: Jane Austen, Persuasion (1817), chapters 1-2 (public domain; assets/calibration.txt, not the "
+    "held-out text)"
+)
+MAX_TEXT_BYTES = 4 << 20  # only the head of a --calibration-data file is read: 16 blocks need far less
+MIN_TOKENS = 64
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """What the calibration reads: token blocks (B, L) and how they were obtained (for config.json and the card)."""
+
+    blocks: torch.Tensor
+    description: str
+
+
+def least_squares_gain(normed: torch.Tensor, target: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """argmin_g Σ (scale · g ⊙ normed − target)² per channel (last dim): Σ normed·target / (scale Σ normed²).
+
+    A channel that is zero in every row keeps gain 1 (nothing to fit)."""
+    normed, target = normed.reshape(-1, normed.shape[-1]).double(), target.reshape(-1, target.shape[-1]).double()
+    numerator, denominator = (normed * target).sum(0), scale * normed.square().sum(0)
+    return torch.where(denominator > 0, numerator / denominator.clamp_min(1e-300), torch.ones_like(numerator)).float()
+
+
+def read_calibration_text(path) -> str:
+    """The first MAX_TEXT_BYTES of a UTF-8 text file (an incomplete character at the cut is dropped)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConversionError(f"--calibration-data {path} is not a file: pass a UTF-8 text file.")
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_TEXT_BYTES)
+    except OSError as exc:
+        raise ConversionError(f"--calibration-data {path} cannot be read ({one_line(exc)}).") from exc
+    if b"\0" in data:
+        raise ConversionError(f"--calibration-data {path} is not text (it holds NUL bytes): pass a UTF-8 text file.")
+    try:
+        text = data.decode("utf-8", errors="strict" if len(data) < MAX_TEXT_BYTES else "ignore")
+    except UnicodeDecodeError as exc:
+        raise ConversionError(f"--calibration-data {path} is not UTF-8 text ({exc.reason}): convert it.") from exc
+    if not text.strip():
+        raise ConversionError(f"--calibration-data {path} is empty: pass a file with some text.")
+    return text
+
+
+def plan_calibration(
+    source_path: Path,
+    vocab_size: int,
+    context: int,
+    calibration_data=None,
+    num_blocks: int = 16,
+    block_size: int = 256,
+    seed: int = 0,
+) -> CalibrationPlan:
+    """Token blocks for the calibration: `num_blocks` blocks of `block_size` tokens (capped by the context), each
+    starting with the tokenizer's bos token, spread evenly over the text. The text is `calibration_data` or the
+    built-in one; a source without a tokenizer is calibrated on seeded random token ids (stated as such)."""
+    if num_blocks < 1 or block_size < 2:
+        raise ConversionError(f"calibration needs >= 1 block of >= 2 tokens (got {num_blocks} x {block_size}).")
+    block_size = min(block_size, context)
+    text = read_calibration_text(calibration_data) if calibration_data is not None else None
+    description = f"--calibration-data {Path(calibration_data).name}" if text is not None else BUILTIN_DESCRIPTION
+    tokenizer = _tokenizer(source_path)
+    if tokenizer is None and text is not None:
+        raise ConversionError(
+            f"--calibration-data needs SRC's tokenizer, but {source_path} has none that loads: add its tokenizer "
+            "files, or convert without --calibration-data."
+        )
+    ids = (
+        tokenizer(text or BUILTIN_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+        if (tokenizer is not None)
+        else []
+    )
+    if text is None and len(ids) < MIN_TOKENS:  # no tokenizer, or one that does not read English text
+        reason = (
+            "SRC has no tokenizer" if tokenizer is None else "SRC's tokenizer reads the built-in text as no tokens"
+        )
+        logger.warning(f"note: {reason}: V1 calibration runs on seeded random token ids.")
+        generator = torch.Generator().manual_seed(seed)
+        blocks = torch.randint(0, vocab_size, (num_blocks, block_size), generator=generator)
+        return CalibrationPlan(blocks, f"random token ids (seed {seed}; {reason})")
+    bos = tokenizer.bos_token_id
+    body = block_size - (bos is not None)
+    if len(ids) < MIN_TOKENS:
+        raise ConversionError(
+            f"the calibration text ({description}) is {len(ids)} tokens long: give at least {MIN_TOKENS} tokens."
+        )
+    if len(ids) < body:  # one short block
+        body, block_size = len(ids), len(ids) + (bos is not None)
+    count = min(num_blocks, len(ids) // body)
+    starts = torch.linspace(0, len(ids) - body, count).round().long().tolist()  # evenly spread, the last one ends it
+    rows = [([bos] if bos is not None else []) + ids[s : s + body] for s in starts]
+    blocks = torch.tensor(rows, dtype=torch.long)  # (count, block_size)
+    if int(blocks.max()) >= vocab_size:
+        raise ConversionError(
+            f"SRC's tokenizer produces token id {int(blocks.max())}, beyond its vocab_size {vocab_size}: the "
+            "tokenizer does not belong to these weights."
+        )
+    return CalibrationPlan(blocks, description)
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception:  # no tokenizer files, or ones that do not load: the caller says what it does instead
+        return None
+
+
+class _SourceReader:
+    """Reads source tensors by name from their shards (one handle per shard, opened on first use)."""
+
+    def __init__(self, source, stack: contextlib.ExitStack):
+        from safetensors import safe_open
+
+        self.source, self.stack, self.safe_open, self.handles = source, stack, safe_open, {}
+
+    def get(self, name: str) -> torch.Tensor:
+        shard = self.source.tensors[name].shard
+        if shard not in self.handles:
+            try:
+                self.handles[shard] = self.stack.enter_context(self.safe_open(shard, framework="pt"))
+            except Exception as exc:
+                raise ConversionError(f"shard {shard.name} is corrupt or truncated ({one_line(exc)}).") from exc
+        try:
+            return self.handles[shard].get_tensor(name)
+        except Exception as exc:
+            raise ConversionError(f"reading tensor {name} from shard {shard.name} failed ({one_line(exc)}).") from exc
+
+
+@torch.no_grad()
+def calibrate_subln(
+    source, config, geometry: Geometry, tensor_map: TensorMap, plan: CalibrationPlan, micro_batch: int = 4
+) -> tuple[dict[int, torch.Tensor], list[float]]:
+    """Least-squares subln gains of every layer, fitted in layer order (see the module docstring), in float32.
+
+    Returns ({layer: gain (2d,)}, relative residual ‖g ⊙ ŷ − t‖² / ‖t‖² per layer)."""
+    from ..modeling_diff import DiffDecoderLayer, DiffRotaryEmbedding
+
+    config = type(config).from_dict(config.to_dict())
+    config._attn_implementation = "sdpa"  # causal without a mask; never the eager path that needs one
+    prefix = geometry.prefix
+    layer_names: dict[int, list[str]] = {}
+    for name in source.tensors:
+        canonical = geometry.canonical(name)
+        if canonical.startswith("model.layers.") and not IGNORED_SOURCE_TENSORS.match(name):
+            layer_names.setdefault(int(canonical.split(".")[2]), []).append(name)
+    d = geometry.head_dim
+    with contextlib.ExitStack() as stack:
+        reader = _SourceReader(source, stack)
+        hidden = reader.get(prefix + "embed_tokens.weight")[plan.blocks].float()  # (B, L, D)
+        rotary = DiffRotaryEmbedding(config)
+        positions = torch.arange(plan.blocks.shape[1])[None]
+        position_embeddings = rotary(hidden[:1], positions)  # cos, sin: (1, L, d)
+        gains, residuals = {}, []
+        for layer_idx in range(geometry.num_layers):
+            layer = _load_layer(DiffDecoderLayer, config, layer_idx, layer_names[layer_idx], reader, tensor_map)
+            attn = layer.self_attn
+            scale = 1.0 - float(config.lambda_init_for_layer(layer_idx))
+            lam = float(attn.diff_lambda())
+            pairs = []  # per micro-batch: (ŷ, t), each (tokens x heads, 2d)
+            for chunk in hidden.split(micro_batch):
+                normed = layer.input_layernorm(chunk)
+                out1, out2 = _map_outputs(attn, normed, position_embeddings)  # A1 [v1|v2], A2 [v1|v2]
+                target = torch.cat((out1[:, :d], out2[:, d:]), dim=-1)  # the source's pair: [A1 v1 | A2 v2]
+                pre_norm = out1 - lam * out2
+                rms = pre_norm.square().mean(-1, keepdim=True).add(attn.subln.variance_epsilon).rsqrt()
+                pairs.append((pre_norm * rms, target))
+            normed_all = torch.cat([p[0] for p in pairs])
+            target_all = torch.cat([p[1] for p in pairs])
+            gain = least_squares_gain(normed_all, target_all, scale)
+            residual = (scale * gain * normed_all - target_all).square().sum() / target_all.square().sum()
+            gains[layer_idx] = gain
+            residuals.append(round(float(residual), 4))
+            del normed_all, target_all, pairs
+            attn.subln.weight.copy_(gain)
+            chunks = hidden.split(micro_batch)
+            hidden = torch.cat([_layer_output(layer, chunk, position_embeddings) for chunk in chunks])
+            del layer
+    return gains, residuals
+
+
+def _load_layer(layer_class, config, layer_idx: int, names: list[str], reader: _SourceReader, tensor_map: TensorMap):
+    """One V1 decoder layer holding exactly what the converter writes for it (float32)."""
+    state = {}
+    for name in names:
+        for out_name, tensor in tensor_map(name, reader.get(name)):
+            state[out_name.split(f"layers.{layer_idx}.", 1)[1]] = tensor.float()
+    with torch.device("meta"):
+        layer = layer_class(config, layer_idx)
+    layer.load_state_dict(state, strict=True, assign=True)
+    return layer.float().eval()
+
+
+def _layer_output(layer, hidden: torch.Tensor, position_embeddings) -> torch.Tensor:
+    output = layer(hidden, position_embeddings=position_embeddings)
+    return output[0] if isinstance(output, tuple) else output  # (B, L, D) whether or not the layer returns a tuple
+
+
+def _map_outputs(attn, normed: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A1 [v1|v2], A2 [v1|v2]) of every head, as (tokens x heads, 2d): the attention run twice with λ forced to 0
+    and to 1, its sub-layer norm's input captured (λ = 0 gives A1 V; λ = 1 gives A1 V − A2 V). Only the module names
+    `diff_lambda` and `subln` are relied on, not how the forward computes the maps."""
+    captured = []
+    forced = {"value": 0.0}
+    width = attn.subln.weight.shape[0]
+
+    def force_lambda(module, inputs, output):
+        return torch.full_like(output, forced["value"])
+
+    def capture(module, inputs):
+        captured.append(inputs[0].detach().float().reshape(-1, width))
+
+    handles = [attn.diff_lambda.register_forward_hook(force_lambda), attn.subln.register_forward_pre_hook(capture)]
+    try:
+        for value in (0.0, 1.0):
+            forced["value"] = value
+            attn(hidden_states=normed, position_embeddings=position_embeddings, attention_mask=None)
+    finally:
+        for handle in handles:
+            handle.remove()
+    out1, difference = captured
+    return out1, out1 - difference
+
+
+__all__ = ["BUILTIN_TEXT", "CalibrationPlan", "calibrate_subln", "least_squares_gain", "plan_calibration"]
