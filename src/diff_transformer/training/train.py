@@ -370,7 +370,8 @@ def check_args(args, config) -> int:
     if args.diff_only_steps and args.lora:
         raise TrainingError("--diff-only-steps and --lora do not combine (LoRA already trains only adapters and λ)")
     _check_ranges(args)
-    _check_report_to(args.report_to)
+    if args.report_to is not None:  # None: TensorBoard if installed (report_targets)
+        _check_report_to(args.report_to)
     if args.load_in_4bit:
         if not args.lora:
             raise TrainingError("--load-in-4bit needs --lora (4-bit weights cannot be trained directly)")
