@@ -435,7 +435,7 @@ def test_flash_style_backend_gets_equal_head_dims(diff_version, monkeypatch):
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from diff_transformer.modeling_diff import DiffAttentionV1
+    import diff_transformer.modeling_diff as modeling
 
     calls = []
 
@@ -445,10 +445,11 @@ def test_flash_style_backend_gets_equal_head_dims(diff_version, monkeypatch):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("equal_head_dims_cpu", flash_like)
+    select = modeling.select_v1_strategy  # decides by name: the stand-in is chosen as flash kernels are
     monkeypatch.setattr(
-        DiffAttentionV1,
-        "_needs_equal_head_dims",
-        lambda self: self.config._attn_implementation == "equal_head_dims_cpu",
+        modeling,
+        "select_v1_strategy",
+        lambda name, *a, **k: select("flash_attention_2" if name == "equal_head_dims_cpu" else name, *a, **k),
     )
     eager = tiny_model(diff_version)
     flash = tiny_model(diff_version, attn_implementation="sdpa")

@@ -320,7 +320,7 @@ def test_generation_limit_clamps_to_the_context_and_the_flag():
 
     from fastapi import HTTPException
 
-    from diff_transformer.serving import _generation_limit
+    from diff_transformer.cli.serve import _generation_limit
 
     model = SimpleNamespace(config=DiffConfig(max_position_embeddings=64, hidden_size=32, num_attention_heads=2))
     inputs = {"input_ids": torch.zeros(1, 10, dtype=torch.long)}
