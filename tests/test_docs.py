@@ -12,6 +12,7 @@ the line before it, which the test reports as the skip reason:
     <!-- docs-test: fails -->                   every command must exit 2, printing the `# error: ...` lines shown
                                                 (`...` stands for any text)
     <!-- docs-test: partial reason -->           only the block's `diff-transformer` commands run, `serve` aside
+    <!-- docs-test: hub -->                     run against tests/hub_server.py's fake Hub (started for the page)
 
 Blocks in other languages (text, yaml, output listings) are not code and are not collected.
 """
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 RUNNABLE = {"python", "bash", "sh", "shell", "console"}
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
-MARKER = re.compile(r"<!--\s*docs-test:\s*(?P<kind>skip|slow|fails|partial)\b\s*(?P<reason>.*?)\s*-->\s*$")
+MARKER = re.compile(r"<!--\s*docs-test:\s*(?P<kind>skip|slow|fails|partial|hub)\b\s*(?P<reason>.*?)\s*-->\s*$")
 
 
 class Block:
@@ -94,8 +95,21 @@ class Session:
             shutil.copy(ROOT / "data" / name, directory / "data" / name)
         self.namespace = {"__name__": "__docs__"}
         self.done = -1
+        self.hub = None
+        self.resources = contextlib.ExitStack()
+
+    def close(self) -> None:
+        """Stop the page's fake Hub (and undo its patches), if it started one."""
+        self.resources.close()
+        hub, self.hub = self.hub, None
+        if hub is not None:  # a route the fake lacks, or a crash in it, would otherwise go unseen
+            assert not hub.problems, hub.problems
 
     def run(self, block: Block) -> None:
+        if block.kind == "hub" and self.hub is None:
+            from hub_server import running_hub
+
+            self.hub = self.resources.enter_context(running_hub(self.directory / ".hf"))
         if block.lang == "python":
             exec(compile(block.code, block.id, "exec"), self.namespace)
             return
@@ -121,6 +135,13 @@ class Session:
 SESSIONS: dict[Path, Session] = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def close_sessions():
+    yield
+    while SESSIONS:
+        SESSIONS.popitem()[1].close()
+
+
 def cases():
     seen = {}  # code of each block -> its id
     for blocks in BLOCKS.values():
@@ -136,6 +157,9 @@ def cases():
 @pytest.fixture
 def session_for(tmp_path_factory, monkeypatch):
     def get(block: Block) -> Session:
+        for page, other in SESSIONS.items():
+            if page != block.page:
+                other.close()  # the fake Hub serves its own page only: the others stay offline
         if block.page not in SESSIONS:
             SESSIONS[block.page] = Session(tmp_path_factory.mktemp(block.page.stem))
         session = SESSIONS[block.page]
@@ -170,7 +194,7 @@ def test_block(block: Block, session_for, one_torch_thread):
     # Run the earlier blocks of the page this one builds on that have not run yet (under -k). Slow blocks are never
     # prerequisites: later blocks must not need what they make, so the quick loop can leave them out.
     for earlier in BLOCKS[block.page][session.done + 1 : block.index]:
-        if earlier.kind in (None, "partial"):  # an unmarked shell block is runnable: checked above
+        if earlier.kind in (None, "partial", "hub"):  # an unmarked shell block is runnable: checked above
             session.run(earlier)
     session.done = block.index
     torch.manual_seed(0)
@@ -185,7 +209,7 @@ def test_extract_finds_markers_and_nested_fences(tmp_path):
         "```text\nnot code\n```\n<!-- docs-test: slow -->\n```bash\npip install x\n```\n"
         "<!-- docs-test: fails -->\n```bash\ndiff-transformer generate nowhere hi\n# error: MODEL ...\n```\n"
         "<!-- docs-test: partial pip is not run -->\n```bash\npip install x\ndiff-transformer merge a b\n"
-        "diff-transformer serve --port 1\n```\n",
+        "diff-transformer serve --port 1\n```\n<!-- docs-test: hub -->\n```python\npass\n```\n",
         encoding="utf-8",
     )
     blocks = extract(page)
@@ -195,6 +219,7 @@ def test_extract_finds_markers_and_nested_fences(tmp_path):
         ("bash", "slow", ""),
         ("bash", "fails", ""),
         ("bash", "partial", "pip is not run"),
+        ("python", "hub", ""),
     ]
     assert shell_commands(blocks[4].code, partial=True) == [["merge", "a", "b"]]
     assert shell_commands(blocks[1].code) == [["convert", "a", "b", "--verify"]]
