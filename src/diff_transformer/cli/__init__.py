@@ -399,7 +399,7 @@ def main(argv=None) -> int:
         "--metric",
         choices=("entropy", "negative_fraction", "lambda", "answer", "noise"),
         default="entropy",
-        help="metric of --grid (answer/noise need --span; see README, 'Inspecting attention')",
+        help="metric of --grid (answer/noise need --span; see docs/analysis.md)",
     )
     inspect.add_argument("--dpi", type=int, default=80, help=f"figure resolution, 1 to {INSPECT_MAX_DPI} (default 80)")
     inspect.add_argument(
