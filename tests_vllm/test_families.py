@@ -3,12 +3,10 @@
 refused in one line when the engine loads the model."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 from matrix.models import FAMILIES, VERSIONS, build
-from vllm_helpers import HERE, reference_greedy, run_vllm_generate, vllm_env
+from vllm_helpers import reference_greedy, run_vllm_generate, run_vllm_job
 
 
 CELLS = [(family, version) for family in FAMILIES for version in VERSIONS]
@@ -51,17 +49,7 @@ def test_unsupported_activation_is_refused_in_one_line(converted, tmp_path):
     config = json.loads((model / "config.json").read_text())
     config["hidden_act"] = "gelu"
     (model / "config.json").write_text(json.dumps(config))
-    job = tmp_path / "job.json"
-    job.write_text(json.dumps({"models": [str(model)], "prompts": [[5, 6, 7]], "max_tokens": 2}))
-    result = subprocess.run(
-        [sys.executable, str(HERE / "vllm_generate.py"), str(job)],
-        capture_output=True,
-        text=True,
-        env=vllm_env(),
-        stdin=subprocess.DEVNULL,
-        timeout=600,
-        check=False,
-    )
+    result = run_vllm_job([model], [[5, 6, 7]], tmp_path, max_tokens=2)
     assert result.returncode != 0
     # vLLM logs the worker's error (our one line, at the end of its traceback) on stdout, then fails on stderr.
     assert "ValueError: hidden_act='gelu' is not supported by diff-transformer's vLLM model (only silu)" in (

@@ -30,8 +30,8 @@ def vllm_env(tensor_parallel_size=1):
     return env
 
 
-def run_vllm_generate(models, prompts, tmp_path, max_tokens=MAX_TOKENS, tensor_parallel_size=1, timeout=600):
-    """{model dir: generated token ids per prompt} from vLLM (tests_vllm/vllm_generate.py in a child process)."""
+def run_vllm_job(models, prompts, tmp_path, max_tokens=MAX_TOKENS, tensor_parallel_size=1, timeout=600):
+    """tests_vllm/vllm_generate.py on MODELS in a child process: the finished process (exit code and output)."""
     job = tmp_path / "job.json"
     models = [str(m) for m in models]
     job.write_text(
@@ -44,7 +44,7 @@ def run_vllm_generate(models, prompts, tmp_path, max_tokens=MAX_TOKENS, tensor_p
             }
         )
     )
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(HERE / "vllm_generate.py"), str(job)],
         capture_output=True,
         text=True,
@@ -53,6 +53,11 @@ def run_vllm_generate(models, prompts, tmp_path, max_tokens=MAX_TOKENS, tensor_p
         timeout=timeout,
         check=False,
     )
+
+
+def run_vllm_generate(models, prompts, tmp_path, max_tokens=MAX_TOKENS, tensor_parallel_size=1, timeout=600):
+    """{model dir: generated token ids per prompt} from vLLM (tests_vllm/vllm_generate.py in a child process)."""
+    result = run_vllm_job(models, prompts, tmp_path, max_tokens, tensor_parallel_size, timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return json.loads(result.stdout.strip().splitlines()[-1])["tokens"]
 
