@@ -47,6 +47,8 @@ NAMES = {
     "v1-wu": "Diff V1, paper init + λ warm-up",
     "v1cal": "Diff V1, calibrated init",
     "v1cal-wu": "Diff V1, calibrated init + λ warm-up",
+    "v1cal0": "Diff V1, calibrated init with λ = 0",
+    "v1cal0-wu": "Diff V1, calibrated init with λ = 0 + λ warm-up",
 }
 COLORS = {
     "llama": "tab:gray",
@@ -55,9 +57,17 @@ COLORS = {
     "v1-wu": "tab:orange",
     "v1cal": "tab:green",
     "v1cal-wu": "tab:olive",
+    "v1cal0": "tab:purple",
+    "v1cal0-wu": "tab:pink",
 }
 # How each configuration's model is made: (diff_version, v1_init) or None for the source itself.
-CONVERSIONS = {"llama": None, "v2": (2, None), "v1": (1, "paper"), "v1cal": (1, "calibrated")}
+CONVERSIONS = {
+    "llama": None,
+    "v2": (2, None),
+    "v1": (1, "paper"),
+    "v1cal": (1, "calibrated"),
+    "v1cal0": (1, "calibrated-lambda0"),
+}
 SETTINGS = ("steps", "batch_size", "block_size", "lr", "warmup_steps", "eval_every", "seeds", "lambda_warmup_steps")
 
 

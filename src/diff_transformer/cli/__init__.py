@@ -91,12 +91,17 @@ def _convert(args) -> int:
     )
     print(f"wrote {out}")
     conversion = json.loads((Path(out) / "config.json").read_text(encoding="utf-8")).get("conversion") or {}
-    if conversion.get("v1_init") == "calibrated":
+    if conversion.get("v1_init") in ("calibrated", "calibrated-lambda0"):
         blocks, length = conversion["calibration_tokens"]
+        start = (
+            f"λ at step 0 fitted per layer: {conversion['lambda_start']}"
+            if "lambda_start" in conversion
+            else "λ = 0 at step 0 (λ_init 0, mirrored λ vectors)"
+        )
         print(
             f"V1 calibrated on {conversion['calibration_text']} ({blocks} blocks x {length} tokens): sub-layer norm "
-            "gains fitted by least squares, λ = 0 at step 0 (λ_init 0, mirrored λ vectors); relative residual per "
-            f"layer {conversion['subln_relative_residual']}."
+            f"gains fitted by least squares, {start}; relative residual per layer "
+            f"{conversion['subln_relative_residual']}."
         )
     if args.diff_version == 1 and conversion.get("source_model_type") != "diffllama":
         print(
@@ -361,9 +366,10 @@ def main(argv=None) -> int:
     )
     convert.add_argument(
         "--v1-init",
-        choices=("calibrated", "paper"),
+        choices=("calibrated", "calibrated-lambda0", "paper"),
         default=None,
-        help="with --diff-version 1: calibrated (default: λ = 0 at start, sub-layer norm fitted on text) or paper",
+        help="with --diff-version 1: calibrated (default: λ and the sub-layer norm fitted on text), "
+        "calibrated-lambda0 (λ = 0 at start) or paper",
     )
     convert.add_argument(
         "--calibration-data",

@@ -1,10 +1,14 @@
 """Calibrated initialisation of a Llama -> Diff V1 conversion (docs/design.md, "Starting V1 close to its source").
 
 V1 cannot reuse a Llama's weights and compute the same function (see the design note), but three of the errors it
-starts with can be removed before the first step:
+starts with can be reduced before the first step:
 
-* λ starts at exactly 0 while still learning: λ_init = 0 and mirrored vectors (λq2 = λq1, λk2 = λk1), so
-  λ = exp(λq1·λk1) − exp(λq2·λk2) = 0 and ∂λ/∂λq1 = exp(λq1·λk1) λk1 ≠ 0 (`LlamaToV1(mirrored_lambda=True)`);
+* λ starts where the fit puts it while still learning: λ_init = 0 and mirrored vectors (λq2 = λq1, λk2 = λk1), so
+  λ = exp(λq1·λk1) − exp(λq2·λk2) = 0 and ∂λ/∂λq1 = exp(λq1·λk1) λk1 ≠ 0 (`LlamaToV1(mirrored_lambda=True)`); with
+  `fit_lambda` (`--v1-init calibrated`, the default) each layer's λ is then chosen from LAMBDA_GRID, the value whose
+  fitted gains (below) leave the least residual, and set by moving λq2 along λk2 (`_set_lambda`); without it
+  (`calibrated-lambda0`) λ stays 0. The fit picks λ < 0 (the second map added, not subtracted): the pair's
+  second half is then read through A2 as well as A1, closer to the source's A2 v2;
 * with λ_init = 0 the output factor (1 − λ_init) is 1;
 * the sub-layer norm's gain g (2d channels, shared by the layer's heads) is fitted by least squares so that
   g ⊙ y / rms(y) ≈ t, where y is the V1 head's pre-norm output (A1 − λA2)[v1 | v2] and t the source's output of the
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,13 +170,34 @@ class _SourceReader:
             raise ConversionError(f"reading tensor {name} from shard {shard.name} failed ({one_line(exc)}).") from exc
 
 
+@dataclass(frozen=True)
+class CalibratedStart:
+    """What `calibrate_subln` fitted: {layer: subln gain (2d,)}, the relative residual ‖g ⊙ ŷ − t‖² / ‖t‖² per
+    layer and, when λ was fitted too, {layer: λ} and {layer: the λq2 vector that gives it}."""
+
+    gains: dict[int, torch.Tensor]
+    residuals: list[float]
+    lambdas: dict[int, float]
+    lambda_q2: dict[int, torch.Tensor]
+
+
+# The λ values tried per layer when λ is fitted (`fit_lambda`): 0.05 apart, from −1 to 0.5.
+LAMBDA_GRID = tuple(round(-1.0 + 0.05 * i, 2) for i in range(31))
+
+
 @torch.no_grad()
 def calibrate_subln(
-    source, config, geometry: Geometry, tensor_map: TensorMap, plan: CalibrationPlan, micro_batch: int = 4
-) -> tuple[dict[int, torch.Tensor], list[float]]:
+    source,
+    config,
+    geometry: Geometry,
+    tensor_map: TensorMap,
+    plan: CalibrationPlan,
+    micro_batch: int = 4,
+    fit_lambda: bool = False,
+) -> CalibratedStart:
     """Least-squares subln gains of every layer, fitted in layer order (see the module docstring), in float32.
-
-    Returns ({layer: gain (2d,)}, relative residual ‖g ⊙ ŷ − t‖² / ‖t‖² per layer)."""
+    With `fit_lambda`, each layer's λ is also chosen from LAMBDA_GRID, the one whose fitted gains leave the
+    smallest residual, and set through λq2 (still trainable)."""
     from ..modeling_diff import DiffDecoderLayer, DiffRotaryEmbedding
 
     config = type(config).from_dict(config.to_dict())
@@ -189,32 +215,58 @@ def calibrate_subln(
         rotary = DiffRotaryEmbedding(config)
         positions = torch.arange(plan.blocks.shape[1])[None]
         position_embeddings = rotary(hidden[:1], positions)  # cos, sin: (1, L, d)
-        gains, residuals = {}, []
+        gains, residuals, lambdas, q2 = {}, [], {}, {}
         for layer_idx in range(geometry.num_layers):
             layer = _load_layer(DiffDecoderLayer, config, layer_idx, layer_names[layer_idx], reader, tensor_map)
             attn = layer.self_attn
             scale = 1.0 - float(config.lambda_init_for_layer(layer_idx))
-            lam = float(attn.diff_lambda())
-            pairs = []  # per micro-batch: (ŷ, t), each (tokens x heads, 2d)
-            for chunk in hidden.split(micro_batch):
-                normed = layer.input_layernorm(chunk)
-                out1, out2 = _map_outputs(attn, normed, position_embeddings)  # A1 [v1|v2], A2 [v1|v2]
-                target = torch.cat((out1[:, :d], out2[:, d:]), dim=-1)  # the source's pair: [A1 v1 | A2 v2]
+            maps = [
+                _map_outputs(attn, layer.input_layernorm(chunk), position_embeddings)
+                for chunk in hidden.split(micro_batch)
+            ]
+            out1 = torch.cat([m[0] for m in maps])  # (tokens x heads, 2d): A1 [v1|v2]
+            out2 = torch.cat([m[1] for m in maps])  # A2 [v1|v2]
+            del maps
+            target = torch.cat((out1[:, :d], out2[:, d:]), dim=-1)  # the source's pair: [A1 v1 | A2 v2]
+            candidates = _reachable(attn.diff_lambda) if fit_lambda else (float(attn.diff_lambda()),)
+            best = None
+            for lam in candidates:
                 pre_norm = out1 - lam * out2
-                rms = pre_norm.square().mean(-1, keepdim=True).add(attn.subln.variance_epsilon).rsqrt()
-                pairs.append((pre_norm * rms, target))
-            normed_all = torch.cat([p[0] for p in pairs])
-            target_all = torch.cat([p[1] for p in pairs])
-            gain = least_squares_gain(normed_all, target_all, scale)
-            residual = (scale * gain * normed_all - target_all).square().sum() / target_all.square().sum()
+                normed = pre_norm * pre_norm.square().mean(-1, keepdim=True).add(attn.subln.variance_epsilon).rsqrt()
+                gain = least_squares_gain(normed, target, scale)
+                residual = float((scale * gain * normed - target).square().sum() / target.square().sum())
+                if best is None or residual < best[0]:
+                    best = (residual, lam, gain)
+            residual, lam, gain = best
+            del out1, out2, target
             gains[layer_idx] = gain
-            residuals.append(round(float(residual), 4))
-            del normed_all, target_all, pairs
+            residuals.append(round(residual, 4))
             attn.subln.weight.copy_(gain)
+            if fit_lambda:
+                lambdas[layer_idx] = round(lam, 4)
+                q2[layer_idx] = _set_lambda(attn.diff_lambda, lam)
             chunks = hidden.split(micro_batch)
             hidden = torch.cat([_layer_output(layer, chunk, position_embeddings) for chunk in chunks])
             del layer
-    return gains, residuals
+    return CalibratedStart(gains, residuals, lambdas, q2)
+
+
+def _reachable(module) -> tuple[float, ...]:
+    """The LAMBDA_GRID values `_set_lambda` can give this λ module (all of them for the converter's small vectors)."""
+    if float(module.lambda_k2 @ module.lambda_k2) == 0:  # λq2 cannot move λ: keep the mirrored start
+        return (float(module()),)
+    ceiling = math.exp(float(module.lambda_q1 @ module.lambda_k1)) + module.lambda_init
+    return tuple(value for value in LAMBDA_GRID if value < ceiling - 1e-3) or (float(module()),)
+
+
+def _set_lambda(module, value: float) -> torch.Tensor:
+    """Move λq2 along λk2 (= λk1) so that exp(λq1·λk1) − exp(λq2·λk2) + λ_init = value, keeping the
+    other three vectors; returns the new λq2 (`_reachable` keeps value below exp(λq1·λk1) + λ_init)."""
+    s1 = float(module.lambda_q1 @ module.lambda_k1)
+    k2 = module.lambda_k2.double()
+    shift = math.log(math.exp(s1) + module.lambda_init - value) - float(module.lambda_q2.double() @ k2)
+    module.lambda_q2.copy_(module.lambda_q2 + (shift * k2 / (k2 @ k2)).float())
+    return module.lambda_q2.detach().clone()
 
 
 def _load_layer(layer_class, config, layer_idx: int, names: list[str], reader: _SourceReader, tensor_map: TensorMap):
@@ -260,4 +312,11 @@ def _map_outputs(attn, normed: torch.Tensor, position_embeddings) -> tuple[torch
     return out1, out1 - difference
 
 
-__all__ = ["BUILTIN_TEXT", "CalibrationPlan", "calibrate_subln", "least_squares_gain", "plan_calibration"]
+__all__ = [
+    "BUILTIN_TEXT",
+    "CalibratedStart",
+    "CalibrationPlan",
+    "calibrate_subln",
+    "least_squares_gain",
+    "plan_calibration",
+]

@@ -58,7 +58,8 @@ _REWRITTEN = ("config.json", "README.md", "model.safetensors.index.json")
 _WEIGHT_FILES = re.compile(r"\.(safetensors|bin|pth|pt|ckpt|pkl|h5|msgpack|onnx|gguf)$", re.IGNORECASE)
 # V1's λ vectors feed an exp() and stay float32 whatever `dtype` asks (DiffPreTrainedModel keeps them in fp32 too).
 _FP32_PARAMETERS = re.compile(r"\.diff_lambda\.lambda_[qk][12]$")
-V1_INITS = ("calibrated", "paper")
+V1_INITS = ("calibrated", "calibrated-lambda0", "paper")
+CALIBRATED_INITS = ("calibrated", "calibrated-lambda0")
 _SOURCE_KINDS = {**dict.fromkeys(FAMILIES, "convert_llama_to_diff"), "diffllama": "convert_diffllama_to_diff"}
 logger = logging.getLogger(__name__)
 
@@ -101,11 +102,11 @@ def convert_llama_to_diff(
         progress: show a tqdm bar over tensors.
         lambda_std: std of V1's fresh λ vectors (ignored for V2).
         seed: seeds V1's fresh λ vectors (per layer).
-        v1_init: V1 only. "calibrated" (the default for V1): λ_init = 0 with mirrored λ vectors (λ = 0 at step 0,
-            trainable) and the sub-layer norm gains fitted by least squares, layer by layer, so that each head's
-            normalised output matches the source's pair of heads on `calibration_blocks` blocks of
-            `calibration_block_size` tokens (`calibrate.py`). "paper": the paper's λ_init schedule, λ vectors
-            ~ N(0, lambda_std), unit gains.
+        v1_init: V1 only. "calibrated" (the default for V1): λ_init = 0, each layer's λ chosen from [-1, 0.5] and
+            the sub-layer norm gains fitted by least squares, layer by layer, so that each head's normalised output
+            matches the source's pair of heads on `calibration_blocks` blocks of `calibration_block_size` tokens
+            (`calibrate.py`); λ stays trainable. "calibrated-lambda0": the same with λ = 0 at the start (mirrored λ
+            vectors). "paper": the paper's λ_init schedule, λ vectors ~ N(0, lambda_std), unit gains.
         calibration_data: a UTF-8 text file to calibrate on (its first 4 MiB); default: a built-in public-domain
             English text (assets/calibration.txt). A source without a tokenizer is calibrated on random token ids.
         calibration_blocks: how many blocks of text the V1 calibration fits the gains on.
@@ -202,7 +203,7 @@ def convert_to_diff(
         )
     if model_type == "diffllama":
         version = 1 if diff_version is None else diff_version
-        if kwargs.get("calibration_data") is not None or kwargs.get("v1_init") not in (None, "calibrated"):
+        if kwargs.get("calibration_data") is not None or kwargs.get("v1_init") not in (None, *CALIBRATED_INITS):
             raise ConversionError(
                 f"{src} is a DiffLlama checkpoint, imported exactly: there is no V1 initialisation to choose or "
                 "calibrate; drop --v1-init / --calibration-data."
@@ -447,8 +448,9 @@ def _convert(
     source = open_source(src, revision=revision, token=token)
     check_target(out_path, sources={"SRC": source.path}, error=ConversionError)
     config, tensor_map = _plan(source, source_kind, diff_version, target_dtype, lambda_std, seed, v1_init)
-    if v1_init == "calibrated":  # before anything is written: a bad calibration text is refused with OUT untouched
-        _calibrate(source, config, tensor_map, calibration_data, calibration_blocks, calibration_block_size, seed)
+    if v1_init in CALIBRATED_INITS:  # before anything is written: a bad calibration text is refused, OUT untouched
+        plan = (calibration_data, calibration_blocks, calibration_block_size, seed)
+        _calibrate(source, config, tensor_map, *plan, fit_lambda=v1_init == "calibrated")
     try:
         with staging as tmp:
             _write(source, config, tensor_map, tmp, out_path.name, target_dtype, max_shard_bytes, progress)
@@ -477,8 +479,10 @@ def _check_v1_init(source_kind: str, diff_version: int, v1_init: str | None, cal
     return v1_init
 
 
-def _calibrate(source, config, tensor_map, calibration_data, num_blocks: int, block_size: int, seed: int) -> None:
-    """Fit V1's sub-layer norm gains on text (conversion/calibrate.py) and record how in `tensor_map.provenance`."""
+def _calibrate(
+    source, config, tensor_map, calibration_data, num_blocks: int, block_size: int, seed: int, fit_lambda: bool
+) -> None:
+    """Fit V1's sub-layer norm gains (and λ) on text (conversion/calibrate.py); record how in the provenance."""
     from .calibrate import calibrate_subln, plan_calibration
 
     plan = plan_calibration(
@@ -490,16 +494,24 @@ def _calibrate(source, config, tensor_map, calibration_data, num_blocks: int, bl
         block_size=block_size,
         seed=seed,
     )
-    gains, residuals = calibrate_subln(source, config, tensor_map.geometry, tensor_map, plan)
-    tensor_map.subln_gains = gains
+    start = calibrate_subln(source, config, tensor_map.geometry, tensor_map, plan, fit_lambda=fit_lambda)
+    tensor_map.subln_gains = start.gains
+    tensor_map.lambda_q2 = start.lambda_q2 or None
     tensor_map.provenance = {
-        "v1_init": "calibrated",
-        "lambda": "λ_init = 0, λq2 = λq1 and λk2 = λk1 (λ = 0 at step 0, trainable)",
+        "v1_init": "calibrated" if fit_lambda else "calibrated-lambda0",
+        "lambda": (
+            "λ_init = 0; per layer the λ in [-1, 0.5] (steps of 0.05) whose fitted gains leave the least residual, "
+            "set through λq2 (trainable)"
+            if fit_lambda
+            else "λ_init = 0, λq2 = λq1 and λk2 = λk1 (λ = 0 at step 0, trainable)"
+        ),
         "subln": "gains fitted per layer, in layer order, by least squares: g ⊙ y/rms(y) ≈ the source's pair output",
         "calibration_text": plan.description,
         "calibration_tokens": list(plan.blocks.shape),
-        "subln_relative_residual": residuals,
+        "subln_relative_residual": start.residuals,
     }
+    if fit_lambda:
+        tensor_map.provenance["lambda_start"] = [start.lambdas[i] for i in sorted(start.lambdas)]
 
 
 def _plan(
@@ -515,7 +527,7 @@ def _plan(
     where = source.repo_id or str(source.path)
     source_config, family, task = _source_config(source, source_kind)
     geometry = source_geometry(family, task, source_config)
-    calibrated = v1_init == "calibrated"
+    calibrated = v1_init in CALIBRATED_INITS
     tensor_map = make_tensor_map(
         source_kind, diff_version, geometry, lambda_std=lambda_std, seed=seed, mirrored_lambda=calibrated
     )

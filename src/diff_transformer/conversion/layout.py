@@ -249,6 +249,7 @@ class LlamaToV1(TensorMap):
         self.seed = int(seed)
         self.mirrored_lambda = mirrored_lambda
         self.subln_gains: dict[int, torch.Tensor] | None = None
+        self.lambda_q2: dict[int, torch.Tensor] | None = None
         self.perm = llama_to_v1_query_permutation(geometry.num_heads, geometry.num_kv_heads)
 
     def new_parameters(self, layer: int, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -258,7 +259,9 @@ class LlamaToV1(TensorMap):
         prefix = f"model.layers.{layer}.self_attn."
         drawn = {}
         for lam in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
-            if self.mirrored_lambda and lam.endswith("2"):
+            if lam == "lambda_q2" and self.lambda_q2 is not None:
+                values = self.lambda_q2[layer].clone()
+            elif self.mirrored_lambda and lam.endswith("2"):
                 values = drawn[lam[:-1] + "1"].clone()
             else:
                 values = torch.randn(d, generator=generator, dtype=torch.float32) * self.lambda_std

@@ -149,13 +149,20 @@ def _v1_init(conversion: dict) -> str:
     """How a Llama -> V1 conversion started (`convert --v1-init`)."""
     if conversion.get("v1_init") == "paper":
         return " Start: the paper's (λ_init depth schedule, λ vectors drawn at random, unit sub-layer norm gains)."
-    if conversion.get("v1_init") != "calibrated":
+    if conversion.get("v1_init") not in ("calibrated", "calibrated-lambda0"):
         return ""
     blocks, length = conversion.get("calibration_tokens", ("?", "?"))
+    if conversion.get("v1_init") == "calibrated":
+        lambdas = ", ".join(f"{value:g}" for value in conversion.get("lambda_start", ()))
+        start = (
+            f"λ_init = 0 and each layer's λ fitted on text ({lambdas}), set through λq2 so it learns from the first "
+            "step; "
+        )
+    else:
+        start = "λ_init = 0 with λq2 = λq1 and λk2 = λk1, so λ = 0 exactly at step 0 and learns from the first step; "
     return (
-        " Start: calibrated. λ_init = 0 with λq2 = λq1 and λk2 = λk1, so λ = 0 exactly at step 0 and learns from "
-        "the first step; the sub-layer norm gains were fitted per layer, in layer order, by least squares so that "
-        "each differential head's normalised output approximates the source's pair of heads, on "
+        f" Start: calibrated. {start}the sub-layer norm gains were fitted per layer, in layer order, by least squares "
+        "so that each differential head's normalised output approximates the source's pair of heads, on "
         f"{conversion.get('calibration_text')} ({blocks} blocks of {length} tokens)."
     )
 
