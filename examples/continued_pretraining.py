@@ -1,19 +1,20 @@
 """Continued pretraining after conversion, on real text: the shipped tiny Llama vs its Diff V2 and V1 conversions.
 
-    python examples/continued_pretraining.py   # 6 configurations x 3 seeds of 200 steps: ~30 min on 2 idle cores
+    python examples/continued_pretraining.py   # 8 configurations x 3 seeds of 200 steps: ~1 h on one idle core
     python examples/continued_pretraining.py --models llama v1cal --seeds 0 --steps 40    # a quick look
     python examples/continued_pretraining.py --merge a.json b.json  # tables and figure from several partial runs
 
 1. Convert `src/diff_transformer/assets/tiny-llama` (a 2.1M-parameter Llama trained by examples/train_tiny_llama.py on
-   four Jane Austen novels) to Diff V2 (function-preserving) and to Diff V1 twice: the paper's start (`--v1-init
-   paper`: heads re-paired, λ_init schedule, fresh λ, unit sub-layer norm) and the calibrated start (`--v1-init
-   calibrated`: λ = 0 exactly but trainable, sub-layer norm gains fitted on the built-in calibration text, which is
-   not the held-out text). Each seed converts again (the λ vectors are drawn with the seed).
-2. Train the Llama (the baseline, `--any-model`), V2 and both V1s, each V1 with and without `--lambda-warmup-steps`,
+   four Jane Austen novels) to Diff V2 (function-preserving) and to Diff V1 three times: the paper's start
+   (`--v1-init paper`: heads re-paired, λ_init schedule, fresh λ, unit sub-layer norm), the calibrated start
+   (`--v1-init calibrated`: each layer's λ and the sub-layer norm gains fitted on the built-in calibration text,
+   which is not the held-out text; λ trainable) and the calibrated start with λ = 0 exactly (`calibrated-lambda0`).
+   Each seed converts again (the λ vectors are drawn with the seed).
+2. Train the Llama (the baseline, `--any-model`), V2 and the V1s, each V1 with and without `--lambda-warmup-steps`,
    with `diff-transformer train` (run in this process) for the same budget and settings on data/corpus.txt, evaluating
    held-out perplexity on data/heldout.txt (the last two chapters of each book, never trained on) at step 0, every
    `--eval-every` steps and at the end; once per seed (the seed drives the data order and the λ vectors).
-3. Write docs/continued_pretraining.png (loss, held-out perplexity: mean over seeds with the min-max band; λ per
+3. Write docs/<--stem>.png (loss, held-out perplexity: mean over seeds with the min-max band; λ per
    layer), .json (every run) and .md (tables: means ± standard deviation over seeds, ratios to the Llama of the same
    seed).
 
@@ -91,6 +92,7 @@ def parse_args(argv=None):
         "--overwrite", action="store_true", help="replace the converted models and runs of a non-empty --workdir"
     )
     p.add_argument("--docs", type=Path, default=REPO / "docs", help="where the .png/.json/.md go")
+    p.add_argument("--stem", default="continued_pretraining", help="their file name without the suffix")
     p.add_argument("--data", type=Path, default=REPO / "data" / "corpus.txt")
     p.add_argument("--heldout", type=Path, default=REPO / "data" / "heldout.txt")
     p.add_argument(
@@ -302,11 +304,13 @@ def markdown(results: dict, figures: dict, args) -> str:
         )
     lines.append(
         "* V1 paper init: the paper's λ_init schedule, λ vectors ~ N(0, 0.1²), unit sub-layer norm. V1 calibrated "
-        "init: λ_init = 0 and mirrored λ vectors (λ = 0 exactly at step 0, trainable), sub-layer norm gains fitted "
-        "per layer by least squares on the built-in calibration text (Persuasion, chapters 1-2; not the held-out "
-        f"text). '+ λ warm-up': `--lambda-warmup-steps {args.lambda_warmup_steps}` (λ used = min(1, step/"
-        f"{args.lambda_warmup_steps}) λ); its step 0 is the model as trained there (nothing subtracted; the paper "
-        "init still has its unit-gain norm and 1 - λ_init)."
+        "init (`--v1-init calibrated`, the default): λ_init = 0, each layer's λ (in [-1, 0.5]) and sub-layer norm "
+        "gains fitted by least squares on the built-in calibration text (Persuasion, chapters 1-2; not the held-out "
+        "text), λ trainable; 'with λ = 0' (`--v1-init calibrated-lambda0`): the same gains fit with λ = 0 exactly at "
+        "step 0 (mirrored λ vectors). '+ λ warm-up': "
+        f"`--lambda-warmup-steps {args.lambda_warmup_steps}` (λ used = min(1, step/{args.lambda_warmup_steps}) λ); "
+        "its step 0 is the model as trained there (nothing subtracted; the paper init still has its unit-gain norm "
+        "and 1 - λ_init)."
     )
     lines.append(
         "* A difference between two configurations counts only where it exceeds the seed spread shown next to it."
@@ -336,7 +340,7 @@ def markdown(results: dict, figures: dict, args) -> str:
         + figures.get("time_basis", "wall-clock, evaluations and tokenisation included")
         + (f"; {figures['note']}." if figures.get("note") else "."),
         "",
-        "![](continued_pretraining.png)",
+        f"![]({args.stem}.png)",
         "",
     ]
     return "\n".join(lines)
@@ -371,9 +375,9 @@ def render(figures: dict, args) -> None:
     results = {name: figures["results"][name] for name in NAMES if name in figures["results"]}
     figures["summary"] = summary(results)
     args.docs.mkdir(parents=True, exist_ok=True)
-    plot(results, args.docs / "continued_pretraining.png", args)
-    (args.docs / "continued_pretraining.json").write_text(json.dumps(figures, indent=1) + "\n")
-    (args.docs / "continued_pretraining.md").write_text(markdown(results, figures, args))
+    plot(results, args.docs / f"{args.stem}.png", args)
+    (args.docs / f"{args.stem}.json").write_text(json.dumps(figures, indent=1) + "\n")
+    (args.docs / f"{args.stem}.md").write_text(markdown(results, figures, args))
 
 
 def merge(paths: list[Path]) -> dict:
@@ -454,7 +458,7 @@ def main(argv=None) -> int:
             f"{NAMES[name]:40s} held-out ppl step 0 {row['ppl_step0'][0]:9.2f} ± {row['ppl_step0'][1]:.2f}   "
             f"step {args.steps} {row['ppl_end'][0]:8.2f} ± {row['ppl_end'][1]:.2f}   ({row['seconds'][0]:.0f} s)"
         )
-    print(f"wrote {args.docs / 'continued_pretraining.png'}, .json, .md; runs in {work}")
+    print(f"wrote {args.docs / args.stem}.png, .json, .md; runs in {work}")
     return 0
 
 

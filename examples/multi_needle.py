@@ -197,6 +197,7 @@ def build_configs(args, vocab_size: int) -> dict[str, object]:
         eos_token_id=1,
         pad_token_id=2,
         rope_theta=10000.0,
+        initializer_range=getattr(args, "init_std", 0.02),  # transformers' default unless the script sets one
     )
     d = args.hidden_size // args.heads
     llama = LlamaConfig(
