@@ -602,6 +602,22 @@ def tables(results: dict) -> str:
 # ---- Driver ----
 
 
+def check_output(parser, args, resumable: bool = False) -> None:
+    """--output: a directory we may write (safe_output.check_target), holding results.json when only re-plotting or
+    re-evaluating, and empty unless --overwrite (or, where the script can pick up its runs, --resume)."""
+    try:
+        args.output = check_target(args.output, name="--output")
+    except UserError as error:
+        parser.error(str(error))
+    reusing = args.plot_only or args.evaluate_only
+    if reusing and not (args.output / "results.json").is_file():
+        parser.error(f"--output {args.output} holds no results.json: run the experiment into it first")
+    keeping = args.overwrite or (resumable and args.resume)
+    if not reusing and not keeping and args.output.is_dir() and any(args.output.iterdir()):
+        fix = "--resume or --overwrite" if resumable else "or --overwrite to train into it"
+        parser.error(f"--output {args.output} is not empty: pass a new directory, {fix}")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", required=True, help="a new directory (checked: not empty, ., ~ or /)")
@@ -627,15 +643,7 @@ def parse_args(argv=None):
     p.add_argument("--plot-only", action="store_true", help="redraw the figures from --output's results.json")
     p.add_argument("--evaluate-only", action="store_true", help="re-evaluate --output's saved models, then plot")
     args = p.parse_args(argv)
-    try:
-        args.output = check_target(args.output, name="--output")
-    except UserError as error:
-        p.error(str(error))
-    reusing = args.plot_only or args.evaluate_only
-    if reusing and not (args.output / "results.json").is_file():
-        p.error(f"--output {args.output} holds no results.json: run the experiment into it first")
-    if not reusing and args.output.is_dir() and any(args.output.iterdir()) and not args.overwrite:
-        p.error(f"--output {args.output} is not empty: pass a new directory, or --overwrite to train into it")
+    check_output(p, args)
     shortest = 1 + args.max_needles * (NEEDLE_LEN + QUERY_LEN) + 16
     if args.min_length < shortest or args.length < args.min_length:
         p.error(

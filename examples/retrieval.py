@@ -51,12 +51,10 @@ import torch
 import torch.nn.functional as F
 
 from diff_transformer.analysis import attention_maps, layer_metrics, span_mass
-from diff_transformer.errors import UserError
-from diff_transformer.safe_output import check_target
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from multi_needle import build_configs, build_model, model_class, optimizer  # noqa: E402  (the same sizing)
+from multi_needle import build_configs, build_model, check_output, model_class, optimizer  # noqa: E402
 
 
 BOS, EOS, PAD, NOISE = 0, 1, 2, 3  # noise tokens: ids NOISE .. NOISE + noise - 1
@@ -564,15 +562,7 @@ def parse_args(argv=None):
     p.add_argument("--plot-only", action="store_true", help="redraw the figures and tables from --output's runs")
     p.add_argument("--evaluate-only", action="store_true", help="re-evaluate --output's saved models, then plot")
     args = p.parse_args(argv)
-    try:
-        args.output = check_target(args.output, name="--output")
-    except UserError as error:
-        p.error(str(error))
-    reusing = args.plot_only or args.evaluate_only
-    if reusing and not (args.output / "results.json").is_file():
-        p.error(f"--output {args.output} holds no results.json: run the experiment into it first")
-    if not reusing and not args.resume and args.output.is_dir() and any(args.output.iterdir()) and not args.overwrite:
-        p.error(f"--output {args.output} is not empty: pass a new directory, --resume or --overwrite")
+    check_output(p, args, resumable=True)
     width = 1 if args.task == "single" else 2
     if not (1 <= args.max_pairs <= args.keys and width * args.max_pairs <= args.min_length <= args.length):
         p.error(

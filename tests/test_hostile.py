@@ -84,30 +84,10 @@ def test_demo_rerun_does_not_hang_on_a_fifo(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A tiny random Diff V2 checkpoint with the shipped tokenizer (`v2`) and a text file, as test_train's."""
-    from test_train import HELDOUT, TOKENIZER
-    from transformers import AutoTokenizer
-
-    from diff_transformer import DiffForCausalLM
-
-    from conftest import tiny_config
+    from test_train import HELDOUT, save_trainable_checkpoint
 
     root = tmp_path_factory.mktemp("train")
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    torch.manual_seed(0)
-    config = tiny_config(
-        2,
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    DiffForCausalLM._from_config(config, attn_implementation="eager").save_pretrained(root / "v2")
-    tokenizer.save_pretrained(root / "v2")
+    save_trainable_checkpoint(root / "v2", 2)
     (root / "text.txt").write_text(HELDOUT[:2500], encoding="utf-8")
     return root
 

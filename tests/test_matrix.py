@@ -18,9 +18,7 @@ rest in the full run (`slow`).
 """
 
 import json
-import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -192,23 +190,10 @@ def test_lm_eval_scores_the_checkpoint(family, version, checkpoints, monkeypatch
 
 
 def launch_tensor_parallel(models: dict, out: Path):
-    scripts = Path(__file__).parent / "distributed"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env = {k: v for k, v in env.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(scripts), env.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    specs = [f"{tag}={path}" for tag, path in models.items()]
-    result = subprocess.run(
-        [*command, str(scripts / "tp_run.py"), str(out), *specs],
-        capture_output=True,
-        text=True,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-6000:]
     from safetensors.torch import load_file
+    from test_distributed import launch
 
+    launch("tp_run.py", out, *(f"{tag}={path}" for tag, path in models.items()), timeout=600)
     return json.loads((out / "rank0.json").read_text())["results"], load_file(out / "rank0.safetensors")
 
 

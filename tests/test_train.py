@@ -40,27 +40,31 @@ QUIET = [
 def workdir(tmp_path_factory):
     """Tiny random Diff V1 and V2 checkpoints with the shipped tokenizer, and two text files."""
     root = tmp_path_factory.mktemp("train")
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     for version in (1, 2):
-        torch.manual_seed(0)
-        config = tiny_config(
-            version,
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            intermediate_size=64,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=64,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        model = DiffForCausalLM._from_config(config, attn_implementation="eager")
-        model.save_pretrained(root / f"v{version}")
-        tokenizer.save_pretrained(root / f"v{version}")
+        save_trainable_checkpoint(root / f"v{version}", version)
     (root / "text.txt").write_text(HELDOUT[:2500], encoding="utf-8")  # ~25 blocks of 32 tokens
     (root / "repeat.txt").write_text(HELDOUT[:300] * 8, encoding="utf-8")
     return root
+
+
+def save_trainable_checkpoint(path, version: int) -> None:
+    """A tiny random Diff checkpoint (seed 0, 32 wide, 64 positions) next to the shipped tokenizer, at `path`."""
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    torch.manual_seed(0)
+    config = tiny_config(
+        version,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    DiffForCausalLM._from_config(config, attn_implementation="eager").save_pretrained(path)
+    tokenizer.save_pretrained(path)
 
 
 def train(workdir, version, output, *extra):
