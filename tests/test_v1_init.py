@@ -139,6 +139,8 @@ def test_conversion_without_calibration_data_uses_the_builtin_text_and_starts_cl
     assert builtin[:2000] not in (ASSETS / "heldout.txt").read_text(encoding="utf-8")  # not the evaluation text
     card = (shipped["calibrated"] / "README.md").read_text()
     assert "calibrated" in card and "Persuasion" in card
+    assert f"λ fitted on text ({', '.join(f'{v:g}' for v in conversion['lambda_start'])})" in card
+    assert "λ = 0 exactly at step 0" in (shipped["lambda0"] / "README.md").read_text()
     starts = (TINY_LLAMA, shipped["calibrated"], shipped["lambda0"], shipped["paper"])
     source, calibrated, lambda0, paper = (_heldout_loss(p) for p in starts)
     # the target: held-out perplexity at step 0 within 1.6x the source's (the paper start: ~24x); fitting λ
@@ -157,6 +159,7 @@ def test_calibration_data_file_is_used_and_bad_ones_are_refused(tmp_path, capsys
     printed = capsys.readouterr().out
     assert "V1 calibrated on --calibration-data mine.txt" in printed
     conversion = json.loads((out / "config.json").read_text())["conversion"]
+    assert f"λ at step 0 fitted per layer: {conversion['lambda_start']}" in printed
     assert conversion["calibration_text"] == "--calibration-data mine.txt"  # the name, never the machine's path
     default = load_file(
         convert_llama_to_diff(TINY_LLAMA, tmp_path / "default", diff_version=1, progress=False) / "model.safetensors"
