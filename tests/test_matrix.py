@@ -197,22 +197,34 @@ def launch_tensor_parallel(models: dict, out: Path):
     return json.loads((out / "rank0.json").read_text())["results"], load_file(out / "rank0.safetensors")
 
 
+@pytest.fixture(scope="module")
+def tensor_parallel_runs(request, checkpoints, tmp_path_factory):
+    """One torchrun launch for every tensor-parallel cell this session selected (a launch costs ~10 s to start)."""
+    selected = [
+        item.callspec.params
+        for item in request.session.items
+        if item.originalname == "test_tensor_parallel_matches_the_unsharded_model"
+    ]
+    models = {f"{p['family']}-v{p['version']}": checkpoints[1][p["family"], p["version"]] for p in selected}
+    return launch_tensor_parallel(models, tmp_path_factory.mktemp("tensor-parallel"))
+
+
 @pytest.mark.parametrize("family, version", cell_params({("qwen3", 1)}))
-def test_tensor_parallel_matches_the_unsharded_model(family, version, checkpoints, tmp_path):
+def test_tensor_parallel_matches_the_unsharded_model(family, version, checkpoints, tensor_parallel_runs):
     """transformers' tensor parallelism (`tp_plan="auto"`, 2 ranks on CPU) with the config's plan: logits and greedy
     tokens of the unsharded model. (tests/test_distributed.py checks gradients and refusals on Llama shapes.)"""
     sys.path.insert(0, str(Path(__file__).parent / "distributed"))
     from dist_common import SEQ_LEN, token_batches
 
-    path = checkpoints[1][family, version]
-    results, tensors = launch_tensor_parallel({"m": path}, tmp_path)
-    assert results["m"].get("tp_size") == 2, results["m"]
-    model = load(path)
+    results, tensors = tensor_parallel_runs
+    tag = f"{family}-v{version}"
+    assert results[tag].get("tp_size") == 2, results[tag]
+    model = load(checkpoints[1][family, version])
     ids = token_batches(2)[:, : SEQ_LEN // 2]
     with torch.no_grad():
-        torch.testing.assert_close(tensors["m.logits"], model(ids).logits, rtol=0, atol=2e-5)
+        torch.testing.assert_close(tensors[f"{tag}.logits"], model(ids).logits, rtol=0, atol=2e-5)
     generated = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
-    assert results["m"]["generated"] == generated.tolist()
+    assert results[tag]["generated"] == generated.tolist()
 
 
 def test_checkpoint_code_imports_nothing_optional(checkpoints):
