@@ -1,6 +1,7 @@
 import pytest
 import torch
 from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from conftest import tiny_model
 
@@ -115,7 +116,12 @@ def test_continuous_batching_matches_generate(diff_version, attn, kv_heads, monk
         for p in prompts
     ]
     config = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    results = model.generate_batch(prompts, generation_config=config, progress_bar=False)
+    # A cache for these 4 short prompts: left to itself, transformers sizes it (and, for eager/sdpa on CPU, a
+    # max_batch_tokens x readable-tokens attention mask) from the machine's free memory: 21.8 GB at transformers 5.19.
+    batching = ContinuousBatchingConfig(page_size=16, num_blocks=16, max_batch_tokens=64)
+    results = model.generate_batch(
+        prompts, generation_config=config, continuous_batching_config=batching, progress_bar=False
+    )
     by_prompt = {tuple(r.prompt_ids): r.generated_tokens for r in results.values()}
     assert [by_prompt[tuple(p)] for p in prompts] == expected
     # V1 stores V's two d-wide halves as extra KV heads; the model's config is never changed for that, not even while
