@@ -91,7 +91,7 @@ def _convert(args) -> int:
     )
     print(f"wrote {out}")
     conversion = json.loads((Path(out) / "config.json").read_text(encoding="utf-8")).get("conversion") or {}
-    if conversion.get("v1_init") in ("calibrated", "calibrated-lambda0"):
+    if "calibration_tokens" in conversion:  # a calibrated V1 start (either kind) records what it read
         blocks, length = conversion["calibration_tokens"]
         start = (
             f"λ at step 0 fitted per layer: {conversion['lambda_start']}"

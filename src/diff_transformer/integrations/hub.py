@@ -149,10 +149,10 @@ def _v1_init(conversion: dict) -> str:
     """How a Llama -> V1 conversion started (`convert --v1-init`)."""
     if conversion.get("v1_init") == "paper":
         return " Start: the paper's (λ_init depth schedule, λ vectors drawn at random, unit sub-layer norm gains)."
-    if conversion.get("v1_init") not in ("calibrated", "calibrated-lambda0"):
+    if "calibration_tokens" not in conversion:  # no calibrated V1 start (either kind) recorded
         return ""
-    blocks, length = conversion.get("calibration_tokens", ("?", "?"))
-    if conversion.get("v1_init") == "calibrated":
+    blocks, length = conversion["calibration_tokens"]
+    if "lambda_start" in conversion:
         lambdas = ", ".join(f"{value:g}" for value in conversion.get("lambda_start", ()))
         start = (
             f"λ_init = 0 and each layer's λ fitted on text ({lambdas}), set through λq2 so it learns from the first "
