@@ -77,7 +77,7 @@ def journey(tmp_path_factory):
 def peft_model(root):
     from peft import PeftModel
 
-    from diff_transformer.adapters import quiet_peft_wrapping
+    from diff_transformer.checkpoints.adapters import quiet_peft_wrapping
 
     base = AutoModelForCausalLM.from_pretrained(root / "diff")
     with quiet_peft_wrapping():
@@ -348,7 +348,7 @@ def test_inspect_an_adapter_shows_the_merged_model(journey, tmp_path, monkeypatc
 def test_adapter_card_names_the_base_as_given_with_lambda_and_lora_settings(journey):
     from huggingface_hub import ModelCard
 
-    from diff_transformer.adapters import adapter_card
+    from diff_transformer.checkpoints.adapters import adapter_card
 
     root, _ = journey
     card = ModelCard.load(root / "lora" / "README.md")

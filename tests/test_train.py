@@ -731,7 +731,7 @@ def test_trainer_warns_about_missing_keys_on_resume(monkeypatch):
 def test_bitsandbytes_kernel_notice_is_hidden_outside_4bit(caplog):
     import logging
 
-    from diff_transformer.extras import hide_bitsandbytes_kernel_notice
+    from diff_transformer.checkpoints.adapters import hide_bitsandbytes_kernel_notice
 
     logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
     hide_bitsandbytes_kernel_notice()

@@ -2,8 +2,6 @@
 
 import math
 
-import torch
-
 
 EVAL_BLOCK_SIZE = 256  # tokens per perplexity window, the leading <s> included (as in training)
 
@@ -24,6 +22,8 @@ def heldout_perplexity(
     windows of `block_size - 1` tokens, each scored after a leading bos token; exp(mean negative log-likelihood) over
     every token of the text. With `return_logits`, also returns the list of logits tensors (for comparisons); with
     `progress`, a tqdm bar over the windows."""
+    import torch  # here, not at the top: the command line imports this module for its help
+
     ids = tokenizer(text, add_special_tokens=False, verbose=False).input_ids
     if max_tokens is not None:
         ids = ids[:max_tokens]

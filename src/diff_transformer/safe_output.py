@@ -56,12 +56,12 @@ class OutputError(UserError):
     """An output path that cannot be written without losing data; one line naming the path and the fix."""
 
 
-def check_target(out, *, name: str = "OUT", sources: dict | None = None, error: type[UserError] = OutputError) -> Path:
-    """`out` as an absolute path, or `error` if replacing or writing it could destroy something: see the module doc.
+def check_target(out, *, name: str = "OUT", sources: dict | None = None) -> Path:
+    """`out` as an absolute path, or `OutputError` if replacing or writing it could destroy something (module doc).
     `sources` maps a name ("SRC", "MODEL") to a directory that OUT must neither be, lie inside, nor contain."""
     text = "" if out is None else os.fspath(out)
     if not text.strip():
-        raise error(f"{name} is empty (an unset shell variable?): pass the directory to write.")
+        raise OutputError(f"{name} is empty (an unset shell variable?): pass the directory to write.")
     path = Path(text).expanduser().absolute()
     real = path.resolve()
     cwd = Path.cwd().resolve()
@@ -70,16 +70,18 @@ def check_target(out, *, name: str = "OUT", sources: dict | None = None, error: 
     except (RuntimeError, KeyError):  # no home directory known
         home = None
     if real.parent == real:
-        raise error(f"{name} {text!r} is the filesystem root: pass a new directory for the output.")
+        raise OutputError(f"{name} {text!r} is the filesystem root: pass a new directory for the output.")
     if real == home:
-        raise error(f"{name} {text!r} is your home directory: pass a new directory for the output, e.g. ~/my-output.")
+        raise OutputError(
+            f"{name} {text!r} is your home directory: pass a new directory for the output, e.g. ~/my-output."
+        )
     if real == cwd or real in cwd.parents:
         where = "the current directory" if real == cwd else "a parent of the current directory"
-        raise error(f"{name} {text!r} is {where}: pass a new directory for the output, e.g. ./my-output.")
+        raise OutputError(f"{name} {text!r} is {where}: pass a new directory for the output, e.g. ./my-output.")
     for source_name, source in (sources or {}).items():
         source = Path(source).resolve()
         if real == source or source in real.parents or real in source.parents:
-            raise error(
+            raise OutputError(
                 f"{name} {path} overlaps {source_name} {source}: choose an output directory outside {source_name} "
                 f"that does not contain it ({source_name} is never modified)."
             )
@@ -294,18 +296,19 @@ class Staging:
         overwrite: bool = False,
         name: str = "OUT",
         flag: str = "--overwrite",
-        error: type[UserError] = OutputError,
     ):
-        self.out, self.name, self.error = Path(out).absolute(), name, error
+        self.out, self.name = Path(out).absolute(), name
         recover(self.out)
         if self.out.is_symlink():
-            raise error(f"{name} {self.out} is a symbolic link: pass the directory it points to, or another path.")
+            raise OutputError(
+                f"{name} {self.out} is a symbolic link: pass the directory it points to, or another path."
+            )
         if self.out.exists() and not self.out.is_dir():
-            raise error(f"{name} {self.out} exists and is not a directory: choose a directory path.")
+            raise OutputError(f"{name} {self.out} exists and is not a directory: choose a directory path.")
         self.replace = None  # identity of the non-empty OUT this run was told to replace
         if self.out.is_dir() and any(self.out.iterdir()):
             if not overwrite:
-                raise error(f"{name} {self.out} is not empty: pass {flag} or choose another directory.")
+                raise OutputError(f"{name} {self.out} is not empty: pass {flag} or choose another directory.")
             self.replace = _identity(self.out)
         self.path: Path | None = None
         self.installed = False
@@ -327,13 +330,13 @@ class Staging:
             _write_lock(self._fd, token, staging=self._staging_id)
         except OSError as exc:
             self._cleanup(failed=True)
-            raise self.error(
+            raise OutputError(
                 f"cannot create a directory in {parent} ({exc.strerror or exc}): check the path and permissions."
             ) from exc
         return self.path
 
     def _appeared(self):
-        return self.error(
+        return OutputError(
             f"{self.name} {self.out} was created or changed by something else while this run was writing it: nothing "
             f"was replaced; remove or rename it (or choose another {self.name}) and run again."
         )
@@ -370,7 +373,7 @@ class Staging:
                 try:
                     os.rename(old, out)
                 except OSError:
-                    raise self.error(
+                    raise OutputError(
                         f"{out} was created by something else while this run replaced it: your previous {self.name} "
                         f"is safe in {old}; rename it back."
                     ) from None
@@ -407,13 +410,13 @@ RUN_LOCK = ".diff-transformer.lock"
 
 
 class OutputLock:
-    """`with OutputLock(out, name="--output", error=...):` hold an exclusive lock on OUT (creating it and its parents)
-    while a run writes into it; a second run into the same OUT gets `error` naming the first. The lock file is
+    """`with OutputLock(out, name="--output"):` hold an exclusive lock on OUT (creating it and its parents)
+    while a run writes into it; a second run into the same OUT gets an `OutputError` naming the first. The lock file is
     `OUT/RUN_LOCK`; the OS releases the lock if the run dies. On exit the lock file goes, and the directories this
     created are removed while still empty (a refused or failed start leaves nothing behind)."""
 
-    def __init__(self, out, *, name: str = "OUT", error: type[UserError] = OutputError):
-        self.out, self.name, self.error = Path(out).absolute(), name, error
+    def __init__(self, out, *, name: str = "OUT"):
+        self.out, self.name = Path(out).absolute(), name
         self._fd, self._created = None, None
 
     def __enter__(self) -> Path:
@@ -425,7 +428,7 @@ class OutputLock:
                 if not _try_lock(fd):
                     holder = (_read_small(lock) or "").strip() or "another process"
                     os.close(fd)
-                    raise self.error(
+                    raise OutputError(
                         f"{self.name} {self.out} is being written by another run ({holder}): wait for it to finish, "
                         f"or choose another {self.name}."
                     )
@@ -437,7 +440,7 @@ class OutputLock:
             self._fd = fd
         except OSError as exc:
             self._release()
-            raise self.error(
+            raise OutputError(
                 f"cannot write {self.name} {self.out} ({exc.strerror or exc}): choose a directory you can write to."
             ) from None
         except BaseException:

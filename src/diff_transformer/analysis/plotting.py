@@ -7,8 +7,7 @@ without pyplot (no global state, any backend); `fig.savefig(path)` writes it.
 
 import torch
 
-from diff_transformer.errors import UserError
-from diff_transformer.extras import missing
+from diff_transformer.errors import UserError, missing
 
 
 def _matplotlib():

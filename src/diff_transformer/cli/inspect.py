@@ -7,8 +7,42 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..adapters import load_tokenizer
+from ..checkpoints.adapters import load_tokenizer
 from ..errors import UserError
+from .options import add_base_option
+
+
+INSPECT_MAX_DPI = 600
+
+
+def add_parser(commands) -> None:
+    inspect = commands.add_parser(
+        "inspect", help="plot one head's attention maps (A1, A2, A1 - λA2, λ per layer) of a Diff, DiffLlama or Llama"
+    )
+    inspect.add_argument("model", help="model directory or Hub id org/name (hf://name forces a Hub id)")
+    inspect.add_argument("text", help="text (or space-separated token ids if the model has no tokenizer)")
+    inspect.add_argument("--layer", type=int, default=0, help="layer to plot (default 0)")
+    inspect.add_argument("--head", type=int, default=0, help="differential head to plot (default 0)")
+    inspect.add_argument("--out", required=True, help="figure file (.png, .pdf, .svg, ...)")
+    inspect.add_argument("--json", help="also write the head's maps, λ and per-layer/head metrics as JSON")
+    inspect.add_argument("--span", help="START:STOP token positions of an answer: adds the answer and noise metrics")
+    inspect.add_argument("--grid", help="also write a layer x head heatmap of --metric to this figure file")
+    inspect.add_argument(
+        "--metric",
+        choices=("entropy", "negative_fraction", "lambda", "answer", "noise"),
+        default="entropy",
+        help="metric of --grid (answer/noise need --span; see docs/analysis.md)",
+    )
+    inspect.add_argument("--dpi", type=int, default=80, help=f"figure resolution, 1 to {INSPECT_MAX_DPI} (default 80)")
+    inspect.add_argument(
+        "--max-memory-gb",
+        type=float,
+        default=4.0,
+        help="refuse a TEXT whose attention maps would need more memory than this (default 4)",
+    )
+    inspect.add_argument("--overwrite", action="store_true", help="replace an existing --out / --json file")
+    add_base_option(inspect)
+    inspect.set_defaults(func=run)
 
 
 def _output_file(path: str, option: str, overwrite: bool, suffixes=None) -> Path:
@@ -82,10 +116,11 @@ def run(args) -> int:
 
     import torch
 
-    from diff_transformer import adapters
     from diff_transformer.analysis import model_kind
     from diff_transformer.analysis.plotting import _matplotlib, head_figure
-    from diff_transformer.loading import check_diff_checkpoint
+
+    from ..checkpoints import adapters
+    from ..checkpoints.loading import check_diff_checkpoint
 
     Figure, _ = _matplotlib()  # before anything loads: a missing matplotlib is one line
     _check_inspect_options(args)
@@ -200,9 +235,6 @@ def run(args) -> int:
         _write_atomically(json_out, lambda path: Path(path).write_text(json.dumps(report)))
         print(f"wrote {json_out}")
     return 0
-
-
-INSPECT_MAX_DPI = 600
 
 
 def _check_inspect_options(args) -> None:

@@ -23,10 +23,23 @@ What transformers' server does not bound, this command does (`limit_generation`,
 import functools
 import sys
 
-from ..errors import UserError
+from ..errors import UserError, require
 
 
 GRACEFUL_SHUTDOWN_S = 5
+
+
+def add_parser(commands) -> None:
+    # Every option after `serve` goes to transformers' server: `diff-transformer serve --help` lists them.
+    serve = commands.add_parser(
+        "serve", add_help=False, help="OpenAI-compatible server (transformers serve) for Diff models"
+    )
+    serve.set_defaults(func=run)
+
+
+def run(args) -> int:
+    require(["fastapi", "uvicorn", "openai", "pydantic"], "serve", "diff-transformer serve")
+    return main(args.serve_args)
 
 
 def expose_to_transformers_serve() -> None:
@@ -46,7 +59,7 @@ def _generation_limit(model, inputs: dict, gen_config, limit: int | None) -> Non
     settings outside their range (`num_beams: -3` in its generation_config) are an HTTP 400, not a 500 mid-run."""
     from fastapi import HTTPException
 
-    from ..config_checks import generation_value_problem
+    from ..checkpoints.configs import generation_value_problem
 
     for field in ("num_beams", "num_return_sequences", "top_k", "top_p", "temperature", "repetition_penalty"):
         problem = generation_value_problem(field, getattr(gen_config, field, None))
@@ -117,7 +130,7 @@ def graceful_shutdown(seconds: float = GRACEFUL_SHUTDOWN_S) -> None:
 
 def _own_options(argv: list[str]) -> tuple[list[str], int | None]:
     """(ARGV less our --max-new-tokens-limit N, that N), and a MODEL argument checked to exist."""
-    from ..loading import resolve_model
+    from ..checkpoints.names import resolve_model
 
     rest, limit, index = [], None, 0
     while index < len(argv):

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from ..config_checks import check_generation_config, check_model_config
+from ..checkpoints.configs import check_generation_config, check_model_config
 from ..configuration_diff import AUTO_MAP
 from ..integrations.hub import diff_model_card
 from ..safe_output import Staging, check_target
 from .dtypes import cast_dtype, from_safetensors_code, parse_dtype
-from .errors import ConversionError, one_line
+from .errors import ConversionError, conversion_boundary, one_line
 from .families import CAUSAL_LM, DIFFLLAMA, FAMILIES, family_of, source_geometry, task_of
 from .layout import IGNORED_SOURCE_TENSORS, Geometry, make_tensor_map
 from .provenance import conversion_provenance
@@ -64,6 +64,7 @@ _SOURCE_KINDS = {**dict.fromkeys(FAMILIES, "convert_llama_to_diff"), "diffllama"
 logger = logging.getLogger(__name__)
 
 
+@conversion_boundary
 def convert_llama_to_diff(
     src: str | os.PathLike,
     out: str | os.PathLike,
@@ -146,6 +147,7 @@ def convert_llama_to_diff(
     )
 
 
+@conversion_boundary
 def convert_diffllama_to_diff(
     src: str | os.PathLike,
     out: str | os.PathLike,
@@ -183,6 +185,7 @@ def convert_diffllama_to_diff(
     )
 
 
+@conversion_boundary
 def convert_to_diff(
     src: str | os.PathLike,
     out: str | os.PathLike,
@@ -441,12 +444,12 @@ def _convert(
     if lambda_std < 0:
         raise ConversionError(f"lambda_std={lambda_std} must be >= 0.")
     v1_init = _check_v1_init(source_kind, diff_version, v1_init, calibration_data)
-    out_path = check_target(out, error=ConversionError)
+    out_path = check_target(out)
     # Refused (and dead runs' leftovers recovered) before anything is downloaded or read.
-    staging = Staging(out_path, overwrite=overwrite, flag="overwrite=True (--overwrite)", error=ConversionError)
+    staging = Staging(out_path, overwrite=overwrite, flag="overwrite=True (--overwrite)")
 
     source = open_source(src, revision=revision, token=token)
-    check_target(out_path, sources={"SRC": source.path}, error=ConversionError)
+    check_target(out_path, sources={"SRC": source.path})
     config, tensor_map = _plan(source, source_kind, diff_version, target_dtype, lambda_std, seed, v1_init)
     if v1_init in CALIBRATED_INITS:  # before anything is written: a bad calibration text is refused, OUT untouched
         plan = (calibration_data, calibration_blocks, calibration_block_size, seed)
@@ -537,13 +540,13 @@ def _plan(
     config = _diff_config(
         source_config, source_kind, diff_version, geometry, lambda_std, where, task, 0.0 if calibrated else None
     )
-    check_model_config(config, where, error=ConversionError, build=False)  # before a Hub download
+    check_model_config(config, where, build=False)  # before a Hub download
     # OUT gets SRC's generation_config.json: one that generate() cannot use (num_beams -3) is refused here.
-    check_generation_config(str(source.path), where, error=ConversionError)
+    check_generation_config(str(source.path), where)
     read_weights_headers(source)
     _validate_tensors(source, geometry, source_kind)
     # The weights hold the layers the config claims: now building it (on the meta device) costs what the model is.
-    check_model_config(config, where, error=ConversionError)
+    check_model_config(config, where)
     config.dtype = target_dtype or _declared_dtype(source) or _stored_dtype(source, geometry)
     return config, tensor_map
 

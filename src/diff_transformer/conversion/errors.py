@@ -1,16 +1,29 @@
-"""The one exception the converter raises for every problem with its inputs or outputs."""
+"""The one exception the converter raises for every problem with its inputs or outputs, and its boundary: the
+public entry points (`convert_*`, `verify_conversion`) re-raise any other `UserError` (a checkpoint that cannot be
+read, an output that is not ours) as a `ConversionError` with the same line, so callers catch one class."""
 
-from ..errors import UserError
+import functools
+
+from ..errors import UserError, one_line
 
 
 class ConversionError(UserError):
     """A checkpoint cannot be converted. The message is one line: what is wrong, then how to fix it."""
 
 
-def one_line(exc: BaseException) -> str:
-    """An underlying exception's message squeezed onto one short line, to quote inside a ConversionError."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
+def conversion_boundary(function):
+    """FUNCTION, with every `UserError` from below (checkpoints, safe_output) raised as a `ConversionError`."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except ConversionError:
+            raise
+        except UserError as exc:
+            raise ConversionError(str(exc)) from exc
+
+    return wrapper
 
 
-__all__ = ["ConversionError", "one_line"]
+__all__ = ["ConversionError", "conversion_boundary", "one_line"]

@@ -1,24 +1,20 @@
-"""Finding, reading and validating a source checkpoint (local directory or Hub id), without loading its weights.
-
-Only `config.json`, `model.safetensors.index.json` and the safetensors headers are read here; tensors are read one
-at a time later by the converter. Pickle weights (`*.bin`, `*.pth`) are never opened.
+"""The converter's view of SRC (local directory or Hub id): what a Hub download fetches, its config, which files
+beside the weights are copied, and its tensor headers (`checkpoints.weights`), without loading any tensor data.
+Tensors are read one at a time later by the converter.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config_checks import CONFIG_MAX_BYTES, check_model_type
-from ..hub_ids import hub_id
+from ..checkpoints.configs import check_model_type, read_json
+from ..checkpoints.names import hub_id
+from ..checkpoints.weights import SAFETENSORS_INDEX, TensorInfo, find_shards, read_headers
 from .errors import ConversionError, one_line
 
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-SAFETENSORS_SINGLE = "model.safetensors"
-_PICKLE_SUFFIXES = (".bin", ".pth", ".pt", ".ckpt", ".pkl")
 _FLOAT_DTYPES = {"F32", "F16", "BF16"}
 
 # The files of SRC that are copied into OUT beside the converted weights (OUT is what users push): tokenizer, chat
@@ -45,13 +41,6 @@ SIDE_FILE_PATTERNS = [
 # consolidated.safetensors), the config and index, the card (for its licence) and the side files.
 HUB_ALLOW_PATTERNS = ["model*.safetensors", "config.json", SAFETENSORS_INDEX, "README.md", *SIDE_FILE_PATTERNS]
 HUB_IGNORE_PATTERNS = ["original/*", "*/original/*"]
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    shard: Path
-    shape: tuple[int, ...]
-    dtype: str  # safetensors dtype code: "F32", "BF16", ...
 
 
 @dataclass
@@ -96,7 +85,7 @@ def resolve_source(
         raise ConversionError(
             f"SRC {text!r} is neither an existing directory nor a valid Hub model id: check the path."
         )
-    text = hub_id(text, name="SRC", error=ConversionError)  # a mistyped path is refused here, not after Hub retries
+    text = hub_id(text, name="SRC")  # a mistyped path is refused here, not after Hub retries
     if config_only:
         return _hub_config_dir(text, revision=revision, token=token), text
     return download_snapshot(text, revision=revision, token=token), text
@@ -174,116 +163,11 @@ def load_config(path: Path) -> dict:
             "(config.json + *.safetensors); "
             "save the model with `save_pretrained` or download the full repository."
         )
-    if config_file.stat().st_size > CONFIG_MAX_BYTES:
-        raise ConversionError(
-            f"{config_file} is over {CONFIG_MAX_BYTES >> 20} MB, not a config: restore or re-download it."
-        )
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except RecursionError:
-        raise ConversionError(
-            f"{config_file} is nested too deeply to be a config: restore or re-download it."
-        ) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConversionError(
-            f"{config_file} is not valid JSON ({one_line(exc)}): restore or re-download it."
-        ) from exc
+    config = read_json(config_file)
     if not isinstance(config, dict):
         raise ConversionError(f"{config_file} does not hold a JSON object: restore or re-download it.")
-    check_model_type(config, str(config_file), error=ConversionError)
+    check_model_type(config, str(config_file))
     return config
-
-
-def find_shards(path: Path) -> list[Path]:
-    """The safetensors files holding the weights, in a stable order. Refuses pickle-only checkpoints."""
-    index_file = path / SAFETENSORS_INDEX
-    if index_file.is_file():
-        weight_map = read_index(index_file)
-        shards: list[Path] = []
-        for name in sorted(set(weight_map.values())):
-            shard = path / name
-            if not shard.is_file():
-                raise ConversionError(
-                    f"shard {name} listed in {SAFETENSORS_INDEX} is missing from {path}: re-download the checkpoint "
-                    "(all shards are needed)."
-                )
-            shards.append(shard)
-        return shards
-    if (path / SAFETENSORS_SINGLE).is_file():
-        return [path / SAFETENSORS_SINGLE]
-    candidates = sorted(p for p in path.glob("model*.safetensors") if p.is_file())
-    if candidates:
-        return candidates
-    pickles = sorted(p.name for p in path.iterdir() if p.is_file() and p.name.endswith(_PICKLE_SUFFIXES))
-    if pickles:
-        raise ConversionError(
-            f"{path} holds only pickle weights "
-            f"({', '.join(pickles[:3])}{', ...' if len(pickles) > 3 else ''}); refusing to "
-            "unpickle them: convert to safetensors in a trusted environment "
-            "(`save_pretrained(..., safe_serialization=True)`) "
-            "or use a revision that ships *.safetensors."
-        )
-    raise ConversionError(
-        f"no model weights (*.safetensors) in {path}: download the full checkpoint, "
-        "or point SRC at the directory that "
-        "holds the shards."
-    )
-
-
-def read_index(index_file: Path) -> dict[str, str]:
-    try:
-        index = json.loads(index_file.read_text(encoding="utf-8"))
-        weight_map = index["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise TypeError("weight_map is not a mapping of tensor names to file names")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise ConversionError(f"{index_file} is corrupt ({one_line(exc)}): restore or re-download it.") from exc
-    for name in weight_map.values():
-        if Path(name).name != name or name in ("", ".", ".."):
-            raise ConversionError(
-                f"{index_file} refers to {name!r}, "
-                "which is not a file in the checkpoint directory: restore or re-download it."
-            )
-    return weight_map
-
-
-def read_headers(path: Path, shards: list[Path]) -> dict[str, TensorInfo]:
-    """Every tensor's shard, shape and dtype, from the safetensors headers (validates that each file is complete)."""
-    from safetensors import safe_open
-
-    tensors: dict[str, TensorInfo] = {}
-    for shard in shards:
-        try:
-            with safe_open(shard, framework="pt") as handle:
-                for name in handle.keys():
-                    view = handle.get_slice(name)
-                    info = TensorInfo(
-                        shard=shard, shape=tuple(int(s) for s in view.get_shape()), dtype=str(view.get_dtype())
-                    )
-                    if name in tensors:
-                        raise ConversionError(
-                            f"tensor {name} appears in both {tensors[name].shard.name} and {shard.name}: "
-                            "the checkpoint mixes "
-                            "two saves; re-download it."
-                        )
-                    tensors[name] = info
-        except ConversionError:
-            raise
-        except Exception as exc:  # SafetensorError, OSError
-            raise ConversionError(
-                f"shard {shard.name} in {path} is corrupt or truncated ({one_line(exc)}): re-download it."
-            ) from exc
-    index_file = path / SAFETENSORS_INDEX
-    if index_file.is_file():
-        for name, file_name in read_index(index_file).items():
-            info = tensors.get(name)
-            if info is None or info.shard.name != file_name:
-                raise ConversionError(
-                    f"{SAFETENSORS_INDEX} places tensor {name} in {file_name}, "
-                    "but that shard does not hold it: the index "
-                    "and the shards disagree; re-download the checkpoint."
-                )
-    return tensors
 
 
 def open_source(
@@ -319,13 +203,10 @@ __all__ = [
     "SIDE_FILE_PATTERNS",
     "HUB_IGNORE_PATTERNS",
     "SourceCheckpoint",
-    "TensorInfo",
     "check_float_dtypes",
     "download_snapshot",
-    "find_shards",
     "load_config",
     "open_source",
-    "read_headers",
     "read_weights_headers",
     "resolve_source",
 ]

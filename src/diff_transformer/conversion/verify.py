@@ -8,16 +8,18 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoints.weights import find_shards, read_headers
 from .dtypes import dtype_name, from_safetensors_code, parse_dtype
-from .errors import ConversionError
+from .errors import ConversionError, conversion_boundary
 from .families import CAUSAL_LM, Family, Task, family_of, task_of
-from .source import find_shards, load_config, read_headers, resolve_source
+from .source import load_config, resolve_source
 
 
 # Source parameters that the converter never casts (DiffLlama's λ vectors; `_FP32_PARAMETERS` on the output side).
 _UNCAST_SOURCE_PARAMETERS = re.compile(r"\.lambda_[qk][12]$")
 
 
+@conversion_boundary
 def verify_conversion(
     src: str | os.PathLike,
     out: str | os.PathLike,

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoints.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 from .dtypes import SAFETENSORS_CODES
 from .errors import ConversionError
-from .source import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 
 
 _HEADER_BYTES_PER_TENSOR = 192  # a header entry is ~120 bytes for the longest Llama tensor names

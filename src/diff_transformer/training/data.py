@@ -18,11 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UserError
-
-
-class TrainingError(UserError):
-    """A problem with the input of `diff-transformer train`; a one-line message that names it and the fix."""
+from . import TrainingError
 
 
 def _read_text(path: Path) -> str:

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import warnings
 from pathlib import Path
 from typing import NamedTuple
 
-from .errors import UserError
-from .extras import hide_bitsandbytes_kernel_notice, require
-from .loading import HUB_PREFIX, check_diff_checkpoint, load_causal_lm, read_json, resolve_model
+from ..errors import require
+from . import CheckpointError
+from .configs import read_json
+from .loading import check_diff_checkpoint, load_causal_lm
+from .names import HUB_PREFIX, resolve_model
 
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -43,31 +46,35 @@ def has_tokenizer(local: Path | None) -> bool:
     return local is not None and any((local / name).is_file() for name in _TOKENIZER_FILES)
 
 
-def resolve(text, base: str | None = None, *, name: str = "MODEL", error: type[UserError] = UserError) -> Source:
+def resolve(text, base: str | None = None, *, name: str = "MODEL") -> Source:
     """MODEL as `Source`; for an adapter directory, its base (checked to exist, or one line saying how to name it)."""
-    location, local = resolve_model(text, name=name, error=error)
+    location, local = resolve_model(text, name=name)
     if not is_adapter(local):
         if base is not None:
-            raise error(f"--base {base} is for a PEFT adapter directory, but {name} {text} is a model: drop --base.")
+            raise CheckpointError(
+                f"--base {base} is for a PEFT adapter directory, but {name} {text} is a model: drop --base."
+            )
         return Source(location, local, None, None, location, local)
-    require(["peft"], "peft", f"{name} {text} (a PEFT adapter)", error=error)
+    require(["peft"], "peft", f"{name} {text} (a PEFT adapter)")
     named = base
     if named is None:
-        named = read_json(local / ADAPTER_CONFIG, error=error).get("base_model_name_or_path")
+        named = read_json(local / ADAPTER_CONFIG).get("base_model_name_or_path")
         if not named:
-            raise error(
+            raise CheckpointError(
                 f"{name} {text} is a PEFT adapter whose {ADAPTER_CONFIG} names no base model: pass --base MODEL."
             )
     try:
-        base_location, base_local = resolve_model(named, name="base model", error=error)
-    except UserError:
+        base_location, base_local = resolve_model(named, name="base model")
+    except CheckpointError:
         where = "--base" if base is not None else f"base_model_name_or_path in {local / ADAPTER_CONFIG}"
-        raise error(
+        raise CheckpointError(
             f"{name} {text} is a PEFT adapter for the base model {named!r} ({where}), which does not exist here: "
             f"pass --base PATH (the model it was trained on), or {HUB_PREFIX}ID for a Hub model."
         ) from None
     if base_local is not None and is_adapter(base_local):
-        raise error(f"the base model {named} of {name} {text} is itself an adapter: pass --base with the model.")
+        raise CheckpointError(
+            f"the base model {named} of {name} {text} is itself an adapter: pass --base with the model."
+        )
     if has_tokenizer(local):
         return Source(base_location, base_local, local, str(named), location, local)
     return Source(base_location, base_local, local, str(named), base_location, base_local)
@@ -81,10 +88,17 @@ def load_tokenizer(auto_tokenizer, location: str, local: Path | None, shown: str
     except Exception as exc:  # transformers raises OSError, ValueError, TypeError... for a missing or broken tokenizer
         if has_files:
             message = " ".join(str(exc).split())[:200]
-            raise UserError(
+            raise CheckpointError(
                 f"the tokenizer files of MODEL {shown} cannot be loaded ({message}): restore them."
             ) from None
         return None
+
+
+def hide_bitsandbytes_kernel_notice() -> None:
+    """transformers' Trainer imports peft, which imports bitsandbytes, whose CPU backend then logs that the optional
+    `kernels` package is missing. That only concerns 4-bit weights: other runs do not show it."""
+    notice = "gemm_4bit_forward from kernels-community"
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(lambda record: notice not in record.getMessage())
 
 
 @contextlib.contextmanager
@@ -99,17 +113,16 @@ def quiet_peft_wrapping():
 def load(source: Source, *, name: str = "MODEL", merge: bool = False, trainable: bool = False, prepare=None, **kwargs):
     """The model of SOURCE; for an adapter, its base with the adapter on it (merged into the weights with `merge`,
     trainable with `trainable`; `prepare(base)`, e.g. for 4-bit training, runs before the adapter goes on)."""
-    error = kwargs.pop("error", UserError)
     # A Hub id keeps its hf:// so that `load_causal_lm` does not take a one-part id ("gpt2") for a mistyped path.
     location = source.location if source.local is not None else HUB_PREFIX + source.location
     if source.adapter is None:
-        return load_causal_lm(location, name=name, error=error, **kwargs)
+        return load_causal_lm(location, name=name, **kwargs)
     if source.local is not None:
-        check_diff_checkpoint(source.local, name="base model", error=error)
+        check_diff_checkpoint(source.local, name="base model")
     hide_bitsandbytes_kernel_notice()  # peft imports bitsandbytes, whose notice concerns 4-bit weights only
     from peft import PeftModel
 
-    base = load_causal_lm(location, name="base model", error=error, **kwargs)
+    base = load_causal_lm(location, name="base model", **kwargs)
     if prepare is not None:
         base = prepare(base)
     try:
@@ -117,7 +130,7 @@ def load(source: Source, *, name: str = "MODEL", merge: bool = False, trainable:
             model = PeftModel.from_pretrained(base, source.adapter, is_trainable=trainable)
     except Exception as exc:
         message = " ".join(str(exc).split())[:300] or type(exc).__name__
-        raise error(
+        raise CheckpointError(
             f"cannot put the adapter {source.adapter} on the base model {source.base} ({message}): "
             "pass --base with the model it was trained on."
         ) from None
@@ -224,12 +237,12 @@ def merge_adapter(adapter, out, *, base: str | None = None, overwrite: bool = Fa
     the base's). Nothing is written unless everything loads; OUT is replaced only with `overwrite`."""
     from transformers import AutoTokenizer
 
-    from .integrations.hub import diff_model_card
-    from .safe_output import Staging, check_target
+    from ..integrations.hub import diff_model_card
+    from ..safe_output import Staging, check_target
 
     source = resolve(adapter, base, name="ADAPTER")
     if source.adapter is None:
-        raise UserError(
+        raise CheckpointError(
             f"ADAPTER {adapter} is a model, not a PEFT adapter directory (no {ADAPTER_CONFIG}): merge takes what "
             "`diff-transformer train --lora` wrote."
         )
@@ -257,8 +270,9 @@ def merge_adapter(adapter, out, *, base: str | None = None, overwrite: bool = Fa
 
 
 __all__ = [
-    "load_tokenizer",
     "ADAPTER_CONFIG",
+    "hide_bitsandbytes_kernel_notice",
+    "load_tokenizer",
     "Source",
     "adapter_card",
     "is_adapter",

@@ -1,11 +1,7 @@
-"""Models named on the command line (`generate`, `train`, and SRC of `convert`): a local path or a Hub id, checked
-before transformers tries it, so that every problem is one line naming the input and the fix.
-
-* A name that does not exist locally is a Hub id only when it reads as one (`org/name`), or when forced with
-  `hf://` (`hf://gpt2`); otherwise it is a mistyped path and is reported as such at once, instead of after the Hub
-  client's retries.
-* A local Diff checkpoint is compared with its config before loading: a `diff_version` that disagrees with the
-  weights (an edited config.json) is named as such, not as transformers' size mismatch.
+"""Loading a model named on the command line (`load_causal_lm`), checked before transformers tries it so that every
+problem is one line naming the input and the fix: a local Diff checkpoint is compared with its config first, so a
+`diff_version` that disagrees with the weights (an edited config.json) is named as such, not as transformers' size
+mismatch, and a config claiming more layers than the weights hold is refused before anything is built.
 """
 
 from __future__ import annotations
@@ -13,43 +9,17 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .config_checks import (
-    GENERATION_RANGES,
-    check_generation_config,
-    check_model_config,
-    check_model_type,
-    generation_value_problem,
-    read_json,
-    refuse_special_files,
-)
-from .errors import UserError
-from .hub_ids import HUB_PREFIX, hub_id
+from . import CheckpointError
+from .configs import check_model_config, check_model_type, read_json, refuse_special_files
+from .names import resolve_model
+from .weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, find_shards, read_headers
 
 
-def resolve_model(text, *, name: str = "MODEL", error: type[UserError] = UserError) -> tuple[str, Path | None]:
-    """(what to pass to `from_pretrained`, the local directory or None for a Hub id)."""
-    text = str(text)
-    path = Path(text).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise error(
-                f"{name} {text!r} is a file: pass the checkpoint directory (config.json + weights) or a Hub id."
-            )
-        return str(path), path
-    return hub_id(text, name=name, error=error), None
-
-
-def _weight_shapes(directory: Path, error: type[UserError]) -> dict[str, tuple[int, ...]] | None:
+def _weight_shapes(directory: Path) -> dict[str, tuple[int, ...]] | None:
     """Tensor name -> shape from the safetensors headers, or None when the checkpoint has no safetensors weights."""
-    from .conversion.errors import ConversionError
-    from .conversion.source import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, find_shards, read_headers
-
     if not ((directory / SAFETENSORS_INDEX).is_file() or (directory / SAFETENSORS_SINGLE).is_file()):
         return None
-    try:
-        return {name: info.shape for name, info in read_headers(directory, find_shards(directory)).items()}
-    except ConversionError as exc:
-        raise error(str(exc)) from None
+    return {name: info.shape for name, info in read_headers(directory, find_shards(directory)).items()}
 
 
 def _stored_layers(shapes: dict) -> int:
@@ -62,7 +32,7 @@ def _mismatch(config, shapes: dict) -> str | None:
     """The first way the weights disagree with `DiffForCausalLM(config)`, or None."""
     import torch
 
-    from .modeling_diff import DiffForCausalLM
+    from ..modeling_diff import DiffForCausalLM
 
     with torch.device("meta"):
         expected = {n: tuple(t.shape) for n, t in DiffForCausalLM(config).state_dict().items()}
@@ -76,36 +46,36 @@ def _mismatch(config, shapes: dict) -> str | None:
     return None
 
 
-def check_diff_checkpoint(directory: Path, *, name: str = "MODEL", error: type[UserError] = UserError) -> None:
+def check_diff_checkpoint(directory: Path, *, name: str = "MODEL") -> None:
     """For a local Diff checkpoint: its config.json parses and its weights are those the config describes; a
     `diff_version` that disagrees with the weights is named with the fix."""
     config_file = directory / "config.json"
-    refuse_special_files(directory, error)
+    refuse_special_files(directory)
     if not config_file.is_file():
         return  # e.g. a PEFT adapter directory: transformers reports what is missing
-    raw = read_json(config_file, error=error)
-    check_model_type(raw, f"{name} {directory}", error=error)
+    raw = read_json(config_file)
+    check_model_type(raw, f"{name} {directory}")
     if not isinstance(raw, dict) or raw.get("model_type") != "diff":
         return
-    shapes = _weight_shapes(directory, error)
+    shapes = _weight_shapes(directory)
     if shapes is None:
         return
-    from .configuration_diff import DiffConfig
+    from ..configuration_diff import DiffConfig
 
     try:
         config = DiffConfig.from_pretrained(directory)
     except Exception as exc:
-        raise error(
+        raise CheckpointError(
             f"{config_file} is not a valid Diff config ({' '.join(str(exc).split())[:200]}): fix it."
         ) from None
-    check_model_config(config, f"{name} {directory}", error=error, build=False)
+    check_model_config(config, f"{name} {directory}", build=False)
     layers = _stored_layers(shapes)
     if layers != config.num_hidden_layers:  # before anything is built: a config can claim any number of layers
-        raise error(
+        raise CheckpointError(
             f"{name} {directory}: config.json says num_hidden_layers={config.num_hidden_layers}, but the weights hold "
             f"{layers} layers: fix config.json or re-download the checkpoint."
         )
-    check_model_config(config, f"{name} {directory}", error=error)
+    check_model_config(config, f"{name} {directory}")
     problem = _mismatch(config, shapes)
     if problem is None:
         return
@@ -116,44 +86,32 @@ def check_diff_checkpoint(directory: Path, *, name: str = "MODEL", error: type[U
     except Exception:
         fits_other = False
     if fits_other:
-        raise error(
+        raise CheckpointError(
             f"{name} {directory}: config.json says diff_version={version}, but the weights are those of a "
             f'diff_version={other} model: set "diff_version": {other} in config.json.'
         )
-    raise error(
+    raise CheckpointError(
         f"{name} {directory}: {problem}: config.json does not describe these weights; fix it or re-download the "
         "checkpoint."
     )
 
 
-def load_causal_lm(text, *, name: str = "MODEL", error: type[UserError] = UserError, **kwargs):
-    """`AutoModelForCausalLM.from_pretrained` of a command-line MODEL, with every failure as one `error` line."""
+def load_causal_lm(text, *, name: str = "MODEL", **kwargs):
+    """`AutoModelForCausalLM.from_pretrained` of a command-line MODEL, every failure one `CheckpointError` line."""
     from transformers import AutoModelForCausalLM
 
     import diff_transformer  # noqa: F401  (registers the Auto classes)
 
-    location, local = resolve_model(text, name=name, error=error)
+    location, local = resolve_model(text, name=name)
     if local is not None:
-        check_diff_checkpoint(local, name=name, error=error)
+        check_diff_checkpoint(local, name=name)
     try:
         return AutoModelForCausalLM.from_pretrained(location, **kwargs)
     except Exception as exc:
         message = " ".join(str(exc).split())[:300] or type(exc).__name__
-        raise error(
+        raise CheckpointError(
             f"cannot load {name} {text!r} ({message}): check that it is a complete checkpoint, or re-download it."
         ) from None
 
 
-__all__ = [
-    "HUB_PREFIX",
-    "GENERATION_RANGES",
-    "check_diff_checkpoint",
-    "check_generation_config",
-    "check_model_config",
-    "check_model_type",
-    "generation_value_problem",
-    "hub_id",
-    "load_causal_lm",
-    "read_json",
-    "resolve_model",
-]
+__all__ = ["check_diff_checkpoint", "load_causal_lm"]

@@ -1,6 +1,6 @@
 """Configs checked before anything is built from them or written: `config.json` (size, model_type, what a model
 can be built from) and `generation_config.json` (value ranges). Shared by the converter, the commands that load a
-model (`loading`) and the server, so each problem is one line naming the file and the fix."""
+model (`checkpoints.loading`) and the server, so each problem is one line naming the file and the fix."""
 
 from __future__ import annotations
 
@@ -8,28 +8,30 @@ import json
 import math
 from pathlib import Path
 
-from .errors import UserError
+from . import CheckpointError
 
 
 CONFIG_MAX_BYTES = 16 << 20  # a config.json is kilobytes; anything near this is not one (and is not read whole)
 
 
-def read_json(path: Path, *, error: type[UserError] = UserError):
-    """A JSON file's content, or `error` naming the file (also for nesting too deep for the parser, or a file far
-    larger than any config)."""
+def read_json(path: Path):
+    """A JSON file's content, or a `CheckpointError` naming the file (also for nesting too deep for the parser, or a
+    file far larger than any config)."""
     try:
         if path.stat().st_size > CONFIG_MAX_BYTES:
-            raise error(f"{path} is over {CONFIG_MAX_BYTES >> 20} MB, not a config: restore or re-download it.")
+            raise CheckpointError(
+                f"{path} is over {CONFIG_MAX_BYTES >> 20} MB, not a config: restore or re-download it."
+            )
         return json.loads(path.read_text(encoding="utf-8"))
     except RecursionError:
-        raise error(f"{path} is nested too deeply to be a config: restore or re-download it.") from None
+        raise CheckpointError(f"{path} is nested too deeply to be a config: restore or re-download it.") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise error(
+        raise CheckpointError(
             f"{path} is not valid JSON ({' '.join(str(exc).split())[:200]}): restore or re-download it."
         ) from None
 
 
-def refuse_special_files(directory: Path, error: type[UserError]) -> None:
+def refuse_special_files(directory: Path) -> None:
     """A checkpoint's JSON files are never opened when they are not regular files (a FIFO would block a read)."""
     import stat
 
@@ -39,19 +41,21 @@ def refuse_special_files(directory: Path, error: type[UserError]) -> None:
         except OSError:
             continue
         if not stat.S_ISREG(mode):
-            raise error(f"{directory / name} is not a regular file: restore it (reading it could block forever).")
+            raise CheckpointError(
+                f"{directory / name} is not a regular file: restore it (reading it could block forever)."
+            )
 
 
-def check_model_type(raw, where: str, *, error: type[UserError] = UserError) -> None:
+def check_model_type(raw, where: str) -> None:
     """A config.json's `model_type` must be a string (transformers would hash a list, or ask to run custom code)."""
     if isinstance(raw, dict) and "model_type" in raw and not isinstance(raw["model_type"], str):
-        raise error(
+        raise CheckpointError(
             f'{where}: model_type {raw["model_type"]!r} is not a string: set it to the model\'s type, e.g. "llama" '
             'or "diff".'
         )
 
 
-def check_model_config(config, where: str, *, error: type[UserError] = UserError, build: bool = True) -> None:
+def check_model_config(config, where: str, *, build: bool = True) -> None:
     """The values a model is built from, checked before any weight is read or written, each as one line naming the
     field and the fix: token ids inside the vocabulary, a RoPE type transformers knows, an attention backend that is
     installed; then (`build`) the model itself is built on the meta device (no memory for weights), so that whatever
@@ -65,7 +69,7 @@ def check_model_config(config, where: str, *, error: type[UserError] = UserError
     vocab = getattr(text_config, "vocab_size", None)
     pad = getattr(text_config, "pad_token_id", None)
     if isinstance(vocab, int) and isinstance(pad, int) and not 0 <= pad < vocab:
-        raise error(
+        raise CheckpointError(
             f"{where}: pad_token_id={pad} is not a token id of the vocabulary (0 to {vocab - 1}): set it to a token "
             "id below vocab_size, or to null (no padding token), in config.json."
         )
@@ -73,7 +77,7 @@ def check_model_config(config, where: str, *, error: type[UserError] = UserError
     rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
     if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
         known = ", ".join(["default", *ROPE_INIT_FUNCTIONS])
-        raise error(
+        raise CheckpointError(
             f"{where}: rope_parameters.rope_type {rope_type!r} is not one transformers knows: use one of {known}."
         )
     if not build:
@@ -87,11 +91,11 @@ def check_model_config(config, where: str, *, error: type[UserError] = UserError
     except Exception as exc:  # ImportError (backend), ValueError, AssertionError, KeyError... from the constructors
         message = " ".join(str(exc).split())[:200] or type(exc).__name__
         if backend not in (None, "eager", "sdpa") and isinstance(exc, (ImportError, ValueError)):
-            raise error(
+            raise CheckpointError(
                 f"{where}: _attn_implementation={backend!r} cannot be used here ({message}): remove it from "
                 "config.json, or install its package."
             ) from None
-        raise error(
+        raise CheckpointError(
             f"{where}: config.json does not describe a model transformers can build ({message}): fix it."
         ) from None
 
@@ -136,29 +140,29 @@ def generation_value_problem(field: str, value) -> str | None:
     return None
 
 
-def check_generation_config(location: str, where: str, *, error: type[UserError] = UserError) -> None:
+def check_generation_config(location: str, where: str) -> None:
     """MODEL's generation_config.json (if any), range-checked before the weights load."""
     from transformers import GenerationConfig
 
     if Path(location).is_dir():
-        refuse_special_files(Path(location), error)
+        refuse_special_files(Path(location))
     try:
         generation = GenerationConfig.from_pretrained(location)
     except OSError:
         return  # none: generate() uses the model config's defaults
     except Exception as exc:
         message = " ".join(str(exc).split())[:200] or type(exc).__name__
-        raise error(f"{where}: generation_config.json is invalid ({message}): fix it.") from None
+        raise CheckpointError(f"{where}: generation_config.json is invalid ({message}): fix it.") from None
     for field, value in generation.to_dict().items():
         problem = generation_value_problem(field, value)
         if problem:
-            raise error(f"{where}: in generation_config.json, {problem}: fix it or remove the field.")
+            raise CheckpointError(f"{where}: in generation_config.json, {problem}: fix it or remove the field.")
 
 
 def _model_class(config, architecture: str | None):
     """The class a Diff config's `architectures` names (task heads included), else None (the Auto class decides)."""
     if getattr(config, "model_type", None) != "diff":
         return None
-    from . import modeling_diff
+    from .. import modeling_diff
 
     return getattr(modeling_diff, architecture or "DiffForCausalLM", modeling_diff.DiffForCausalLM)

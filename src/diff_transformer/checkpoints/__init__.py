@@ -1,0 +1,21 @@
+"""What a user names on the command line or in a call (`generate MODEL`, `convert SRC`, `train MODEL`, an adapter's
+base), turned into something to load: resolved, checked, then loaded, each problem one line naming the input and the
+fix (`CheckpointError`).
+
+* `names.py`: a local directory or a Hub id (`org/name`, `hf://name`).
+* `configs.py`: config.json and generation_config.json, checked before anything is built from them.
+* `weights.py`: the safetensors files of a checkpoint and their headers (names, shapes, dtypes; no tensor data).
+* `loading.py`: a Diff checkpoint's config held against its weights; `load_causal_lm`.
+* `adapters.py`: PEFT adapter directories as MODEL (their base, loading, merging, their card).
+
+Nothing is imported here, so naming this package costs nothing.
+"""
+
+from ..errors import UserError
+
+
+class CheckpointError(UserError):
+    """A named model or checkpoint cannot be used. The message is one line: what is wrong, then how to fix it."""
+
+
+__all__ = ["CheckpointError"]

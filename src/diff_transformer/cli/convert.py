@@ -1,0 +1,107 @@
+"""`diff-transformer convert SRC OUT`: a Llama, Mistral, Qwen2, Qwen3 or DiffLlama checkpoint into a Diff
+checkpoint (`diff_transformer.conversion`), optionally verified against its source."""
+
+import time
+from pathlib import Path
+
+
+def add_parser(commands) -> None:
+    convert = commands.add_parser(
+        "convert", help="convert a Llama, Mistral, Qwen2, Qwen3 or DiffLlama checkpoint into a Diff checkpoint"
+    )
+    convert.add_argument(
+        "src", help="source checkpoint directory or Hub model id org/name (hf://name forces a Hub id)"
+    )
+    convert.add_argument("out", help="output directory")
+    convert.add_argument(
+        "--diff-version", type=int, choices=(1, 2), default=None, help="2 (default for Llama): exact; 1: paper layout"
+    )
+    convert.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="cast weights (default: keep)"
+    )
+    convert.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    convert.add_argument(
+        "--verify",
+        action="store_true",
+        help="compare logits and greedy continuations with the source (with --dtype: the source cast the same way)",
+    )
+    convert.add_argument(
+        "--v1-init",
+        choices=("calibrated", "calibrated-lambda0", "paper"),
+        default=None,
+        help="with --diff-version 1: calibrated (default: λ and the sub-layer norm fitted on text), "
+        "calibrated-lambda0 (λ = 0 at start) or paper",
+    )
+    convert.add_argument(
+        "--calibration-data",
+        metavar="FILE",
+        default=None,
+        help="UTF-8 text to calibrate V1 on (default: a built-in public-domain English text)",
+    )
+    convert.add_argument("--quiet", action="store_true", help="no progress bar")
+    convert.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import json
+
+    from diff_transformer.conversion import convert_to_diff
+
+    out = convert_to_diff(
+        args.src,
+        args.out,
+        diff_version=args.diff_version,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+        **{k: v for k, v in (("v1_init", args.v1_init), ("calibration_data", args.calibration_data)) if v is not None},
+    )
+    print(f"wrote {out}")
+    conversion = json.loads((Path(out) / "config.json").read_text(encoding="utf-8")).get("conversion") or {}
+    if "calibration_tokens" in conversion:  # a calibrated V1 start (either kind) records what it read
+        blocks, length = conversion["calibration_tokens"]
+        start = (
+            f"λ at step 0 fitted per layer: {conversion['lambda_start']}"
+            if "lambda_start" in conversion
+            else "λ = 0 at step 0 (λ_init 0, mirrored λ vectors)"
+        )
+        print(
+            f"V1 calibrated on {conversion['calibration_text']} ({blocks} blocks x {length} tokens): sub-layer norm "
+            f"gains fitted by least squares, {start}; relative residual per layer "
+            f"{conversion['subln_relative_residual']}."
+        )
+    if args.diff_version == 1 and conversion.get("source_model_type") != "diffllama":
+        print(
+            "note: diff_version=1 re-pairs the Llama heads: not function-preserving (--v1-init calibrated starts "
+            "closest); continue pretraining."
+        )
+    if args.verify:
+        report = _verify(args, out)
+        greedy = "" if report["greedy_match"] is None else f", greedy continuations match: {report['greedy_match']}"
+        print(
+            f"verify (against {report['reference']}, both run in {report['dtype']}): max |Δlogit| = "
+            f"{report['max_abs_logit_diff']:.3g}{greedy}  ({report['seconds']:.1f} s)"
+        )
+        if report["heldout"] is not None:
+            heldout = report["heldout"]
+            print(
+                f"held-out perplexity ({heldout['tokens']:,} tokens of the built-in English text, as the demo scores "
+                f"it): source {heldout['source']:.4f}, converted {heldout['converted']:.4f}"
+            )
+        if report["expected_exact"] and not report["passed"]:
+            return 1
+    return 0
+
+
+def _verify(args, out) -> dict:
+    """`verify_conversion` with the built-in held-out text (the demo's), announced first and timed: it loads both
+    models whole, which takes a while for a real checkpoint."""
+    from diff_transformer.cli.demo import shipped_assets
+    from diff_transformer.conversion import verify_conversion
+
+    print(f"verifying {out} against {args.src}: loading both models, comparing logits and perplexity ...", flush=True)
+    start = time.perf_counter()
+    with shipped_assets() as (_, heldout):
+        text = heldout.read_text(encoding="utf-8")
+    report = verify_conversion(args.src, out, heldout_text=text, progress=not args.quiet)
+    return {**report, "seconds": time.perf_counter() - start}

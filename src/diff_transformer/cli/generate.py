@@ -1,0 +1,144 @@
+"""`diff-transformer generate MODEL PROMPT`: text (or a chat turn) from a saved model or LoRA adapter, every input
+checked before the weights load."""
+
+import math
+
+from ..errors import UserError
+from .options import add_base_option
+
+
+def add_parser(commands) -> None:
+    generate = commands.add_parser("generate", help="generate text (or chat) with a saved Diff model or LoRA adapter")
+    generate.add_argument(
+        "model", help="model or LoRA adapter directory, or Hub id org/name (hf://name forces a Hub id)"
+    )
+    generate.add_argument("prompt", help="text (or space-separated token ids if the model has no tokenizer)")
+    generate.add_argument("--max-new-tokens", type=int, default=32)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    generate.add_argument("--chat", action="store_true", help="PROMPT is a user message: apply the chat template")
+    generate.add_argument("--system", help="system message of --chat")
+    generate.add_argument("--repetition-penalty", type=float, default=None, help="default: the model's (1 = none)")
+    generate.add_argument("--seed", type=int, default=None, help="seed of the sampling (--temperature > 0)")
+    generate.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="load the weights in this dtype"
+    )
+    add_base_option(generate)
+    generate.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ..checkpoints import adapters
+    from ..checkpoints.configs import check_generation_config
+    from ..checkpoints.loading import check_diff_checkpoint
+
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens} must be at least 1.")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UserError(f"--temperature {args.temperature} must be a number >= 0 (0 = greedy).")
+    _check_generate_options(args)
+    # Everything about the inputs is checked before the weights load.
+    source = adapters.resolve(args.model, args.base)
+    if source.local is not None:
+        check_diff_checkpoint(source.local)
+    check_generation_config(source.location, f"MODEL {args.model}")
+    tokenizer = adapters.load_tokenizer(AutoTokenizer, source.tokenizer, source.tokenizer_local, args.model)
+    if args.chat:
+        inputs = _chat_inputs(args, tokenizer)
+        ids = inputs["input_ids"][0].tolist()
+    elif tokenizer is not None:
+        inputs = tokenizer(args.prompt, return_tensors="pt")
+        ids = inputs["input_ids"][0].tolist()
+    else:
+        try:
+            ids = [int(t) for t in args.prompt.split()]
+        except ValueError:
+            raise UserError(
+                f"MODEL {args.model} has no tokenizer, so PROMPT must be space-separated token ids like '5 6 7', not "
+                f"{args.prompt!r}: pass token ids, or save a tokenizer with the model."
+            ) from None
+        inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+    if not ids:
+        raise UserError("PROMPT is empty: pass some text (or token ids).")
+    try:
+        text_config = AutoConfig.from_pretrained(source.location).get_text_config()
+        vocab = text_config.vocab_size
+    except Exception as exc:
+        raise UserError(
+            f"cannot read the config of MODEL {args.model} ({' '.join(str(exc).split())[:200]})."
+        ) from None
+    _check_generation_length(args, len(ids), text_config)
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise UserError(
+            f"token id {bad[0]} in PROMPT is out of range for MODEL {args.model}: use ids from 0 to {vocab - 1}."
+        )
+    load_kwargs = {"dtype": getattr(torch, args.dtype)} if args.dtype else {}
+    model = adapters.load(source, **load_kwargs).eval()
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
+    if args.temperature > 0:
+        kwargs["temperature"] = args.temperature
+    if args.repetition_penalty is not None:
+        kwargs["repetition_penalty"] = args.repetition_penalty
+    if args.seed is not None:
+        from transformers import set_seed
+
+        set_seed(args.seed)  # the sampling draws (python, numpy and torch generators)
+    output = model.generate(**inputs, **kwargs)[0, inputs["input_ids"].shape[1] :]
+    print(
+        tokenizer.decode(output, skip_special_tokens=True)
+        if tokenizer is not None
+        else " ".join(map(str, output.tolist()))
+    )
+    return 0
+
+
+def _check_generate_options(args) -> None:
+    """The options `generate` has beyond the prompt and length: one line each when out of range."""
+    if args.repetition_penalty is not None and not (
+        math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0
+    ):
+        raise UserError(f"--repetition-penalty {args.repetition_penalty} must be a number > 0 (1 = none).")
+    if args.system is not None and not args.chat:
+        raise UserError("--system is the system message of a chat: add --chat.")
+    if args.seed is not None and not 0 <= args.seed < 2**32:
+        raise UserError(f"--seed {args.seed} must be in [0, 2**32).")
+
+
+def _chat_inputs(args, tokenizer):
+    """PROMPT (and --system) as a chat, through the tokenizer's chat template, ending with the assistant's turn."""
+    if tokenizer is None:
+        raise UserError(f"--chat needs a tokenizer with a chat template, and MODEL {args.model} has no tokenizer.")
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            f"--chat: the tokenizer of MODEL {args.model} has no chat template: drop --chat for plain completion, "
+            "or save a chat_template.jinja with the tokenizer."
+        )
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": args.prompt})
+    try:
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        )
+    except Exception as exc:  # jinja2 raises its own errors (e.g. a template that rejects a system message)
+        raise UserError(
+            f"--chat: the chat template of MODEL {args.model} failed ({' '.join(str(exc).split())[:200]})"
+            + (": try without --system." if args.system else ".")
+        ) from None
+
+
+def _check_generation_length(args, prompt_tokens: int, config) -> None:
+    """PROMPT + --max-new-tokens within the model's context: beyond it the positions were never trained, and the
+    cache (memory) grows with whatever number is asked."""
+    context = getattr(config, "max_position_embeddings", None)
+    if context is not None and prompt_tokens >= context:
+        raise UserError(
+            f"PROMPT has {prompt_tokens} tokens, MODEL {args.model}'s context {context} positions: shorten it."
+        )
+    if context is not None and prompt_tokens + args.max_new_tokens > context:
+        raise UserError(
+            f"PROMPT ({prompt_tokens} tokens) + --max-new-tokens {args.max_new_tokens} exceeds MODEL {args.model}'s "
+            f"context ({context} positions): lower --max-new-tokens to at most {context - prompt_tokens}."
+        )

@@ -1,0 +1,24 @@
+"""`diff-transformer merge ADAPTER OUT`: a LoRA adapter (what `train --lora` writes) folded into its base model's
+weights, written as a full Diff checkpoint (`checkpoints.adapters.merge_adapter`)."""
+
+from .options import add_base_option
+
+
+def add_parser(commands) -> None:
+    merge = commands.add_parser(
+        "merge", help="fold a LoRA adapter (train --lora) into its base model: a full Diff checkpoint"
+    )
+    merge.add_argument("adapter", help="PEFT adapter directory (what train --lora writes)")
+    merge.add_argument("out", help="output directory for the merged checkpoint")
+    merge.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    add_base_option(merge)
+    merge.set_defaults(func=run)
+
+
+def run(args) -> int:
+    """A PEFT adapter folded into its base model's weights: a full Diff checkpoint (custom code, card, tokenizer)."""
+    from ..checkpoints.adapters import merge_adapter
+
+    out = merge_adapter(args.adapter, args.out, base=args.base, overwrite=args.overwrite)
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,21 @@
+"""`diff-transformer train MODEL --data FILES --output DIR`: continued pretraining or LoRA fine-tuning on
+transformers' Trainer (`diff_transformer.training`). Only the options are defined here: Trainer loads when it runs."""
+
+from ..training.args import add_train_arguments
+
+
+def add_parser(commands) -> None:
+    train = commands.add_parser(
+        "train", help="continued pretraining (transformers' Trainer) on local .txt/.jsonl files"
+    )
+    add_train_arguments(train).set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..checkpoints.adapters import hide_bitsandbytes_kernel_notice
+
+    if not args.load_in_4bit:
+        hide_bitsandbytes_kernel_notice()
+    from ..training.train import run_cli
+
+    return run_cli(args)

@@ -1,0 +1,183 @@
+"""The options of `diff-transformer train`, checked before anything loads: ranges, combinations, the integrations
+--report-to names, and an --output that the run may write into (never the model, nor files no run wrote)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from pathlib import Path
+
+from ..checkpoints.names import resolve_model
+from ..checkpoints.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
+from ..errors import installed, missing, require
+from ..safe_output import RUN_LOCK, check_target
+from . import TrainingError
+from .model import model_source
+from .resume import holds_run
+
+
+DEFAULT_BLOCK_SIZE = 1024
+
+
+def report_targets(args) -> tuple[list[str] | str, str | None]:
+    """(Trainer's `report_to`, a note for the console or None). By default TensorBoard when it is installed, else
+    the console alone, with a note on how to get TensorBoard; an explicit `--report-to tensorboard` needs it."""
+    if args.report_to is None:
+        if installed("tensorboard") or installed("tensorboardX"):
+            return ["tensorboard"], None
+        return "none", f"TensorBoard logs are off: {missing(['tensorboard'], 'train', 'TensorBoard')}"
+    if args.report_to in (["none"], []):
+        return "none", None
+    if "tensorboard" in args.report_to:
+        require(["tensorboard"], "train", "--report-to tensorboard")
+    return args.report_to, None
+
+
+_MODEL_FILES = ("config.json", "adapter_config.json", SAFETENSORS_SINGLE, SAFETENSORS_INDEX)
+
+
+def check_output(args) -> Path:
+    """--output must not be the model (or overlap it), a file, or a model that is no training run (the final save
+    would overwrite it) unless --overwrite."""
+    _, local = resolve_model(args.model)
+    source = model_source(args)
+    sources = {"MODEL": local} if local else {}
+    if source.adapter is not None and source.local is not None:
+        sources["base model"] = source.local  # the adapter's base: never written either
+    output = check_target(args.output, name="--output", sources=sources or None)
+    if os.path.lexists(output) and not output.is_dir():
+        raise TrainingError(f"--output {args.output} is a file: pass a directory (it is created if missing)")
+    if output.is_dir() and not args.overwrite and not holds_run(output):
+        model = [name for name in _MODEL_FILES if (output / name).exists()]
+        others = sorted(p.name for p in output.iterdir() if p.name != RUN_LOCK)
+        if model:
+            raise TrainingError(
+                f"--output {output} holds a model ({model[0]}) that no training run wrote, and the final save would "
+                "overwrite it: choose another --output, or pass --overwrite to replace it"
+            )
+        if others:  # the final save writes README.md, config.json, tokenizer files... over whatever is there
+            shown = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
+            raise TrainingError(
+                f"--output {output} holds files that no training run wrote ({shown}), which the run's files could "
+                "overwrite: choose a new or empty --output, or pass --overwrite to write into it anyway"
+            )
+    return output
+
+
+def check_args(args, config) -> int:
+    """Validate the options that do not need the data; returns the block size."""
+    context = getattr(config, "max_position_embeddings", None)
+    block_size = (
+        args.block_size if args.block_size is not None else min(DEFAULT_BLOCK_SIZE, context or DEFAULT_BLOCK_SIZE)
+    )
+    if block_size < 2:
+        raise TrainingError(f"--block-size {block_size} must be at least 2")
+    if context is not None and block_size > context:
+        raise TrainingError(f"--block-size {block_size} exceeds the model's context ({context} positions): lower it")
+    if args.warmup_steps is not None and args.warmup_ratio is not None:
+        raise TrainingError("give --warmup-steps or --warmup-ratio, not both")
+    if args.warmup_ratio is not None and not 0 <= args.warmup_ratio < 1:
+        raise TrainingError(f"--warmup-ratio {args.warmup_ratio} must be in [0, 1)")
+    for flag in ("batch_size", "grad_accum", "logging_steps", "save_steps"):
+        if getattr(args, flag) < 1:
+            raise TrainingError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise TrainingError("--max-steps must be at least 1")
+    if args.eval_steps is not None and args.eval_steps < 1:
+        raise TrainingError("--eval-steps must be at least 1 (--eval-fraction 0 turns evaluation off)")
+    for flag, value in (("lr", args.lr), ("weight_decay", args.weight_decay), ("max_grad_norm", args.max_grad_norm)):
+        if not (math.isfinite(value) and value >= 0):
+            raise TrainingError(f"--{flag.replace('_', '-')} {value} must be a finite number >= 0")
+    if not (math.isfinite(args.epochs) and args.epochs > 0):
+        raise TrainingError(f"--epochs {args.epochs} must be a finite number > 0")
+    if args.lora:
+        require(["peft"], "train", "--lora")
+    report_targets(args)
+    if args.lora and not 0 <= args.lora_dropout < 1:
+        raise TrainingError(f"--lora-dropout {args.lora_dropout} must be in [0, 1)")
+    if args.diff_only_steps < 0:
+        raise TrainingError("--diff-only-steps must be >= 0")
+    if args.diff_only_steps and config.model_type != "diff":
+        raise TrainingError("--diff-only-steps needs a Diff model")
+    if args.lambda_warmup_steps < 0:
+        raise TrainingError("--lambda-warmup-steps must be >= 0")
+    if args.lambda_warmup_steps and config.model_type != "diff":
+        raise TrainingError("--lambda-warmup-steps needs a Diff model (it ramps in differential attention's λ)")
+    if args.lambda_warmup_steps and args.max_steps is not None and args.lambda_warmup_steps > args.max_steps:
+        raise TrainingError(
+            f"--lambda-warmup-steps {args.lambda_warmup_steps} exceeds --max-steps {args.max_steps}: the ramp must "
+            "end before the run does, or the saved model is not the one trained; lower it"
+        )
+    if args.diff_only_steps and args.lora:
+        raise TrainingError("--diff-only-steps and --lora do not combine (LoRA already trains only adapters and λ)")
+    _check_ranges(args)
+    if args.report_to is not None:  # None: TensorBoard if installed (report_targets)
+        _check_report_to(args.report_to)
+    if args.load_in_4bit:
+        if not args.lora:
+            raise TrainingError("--load-in-4bit needs --lora (4-bit weights cannot be trained directly)")
+        require(["bitsandbytes"], "qlora", "--load-in-4bit")
+    return block_size
+
+
+_SEED_MAX = 2**32 - 1  # numpy's seed range (Trainer seeds numpy, random and torch alike)
+
+
+def _check_ranges(args) -> None:
+    """The numeric options check_args does not cover, each refused with its range before anything loads."""
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        raise TrainingError(f"--warmup-steps {args.warmup_steps} must be >= 0")
+    if not 0 <= args.seed <= _SEED_MAX:
+        raise TrainingError(f"--seed {args.seed} must be in [0, {_SEED_MAX}]")
+    if args.eval_batch_size is not None and args.eval_batch_size < 1:
+        raise TrainingError(f"--eval-batch-size {args.eval_batch_size} must be at least 1")
+    if args.save_total_limit is not None and args.save_total_limit < 1:
+        raise TrainingError(f"--save-total-limit {args.save_total_limit} must be at least 1 (omit it to keep all)")
+    if not (math.isfinite(args.eval_fraction) and 0 <= args.eval_fraction < 1):
+        raise TrainingError(f"--eval-fraction {args.eval_fraction} must be in [0, 1)")
+    if args.lora and (args.lora_r < 1 or args.lora_alpha < 1):
+        raise TrainingError(f"--lora-r {args.lora_r} and --lora-alpha {args.lora_alpha} must be at least 1")
+
+
+# --report-to name -> (module that makes it available, what to install)
+_REPORTERS = {
+    "azure_ml": ("azureml", "azureml-core"),
+    "comet_ml": ("comet_ml", "comet_ml"),
+    "mlflow": ("mlflow", "mlflow"),
+    "neptune": ("neptune", "neptune"),
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "trackio": ("trackio", "trackio"),
+    "wandb": ("wandb", "wandb"),
+    "codecarbon": ("codecarbon", "codecarbon"),
+    "clearml": ("clearml", "clearml"),
+    "dagshub": ("dagshub", "dagshub"),
+    "flyte": ("flytekit", "flytekit"),
+    "dvclive": ("dvclive", "dvclive"),
+    "swanlab": ("swanlab", "swanlab"),
+    "kubeflow": ("kubeflow", "kubeflow-training"),
+}
+
+
+def _check_report_to(names: list[str]) -> None:
+    """Every --report-to integration is one transformers knows and is installed (else: its install line)."""
+    from transformers.integrations.integration_utils import (
+        INTEGRATION_TO_CALLBACK,
+        get_available_reporting_integrations,
+    )
+
+    if names in (["none"], ["all"], []):
+        return
+    available = set(get_available_reporting_integrations())
+    for name in names:
+        if name in ("none", "all"):
+            raise TrainingError(f"--report-to {name} cannot be combined with other names: pass it alone")
+        if name not in INTEGRATION_TO_CALLBACK:
+            known = ", ".join(sorted(INTEGRATION_TO_CALLBACK))
+            raise TrainingError(f"--report-to {name} is not an integration transformers knows: use none, all, {known}")
+        module, package = _REPORTERS.get(name, (name, name))
+        if name not in available and importlib.util.find_spec(module) is None:
+            raise TrainingError(
+                f"--report-to {name} needs {package}, which is not installed: pip install {package} "
+                "(or pass --report-to none)"
+            )

@@ -1,0 +1,172 @@
+"""Which Trainer checkpoints an --output holds, whether each is complete, and which one `--resume` continues (checked
+to continue this run as configured). Only checkpoint-N directories that Trainer wrote count: a user's own
+`checkpoint-mynotes/` or `checkpoint-3/` of other files is neither counted nor ever deleted."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from ..checkpoints.configs import read_json
+from ..checkpoints.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
+from . import TrainingError
+from .callbacks import RunSettingsCallback
+
+
+_RUN_FILES = ("trainer_state.json", "runs")  # what Trainer writes into every run's output directory
+
+
+# What Trainer writes into a checkpoint-N directory: a directory holding none of these is not one of its checkpoints.
+_TRAINER_CHECKPOINT_FILES = (
+    "trainer_state.json",
+    "training_args.bin",
+    "optimizer.pt",
+    "scheduler.pt",
+    "rng_state.pth",
+    "config.json",
+    "adapter_config.json",
+    SAFETENSORS_SINGLE,
+    SAFETENSORS_INDEX,
+)
+
+
+def trainer_checkpoints(output: Path) -> list[Path]:
+    """The Trainer checkpoints in `output`: checkpoint-N directories (N a number) that are empty (a save killed at
+    once) or hold a file Trainer writes there. A user's `checkpoint-mynotes/` or a `checkpoint-3/` of other files is
+    neither counted nor ever deleted."""
+    if not output.is_dir():
+        return []
+    found = []
+    for path in output.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+        if _step(path) < 0 or path.is_symlink() or not path.is_dir():
+            continue
+        names = {entry.name for entry in path.iterdir()}
+        if not names or names & set(_TRAINER_CHECKPOINT_FILES):
+            found.append(path)
+    return sorted(found, key=_step)
+
+
+def holds_run(output: Path) -> list[str]:
+    """What shows that `output` holds a training run: its checkpoints, or the files a finished run leaves."""
+    found = [path.name for path in trainer_checkpoints(output)]
+    found += [name for name in _RUN_FILES if (output / name).exists()]
+    return found
+
+
+def resolve_resume(args, block_size: int) -> str | None:
+    """The checkpoint to resume from (None: start), checked to be complete and to continue this run as configured."""
+    output = Path(args.output)
+    if args.resume is None:
+        if trainer_checkpoints(output) and not args.overwrite:
+            raise TrainingError(
+                f"{output} already holds checkpoints: "
+                "pass --resume to continue from the last one, or --overwrite to start over"
+            )
+        return None
+    if args.resume == "auto":
+        last = get_last_checkpoint(str(output)) if output.is_dir() else None
+        if last is None:
+            raise TrainingError(
+                f"--resume: no {PREFIX_CHECKPOINT_DIR}-N directory in {output}; run without --resume first"
+            )
+        checkpoint = Path(last)
+    else:
+        checkpoint = Path(args.resume)
+        if not checkpoint.is_dir():
+            raise TrainingError(f"--resume {args.resume}: no such checkpoint directory")
+    state = checkpoint_state(checkpoint)
+    if args.resume != "auto":
+        _check_resume_target(checkpoint, output, args.overwrite)
+    settings = state.get("stateful_callbacks", {}).get(RunSettingsCallback.__name__, {}).get("args", {})
+    if settings.get("block_size", block_size) != block_size:
+        raise TrainingError(
+            f"--resume {checkpoint}: that run packed blocks of {settings['block_size']} tokens, "
+            f"not {block_size}: pass "
+            f"--block-size {settings['block_size']} to continue it, or start a new run in another --output"
+        )
+    if settings.get("bos", not args.no_bos) != (not args.no_bos):
+        flag = "without --no-bos" if settings["bos"] else "with --no-bos"
+        raise TrainingError(f"--resume {checkpoint}: that run packed its blocks {flag}: resume it the same way")
+    step = state.get("global_step", 0)
+    if args.max_steps is not None and step >= args.max_steps:
+        raise TrainingError(
+            f"--resume {checkpoint}: the run is already complete ({step} of --max-steps {args.max_steps} steps): "
+            "raise --max-steps to train further"
+        )
+    return str(checkpoint)
+
+
+def _check_resume_target(checkpoint: Path, output: Path, overwrite: bool) -> None:
+    """Resuming run Y's checkpoint into an --output that holds another run X would overwrite X's later checkpoints
+    and final model with Y's: only with --overwrite (which then deletes X's checkpoints first)."""
+    if checkpoint.resolve().parent == output.resolve() or overwrite:
+        return
+    found = holds_run(output)
+    if found:
+        shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+        raise TrainingError(
+            f"--output {output} holds another training run ({shown}) than the one --resume {checkpoint} continues: "
+            f"resume into {checkpoint.parent} (the run it belongs to) or a new --output, or pass --overwrite to "
+            f"replace the run in {output}"
+        )
+
+
+def checkpoint_state(checkpoint: Path) -> dict:
+    """The checkpoint's trainer_state.json, once its files are known to be complete (a checkpoint written while the
+    run was killed can be empty or truncated)."""
+
+    def incomplete(reason: str):
+        if _step(checkpoint) < 0:  # not a checkpoint-N directory: maybe the user's own, never advise deleting it
+            return TrainingError(
+                f"--resume {checkpoint}: not a Trainer checkpoint ({reason}): pass a checkpoint-N directory"
+            )
+        earlier = [
+            c for c in trainer_checkpoints(checkpoint.parent) if 0 <= _step(c) < _step(checkpoint) and _complete(c)
+        ]
+        hint = f"resume from {max(earlier, key=_step)} (--resume PATH)" if earlier else "start over with --overwrite"
+        return TrainingError(f"--resume: {checkpoint} is incomplete ({reason}): delete it, or {hint}")
+
+    problem = _incomplete(checkpoint)
+    if problem:
+        raise incomplete(problem)
+    state = read_json(checkpoint / "trainer_state.json")
+    if not isinstance(state, dict):
+        raise incomplete("trainer_state.json holds no JSON object")
+    return state
+
+
+def _step(checkpoint: Path) -> int:
+    prefix, _, step = checkpoint.name.rpartition("-")
+    return int(step) if prefix == PREFIX_CHECKPOINT_DIR and step.isdigit() else -1
+
+
+def _incomplete(checkpoint: Path) -> str | None:
+    """Why a checkpoint cannot be resumed from, or None: its state, weights and optimizer files must be whole."""
+    from safetensors import safe_open
+
+    if not (checkpoint / "trainer_state.json").is_file():
+        return "no trainer_state.json"
+    try:
+        json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return "trainer_state.json is truncated or corrupt"
+    weights = sorted(checkpoint.glob("*.safetensors"))
+    if not weights:
+        return "no model weights"
+    for path in weights:
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except Exception:
+            return f"{path.name} is truncated or corrupt"
+    for path in sorted(checkpoint.iterdir()):  # optimizer.pt, scheduler.pt, rng_state.pth: zip archives when whole
+        if path.suffix in (".pt", ".pth") and not zipfile.is_zipfile(path):
+            return f"{path.name} is truncated or corrupt"
+    return None
+
+
+def _complete(checkpoint: Path) -> bool:
+    return _incomplete(checkpoint) is None
