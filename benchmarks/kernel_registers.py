@@ -1,6 +1,6 @@
 """Compiles the V1 kernels for a GPU architecture on a machine without a GPU (Triton's own compiler and ptxas): a
-compile check for CPU-only CI (tests/test_kernels.py), and register/spill/shared-memory figures for tuning the launch
-configurations (bench_kernel.py --registers). A development tool, so it lives here and not in the package.
+compile check for CPU-only CI (tests/kernels/test_kernels.py), and register/spill/shared-memory figures for tuning
+the launch configurations (bench_kernel.py --registers). A development tool, so it lives here and not in the package.
 """
 
 from __future__ import annotations

@@ -1,44 +1,38 @@
+"""Shared by every test area: the environment-bound areas (`bare/` needs `--bare-python`, `vllm/` needs vLLM installed)
+skipped cleanly where their environment is absent, one-thread and version fixtures, and the one-line refusal
+assertion of the command line (`refused`). Helpers to import live in `tests/helpers/`."""
+
+from pathlib import Path
+
 import pytest
 import torch
 
 import diff_transformer  # noqa: F401  (registers the Auto classes)
-from diff_transformer import DiffConfig, DiffForCausalLM
+from diff_transformer import cli
 
 
-# The sizes every tiny test model shares: Diff (tiny_config) and the Llama / DiffLlama it is compared with.
-TINY_SIZES = dict(
-    vocab_size=97,
-    hidden_size=48,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    pad_token_id=0,
-)
+HERE = Path(__file__).resolve().parent
 
 
-def tiny_config(diff_version=2, **overrides):
-    values = dict(
-        TINY_SIZES,
-        max_position_embeddings=4096,
-        diff_version=diff_version,
-        bos_token_id=1,
-        eos_token_id=2,
+def pytest_addoption(parser):
+    parser.addoption(
+        "--bare-python",
+        action="append",
+        default=[],
+        help="interpreter of a venv holding only torch and transformers, for tests/bare (may be repeated)",
     )
-    values.update(overrides)
-    return DiffConfig(**values)
 
 
-def tiny_model(diff_version=2, seed=0, attn_implementation="eager", **overrides):
-    torch.manual_seed(seed)
-    config = tiny_config(diff_version, **overrides)
-    model = DiffForCausalLM._from_config(config, attn_implementation=attn_implementation)
-    # Make the freshly initialised model less uniform so that comparisons are meaningful.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight", "diff_lambda.proj.weight")):
-                param.mul_(8.0)
-    return model.eval()
+def pytest_collection_modifyitems(config, items):
+    """The tests of bare/ and vllm/ carry their area's marker (`-m "not vllm"`); bare/ without --bare-python is
+    skipped with the reason (vllm/'s modules skip themselves where vLLM cannot be imported)."""
+    bare_skip = pytest.mark.skip(reason="needs --bare-python PATH (a venv with only torch and transformers)")
+    for item in items:
+        area = item.path.resolve().relative_to(HERE).parts[0]
+        if area in ("bare", "vllm"):
+            item.add_marker(getattr(pytest.mark, area))
+        if area == "bare" and not config.getoption("--bare-python"):
+            item.add_marker(bare_skip)
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +48,23 @@ def one_torch_thread():
 @pytest.fixture(params=[1, 2], ids=["v1", "v2"])
 def diff_version(request):
     return request.param
+
+
+@pytest.fixture
+def refused(capsys):
+    """`refused(argv, *words)`: `diff-transformer ARGV` exits 2 and its stderr is one `error:` line naming every word;
+    returns that line. With `notes=True`, notes may come first (e.g. what a killed run left and was recovered), but
+    no traceback and no other error."""
+
+    def check(argv, *words, notes=False):
+        capsys.readouterr()
+        assert cli.main([str(a) for a in argv]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err and err[-1].startswith("error: "), err
+        assert notes or len(err) == 1, err
+        assert not any(line.startswith(("Traceback", "error: ")) for line in err[:-1]), err
+        for word in words:
+            assert str(word) in err[-1], (word, err[-1])
+        return err[-1]
+
+    return check

@@ -59,7 +59,7 @@ except ImportError:  # transformers < 5.23 (vLLM's pins): the int / 1-D forms `g
 
 
 # `transformers.initialization` respects `_is_hf_initialized`, so loaded weights are never overwritten (guarded by
-# tests/test_model.py::test_missing_diff_parameters_are_initialised).
+# tests/model/test_model.py::test_missing_diff_parameters_are_initialised).
 try:
     from transformers import initialization as init
 except ImportError:  # pragma: no cover - older transformers
@@ -384,8 +384,8 @@ class DiffAttentionV1(DiffAttention):
         # Relies on: transformers' continuous batching passing its `PagedAttentionCache` to the attention function as
         # kwarg `cache`, and the paged functions ("paged|sdpa", "paged|eager", ...) updating it on every call. V1 makes
         # several calls per layer, so it writes the cache once here and hands every call the keys it returns.
-        # Guarded by tests/test_generation.py::test_continuous_batching_matches_generate and
-        # tests/test_serving.py::test_continuous_batching_matches_generate.
+        # Guarded by tests/model/test_generation.py::test_continuous_batching_matches_generate and
+        # tests/cli/test_serving.py::test_continuous_batching_matches_generate.
         paged_cache = kwargs.pop("cache", None)
         if paged_cache is not None:
             key, value = paged_cache.update(
@@ -471,8 +471,8 @@ class _PreTrainedModelHooks:
         # layout on its first forward in eval mode without gradients (when `support_avx512bf16_for_cpu`); the repacked
         # matmul has no autograd, so QLoRA on CPU silently stopped learning after any evaluation. `eval()` and
         # `train()` (and from_pretrained, which ends with eval()) turn that repacking off: CPU 4-bit layers keep
-        # bitsandbytes' differentiable kernel. Guarded by tests/test_peft.py::test_qlora_4bit and
-        # tests/test_train.py::test_qlora_cli_keeps_learning_after_evaluations.
+        # bitsandbytes' differentiable kernel. Guarded by tests/training/test_peft.py::test_qlora_4bit and
+        # tests/training/test_train.py::test_qlora_cli_keeps_learning_after_evaluations.
         for module in self.modules():
             if getattr(module, "support_avx512bf16_for_cpu", False):
                 module.support_avx512bf16_for_cpu = False
@@ -483,7 +483,7 @@ class _PreTrainedModelHooks:
         # Relies on: `PreTrainedModel.from_pretrained` calling `maybe_distribute_model` before it shards the weights
         # over the tensor-parallel mesh. An uneven colwise split would cut a differential head (or V1's k1/k2 pair)
         # in half and fail later with an opaque reshape error, so the sizes are checked here.
-        # Guarded by tests/test_distributed.py::test_tensor_parallel_matches_unsharded_model.
+        # Guarded by tests/distributed/test_distributed.py::test_tensor_parallel_matches_unsharded_model.
         tp_size = getattr(distributed_config, "tp_size", None) or 1
         heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
         if tp_size > 1 and (heads % tp_size or kv_heads % tp_size):
@@ -505,7 +505,7 @@ class _TaskHeadHooks:
         # (`transformers_modules.<hash>.configuration_diff.DiffConfig`, not even the class this file imports), which
         # AutoModel does not know, so the head's constructor was refused. Mapping that class to DiffModel first lets
         # the generic constructor run as it does for Llama. Guarded by
-        # tests/test_heads.py::test_heads_load_as_remote_code_without_the_package.
+        # tests/model/test_heads.py::test_heads_load_as_remote_code_without_the_package.
         from transformers import AutoModel
 
         if type(config) not in AutoModel._model_mapping:
@@ -529,8 +529,8 @@ class _GenerationHooks:
     def init_continuous_batching(self, *args, **kwargs):
         # Relies on: `GenerationMixin.init_continuous_batching` returning a `ContinuousBatchingManager` whose
         # `_create_batch_processor()` builds the `PagedAttentionCache` from `manager.model.config` (its
-        # num_key_value_heads x head_dim size the pages). Guarded by tests/test_generation.py and
-        # tests/test_serving.py (test_continuous_batching_matches_generate in both).
+        # num_key_value_heads x head_dim size the pages). Guarded by tests/model/test_generation.py and
+        # tests/cli/test_serving.py (test_continuous_batching_matches_generate in both).
         manager = super().init_continuous_batching(*args, **kwargs)
         if self.config.diff_version == 1 and not getattr(manager, "_sized_for_diff_v1", False):
             # A V1 layer stores what a Llama with 2 H_kv KV heads of size d (and 2H query heads) stores, so the cache

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 
-from dist_common import tiny_model, token_batches, write_rank_record
+from tests.distributed.dist_common import tiny_model, token_batches, write_rank_record
 
 
 def main(argv=None):

@@ -2,18 +2,13 @@
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
 from diff_transformer import DiffForCausalLM
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for the suite's tiny config
-from conftest import tiny_config  # noqa: E402  (4 heads over 2 KV groups: GQA, both counts split over 2 ranks)
+from tests.helpers.tiny import tiny_config  # 4 heads over 2 KV groups: GQA, both counts split over 2 ranks
 
 
 SEQ_LEN = 16

@@ -1,7 +1,7 @@
 """Every engine one after the other in a single torchrun launch, so that the tests pay the start-up of two
 interpreters (torch + transformers + accelerate) once:
 
-    torchrun --nproc_per_node 2 --standalone tests/distributed/dist_suite.py OUT MODELS
+    torchrun --nproc_per_node 2 --standalone -m tests.distributed.dist_suite OUT MODELS
 
 MODELS holds the checkpoints fsdp/ (a V1 model), v1/, v2/, qk/, kv1/ (for tensor parallelism) and train/ + train.txt
 (for `diff-transformer train`); each engine writes its per-rank records under OUT/<engine>/, exactly as the script run
@@ -10,15 +10,12 @@ alone would, and `diff-transformer train` writes its usual output to OUT/train/.
 
 import sys
 
-import ddp_train
-import fsdp_train
 import torch
 import torch.distributed as dist
-import tp_run
 
 from diff_transformer import cli
-
-from dist_common import write_rank_record
+from tests.distributed import ddp_train, fsdp_train, tp_run
+from tests.distributed.dist_common import write_rank_record
 
 
 TRAIN_ARGS = [

@@ -12,8 +12,7 @@ from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
 import diff_transformer  # noqa: F401  (registers the Auto classes)
-
-from dist_common import rank_and_world, token_batches, write_rank_record
+from tests.distributed.dist_common import rank_and_world, token_batches, write_rank_record
 
 
 def main(argv=None):

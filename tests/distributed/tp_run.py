@@ -13,8 +13,7 @@ from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
 import diff_transformer  # noqa: F401  (registers the Auto classes)
-
-from dist_common import SEQ_LEN, rank_and_world, token_batches, write_rank_record
+from tests.distributed.dist_common import SEQ_LEN, rank_and_world, token_batches, write_rank_record
 
 
 def run(path: str, tag: str, results: dict, tensors: dict):

@@ -1,9 +1,9 @@
 """The checkpoints of the integration matrix: for each family the converter reads (Llama, Mistral, Qwen2, Qwen3), a
 tiny random source model with that family's distinctive features, and its V1 and V2 conversions.
 
-Shared by the main suite (tests/test_matrix.py), the bare-venv custom-code tests (tests_bare/) and the vLLM tests
-(tests_vllm/), so every integration walks the same checkpoints. Sizes suit vLLM's CPU attention (head sizes 32, 64,
-...: V2 attends d = 32 wide, V1 2d = 64 wide) and tensor parallelism over 2 ranks (8 heads over 4 key/value heads
+Shared by the main suite (tests/matrix/test_matrix.py), the bare-venv custom-code tests (tests/bare/) and the vLLM
+tests (tests/vllm/), so every integration walks the same checkpoints. Sizes suit vLLM's CPU attention (head sizes 32,
+64, ...: V2 attends d = 32 wide, V1 2d = 64 wide) and tensor parallelism over 2 ranks (8 heads over 4 key/value heads
 become V1's 4 differential heads over 2 groups). Every source has the shipped tiny Llama's tokenizer (vocabulary 2048).
 """
 

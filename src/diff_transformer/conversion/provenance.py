@@ -98,7 +98,7 @@ def _front_matter(readme: Path) -> dict | None:
 def conversion_provenance(source: SourceCheckpoint, source_kind: str, diff_version: int) -> dict:
     """The `conversion` entry of the converted config. `base_model` only when SRC has a Hub id: the Hub rejects
     anything else there, and a local path would leak the converting machine's file system into config.json."""
-    from .. import __version__
+    from .._version import __version__
 
     base_model = hub_id_of(source)
     provenance = {

@@ -224,7 +224,7 @@ def _save_pretrained(self, save_directory, *args, **kwargs):
     already has one: a card that is there (the user's, or one from an earlier save) is never replaced.
 
     Relies on: `save_pretrained`'s first positional argument after the directory being `is_main_process`.
-    Guarded by tests/test_card.py (test_save_pretrained_writes_a_card_with_architecture_and_lambda,
+    Guarded by tests/hub/test_card.py (test_save_pretrained_writes_a_card_with_architecture_and_lambda,
     test_a_readme_already_in_the_directory_is_kept, test_only_the_main_process_writes_the_card).
     """
     readme = os.path.join(save_directory, "README.md")
@@ -239,7 +239,7 @@ def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
     # Relies on: both push paths (`PushToHubMixin.push_to_hub`, `save_pretrained(push_to_hub=True)`) writing
     # README.md (`create_and_tag_model_card`) just before calling `_upload_modified_files`: the Hub repo's own card
     # if it has one (kept), else transformers' generic placeholder, which becomes this model's card here, keeping
-    # the tags transformers collected (`model_tags`, `tags=`). Guarded by tests/test_card.py
+    # the tags transformers collected (`model_tags`, `tags=`). Guarded by tests/hub/test_card.py
     # (test_push_to_hub_uploads_the_diff_card_not_transformers_placeholder,
     # test_push_keeps_a_card_already_on_the_hub,
     # test_save_pretrained_push_to_hub_writes_the_card_locally_and_on_the_hub).

@@ -29,7 +29,8 @@ def add_diff_to_peft_default_targets() -> None:
 
     Relies on: PEFT has no registration API; its tuners look `model_type` up in the module-level dicts
     `peft.utils.constants.TRANSFORMERS_MODELS_TO_*` when `target_modules` is None, so adding a key is all it takes.
-    Guarded by tests/test_peft.py::test_defaults_registered_on_construction_and_on_request. Needs peft installed.
+    Guarded by tests/training/test_peft.py::test_defaults_registered_on_construction_and_on_request. Needs peft
+    installed.
     """
     from peft.utils import constants
 

@@ -1,5 +1,5 @@
 """What the vLLM model does with each `DiffConfig` field: one entry per field, so a field added to the config cannot
-slip past vLLM unnoticed (tests/test_matrix.py::test_every_config_field_is_placed_for_vllm).
+slip past vLLM unnoticed (tests/matrix/test_matrix.py::test_every_config_field_is_placed_for_vllm).
 
 * HONOURED: read by `model.py` and computed as the transformers model computes it;
 * REFUSED_UNLESS: fields whose other values vLLM cannot compute: `check_config` refuses them in one line when the

@@ -1,0 +1,155 @@
+import subprocess
+import sys
+
+import pytest
+
+
+def test_scratch_demo_end_to_end(tmp_path, capsys):
+    from diff_transformer import cli
+
+    assert cli.main(["demo", "--scratch", "--output", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.count("logits identical after reload: True") == 2
+    for version in (1, 2):
+        assert (tmp_path / f"diff-v{version}" / "model.safetensors").exists()
+        assert (tmp_path / f"diff-v{version}" / "modeling_diff.py").exists()
+
+
+def test_generate_command_with_token_ids(tmp_path, capsys):
+    import torch
+
+    from diff_transformer import cli
+    from tests.helpers.tiny import tiny_model
+
+    model = tiny_model(2)
+    model.save_pretrained(tmp_path)
+    assert cli.main(["generate", str(tmp_path), "5 6 7", "--max-new-tokens", "4"]) == 0
+    expected = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)[0, 3:].tolist()
+    assert capsys.readouterr().out.split() == [str(t) for t in expected]
+
+
+def _tiny_llama(path, **overrides):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    values = dict(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+    )
+    values.update(overrides)
+    LlamaForCausalLM(LlamaConfig(**values)).save_pretrained(path)
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "diff_transformer.cli", *map(str, args)], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_convert_command_verifies_v2(tmp_path, capsys):
+    import json
+
+    from diff_transformer import cli
+
+    _tiny_llama(tmp_path / "llama")
+    assert cli.main(["convert", str(tmp_path / "llama"), str(tmp_path / "diff"), "--verify", "--quiet"]) == 0
+    assert "greedy continuations match: True" in capsys.readouterr().out
+    config = json.loads((tmp_path / "diff" / "config.json").read_text())
+    assert config["model_type"] == "diff" and config["diff_version"] == 2
+
+
+def test_convert_command_v1_odd_heads_is_refused(tmp_path):
+    _tiny_llama(tmp_path / "llama", num_attention_heads=3, num_key_value_heads=3)
+    before = sorted((p.name, p.read_bytes()) for p in (tmp_path / "llama").iterdir())
+    result = _cli("convert", tmp_path / "llama", tmp_path / "diff", "--diff-version", "1", "--quiet")
+    assert result.returncode == 2
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: ") and "diff_version=2" in message
+    assert not (tmp_path / "diff").exists()
+    assert sorted((p.name, p.read_bytes()) for p in (tmp_path / "llama").iterdir()) == before
+
+
+# --- one clear line instead of a traceback (exit 2, the input named, the fix given) -------------------------------
+
+
+def _refused(capsys, argv, *words):
+    from diff_transformer import cli
+
+    capsys.readouterr()
+    assert cli.main([str(a) for a in argv]) == 2, argv
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    for word in words:
+        assert str(word) in err, (word, err)
+    return err
+
+
+@pytest.fixture
+def no_hub(monkeypatch):
+    """Any attempt to reach the Hub fails the test (a mistyped path must be refused before that)."""
+    import huggingface_hub
+
+    def hub(*args, **kwargs):
+        raise AssertionError(f"the Hub was asked for {args[:1]}")
+
+    for name in ("snapshot_download", "hf_hub_download"):
+        monkeypatch.setattr(huggingface_hub, name, hub)
+
+
+def test_generate_bad_inputs_are_one_line(tmp_path, capsys, monkeypatch, no_hub):
+    import json
+
+    from tests.helpers.tiny import tiny_model
+
+    model = tmp_path / "model"
+    tiny_model(2).save_pretrained(model)  # no tokenizer: prompts are token ids
+    monkeypatch.chdir(tmp_path)
+    _refused(capsys, ["generate", "./no-such-model", "5 6"], "'./no-such-model' is neither an existing directory")
+    _refused(capsys, ["generate", "no-such-model", "5 6"], "'no-such-model' does not exist", "hf://no-such-model")
+    _refused(capsys, ["generate", "model/typo", "5 6"], "'model/typo' does not exist", "hf://model/typo")
+    _refused(capsys, ["generate", model, "hello"], "has no tokenizer", "'hello'", "token ids")
+    _refused(capsys, ["generate", model, "5 97"], "token id 97", "from 0 to 96")
+    _refused(capsys, ["generate", model, "5 -1"], "token id -1", "from 0 to 96")
+    _refused(capsys, ["generate", model, "5 6", "--max-new-tokens", "0"], "--max-new-tokens 0", "at least 1")
+    _refused(capsys, ["generate", model, "5 6", "--temperature", "-0.5"], "--temperature -0.5", ">= 0")
+    _refused(capsys, ["generate", model, "5 6", "--temperature", "nan"], "--temperature nan")
+
+    mismatched = tmp_path / "mismatched"  # V2 weights under a config edited to say V1
+    tiny_model(2).save_pretrained(mismatched)
+    config = json.loads((mismatched / "config.json").read_text())
+    (mismatched / "config.json").write_text(json.dumps({**config, "diff_version": 1}))
+    _refused(capsys, ["generate", mismatched, "5 6"], "config.json says diff_version=1", '"diff_version": 2')
+
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    _refused(capsys, ["generate", model, "5 6"], "model.safetensors", "corrupt or truncated", "re-download")
+
+
+def test_convert_mistyped_path_and_nested_config(tmp_path, capsys, monkeypatch, no_hub):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    _refused(capsys, ["convert", "tiny-lama", "out"], "SRC 'tiny-lama' does not exist", "hf://tiny-lama")
+    _refused(
+        capsys,
+        ["convert", "models/tiny-lama", "out"],
+        "SRC 'models/tiny-lama' does not exist",
+        "hf://models/tiny-lama",
+    )
+    _tiny_llama(tmp_path / "llama")
+    (tmp_path / "llama" / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    _refused(capsys, ["convert", tmp_path / "llama", "out"], "config.json is nested too deeply")
+    assert not (tmp_path / "out").exists()
+
+
+def test_top_level_help_names_every_command(capsys):
+    from diff_transformer import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    description = capsys.readouterr().out.split("\n\n")[1]  # after the usage line
+    for command in ("demo", "convert", "generate", "train", "serve"):
+        assert command in description, description

@@ -1,0 +1,283 @@
+"""Serving: transformers' `pipeline("text-generation")`, and transformers' OpenAI-compatible server
+(`diff-transformer serve`, i.e. `transformers serve` with the Diff classes) answering real HTTP requests on loopback.
+
+Every answer is compared with `model.generate` (greedy) on the same prompt, in this process."""
+
+import concurrent.futures
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+import diff_transformer
+from diff_transformer import DiffConfig, DiffForCausalLM
+from diff_transformer.conversion import convert_to_diff
+from tests.helpers.server import Server
+
+
+TINY_LLAMA = Path(diff_transformer.__file__).parent / "assets" / "tiny-llama"
+PROMPT = "It is a truth universally acknowledged"
+CHATS = [
+    [{"role": "user", "content": "Tell me about Mr. Darcy and Elizabeth."}],
+    [{"role": "user", "content": "What did Emma think of the weather?"}],
+    [
+        {"role": "system", "content": "You are a novelist."},
+        {"role": "user", "content": "Describe a ball at Netherfield."},
+    ],
+]
+NEW_TOKENS = 24
+# A small paged cache: the default sizes it from the device's memory, which on CPU costs ~20 s at start-up.
+CB_OPTIONS = [
+    "--continuous-batching",
+    "--cb-block-size",
+    "16",
+    "--cb-num-blocks",
+    "64",
+    "--cb-max-batch-tokens",
+    "256",
+]
+
+
+# One intra-op thread here too (see `Server`), restored afterwards.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """{name: directory}: the shipped tiny Llama converted to V2 and V1, and a random V1 model saved with
+    `save_pretrained` next to the same tokenizer."""
+    root = tmp_path_factory.mktemp("models")
+    dirs = {f"v{v}": convert_to_diff(TINY_LLAMA, root / f"v{v}", diff_version=v, progress=False) for v in (2, 1)}
+    tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA)
+    torch.manual_seed(0)
+    config = DiffConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        diff_version=1,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = DiffForCausalLM(config)
+    with torch.no_grad():  # decisive logits: greedy choices far from ties
+        model.lm_head.weight.mul_(50.0)
+    model.save_pretrained(root / "saved")
+    tokenizer.save_pretrained(root / "saved")
+    dirs["saved"] = root / "saved"
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def references(models):
+    """Greedy `generate` on the chat-templated prompt, as the server would run it:
+    {name: fn(messages, **kw) -> text}."""
+    loaded = {
+        name: (AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path))
+        for name, path in models.items()
+    }
+
+    def reference(name, messages, **generate_kwargs):
+        model, tokenizer = loaded[name]
+        inputs = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        )
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, **generate_kwargs)
+        generated = out[0, inputs["input_ids"].shape[1] :]
+        return tokenizer.decode(generated, skip_special_tokens=True), len(generated)
+
+    return reference
+
+
+# ---- pipeline ----
+
+
+@pytest.mark.parametrize("name", ["v2", "v1", "saved"])
+def test_text_generation_pipeline_matches_generate(models, references, name):
+    pipe = pipeline("text-generation", model=str(models[name]))
+    assert type(pipe.model) is DiffForCausalLM and pipe.model.config.diff_version == (2 if name == "v2" else 1)
+
+    model = AutoModelForCausalLM.from_pretrained(models[name]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(models[name])
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    expected = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)[0, inputs["input_ids"].shape[1] :]
+    text = pipe(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, return_full_text=False)[0]["generated_text"]
+    assert text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert len(expected) > 5 and text.strip()
+
+    # chat input: the pipeline applies the chat template and appends the assistant's reply
+    reply = pipe(CHATS[0], max_new_tokens=NEW_TOKENS, do_sample=False)[0]["generated_text"][-1]
+    assert reply == {"role": "assistant", "content": references(name, CHATS[0])[0]}
+
+
+# ---- transformers serve ----
+
+
+@pytest.mark.canary
+def test_plain_transformers_serve_cannot_load_custom_code_models(models):
+    """Why `diff-transformer serve` exists: transformers 5.23's server resolves `getattr(transformers,
+    config.architectures[0])`, so `transformers serve --trust-remote-code` fails on any custom-code checkpoint.
+    Canary for transformers' `ModelManager.load_model_and_processor`: when this starts failing, transformers fixed it
+    and the plain command works too (update docs/serving.md)."""
+    from transformers.cli.serving import model_manager
+
+    assert not hasattr(model_manager.transformers, "DiffForCausalLM")  # nothing in this process patched it
+    manager = model_manager.ModelManager(device="cpu", trust_remote_code=True)
+    with pytest.raises(AttributeError, match="has no attribute DiffForCausalLM"):
+        manager.load_model_and_processor(manager.process_model_name(str(models["v2"])))
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """Two servers started together (start-up dominates): plain `generate`, and continuous batching."""
+    logs = tmp_path_factory.mktemp("serve")
+    started = {"plain": Server(logs / "plain.log"), "cb": Server(logs / "cb.log", *CB_OPTIONS)}
+    try:
+        for server in started.values():
+            server.wait_healthy()
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+def chat(server, model_dir, messages, stream=False):
+    """One greedy chat completion through the openai client: (text, completion_tokens, number of content chunks)."""
+    kwargs = dict(model=str(model_dir), messages=messages, max_tokens=NEW_TOKENS, temperature=0)
+    client = server.client()
+    if not stream:
+        response = client.chat.completions.create(**kwargs)
+        assert response.choices[0].message.role == "assistant"
+        return response.choices[0].message.content, response.usage.completion_tokens, 1
+    pieces, usage = [], None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    return "".join(pieces), usage.completion_tokens, len(pieces)
+
+
+@pytest.mark.parametrize("name", ["v2", "v1"])
+def test_chat_completions_match_generate(servers, models, references, name):
+    """Non-streaming and streaming (SSE) answers of the plain server equal greedy `generate` with the model's own
+    generation config (the shipped one has repetition_penalty=1.3, which `generate` applies)."""
+    expected, length = references(name, CHATS[0])
+    assert chat(servers["plain"], models[name], CHATS[0]) == (expected, length, 1)
+    text, tokens, chunks = chat(servers["plain"], models[name], CHATS[0], stream=True)
+    assert (text, tokens) == (expected, length) and chunks > 1
+
+
+def test_streaming_is_server_sent_events(servers, models, references):
+    """The wire format, read with urllib: `text/event-stream`, `data: {json}` events, role first, finish last."""
+    body = {
+        "model": str(models["v2"]),
+        "messages": CHATS[1],
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "stream": True,
+    }
+    request = urllib.request.Request(
+        f"{servers['plain'].url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        lines = [line.decode() for line in response if line.strip()]
+    assert all(line.startswith("data: ") for line in lines)
+    events = [json.loads(line[len("data: ") :]) for line in lines]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    assert text == references("v2", CHATS[1])[0]
+
+
+@pytest.mark.parametrize("name", ["v2", "v1"])
+def test_continuous_batching_matches_generate(servers, models, references, name):
+    """Concurrent requests, batched together in the paged cache, each answer what greedy `generate` answers.
+    transformers' continuous batching drops the repetition penalty (it logs "RepetitionPenaltyLogitsProcessor isn't
+    supported by CB"), so the reference runs without it."""
+    server = servers["cb"]
+    with concurrent.futures.ThreadPoolExecutor(len(CHATS)) as pool:
+        answers = list(pool.map(lambda messages: chat(server, models[name], messages), CHATS))
+    for messages, (text, tokens, _) in zip(CHATS, answers):
+        assert (text, tokens) == references(name, messages, repetition_penalty=1.0)
+    text, tokens, chunks = chat(server, models[name], CHATS[2], stream=True)
+    assert (text, tokens) == references(name, CHATS[2], repetition_penalty=1.0) and chunks > 1
+
+
+def test_max_tokens_is_bounded_and_sigterm_stops_a_busy_server(models, tmp_path):
+    """Issue 21: `max_tokens: 100000000` generated without end (past the context, after the client left, through
+    SIGTERM). Now every generation stops at the model's context, and SIGTERM ends the server within seconds."""
+    import signal
+    import threading
+
+    server = Server(tmp_path / "serve.log")
+    try:
+        server.wait_healthy()
+        messages = [{"role": "user", "content": "Tell me everything."}]
+        client = server.client()
+        response = client.chat.completions.create(
+            model=str(models["v2"]), messages=messages, max_tokens=100_000_000, temperature=0
+        )
+        context = DiffConfig.from_pretrained(models["v2"]).max_position_embeddings
+        usage = response.usage
+        assert usage.prompt_tokens + usage.completion_tokens <= context, usage
+        assert response.choices[0].finish_reason in ("length", "stop")
+
+        started = threading.Event()
+
+        def stream():
+            try:
+                for _ in client.chat.completions.create(
+                    model=str(models["v2"]), messages=messages, max_tokens=100_000_000, temperature=0, stream=True
+                ):
+                    started.set()
+            except Exception:
+                pass
+
+        threading.Thread(target=stream, daemon=True).start()
+        assert started.wait(60)
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(timeout=30)  # the old server kept generating the 10^8 tokens
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+            server.process.wait()
+
+
+def test_generation_limit_clamps_to_the_context_and_the_flag():
+    from types import SimpleNamespace
+
+    from fastapi import HTTPException
+
+    from diff_transformer.cli.serve import _generation_limit
+
+    model = SimpleNamespace(config=DiffConfig(max_position_embeddings=64, hidden_size=32, num_attention_heads=2))
+    inputs = {"input_ids": torch.zeros(1, 10, dtype=torch.long)}
+    for asked, limit, expected in ((10**8, None, 54), (10**8, 7, 7), (5, 7, 5), (None, None, 54)):
+        config = SimpleNamespace(max_new_tokens=asked)
+        _generation_limit(model, inputs, config, limit)
+        assert config.max_new_tokens == expected
+    with pytest.raises(HTTPException, match="64 positions"):
+        _generation_limit(model, {"input_ids": list(range(64))}, SimpleNamespace(max_new_tokens=1), None)
+    with pytest.raises(HTTPException, match="num_beams=-3 must be >= 1"):  # a request's generation_config
+        _generation_limit(model, inputs, SimpleNamespace(max_new_tokens=1, num_beams=-3), None)
+
+
+def test_serve_refuses_a_missing_model_and_a_bad_limit(capsys):
+    from diff_transformer import cli
+
+    assert cli.main(["serve", "/nonexistent"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: MODEL '/nonexistent' is neither an existing directory nor a valid Hub model id: check the path, or "
+        "pass an id like 'org/model'."
+    )
+    assert cli.main(["serve", "--max-new-tokens-limit", "0"]) == 2
+    assert "--max-new-tokens-limit '0' must be a whole number >= 1" in capsys.readouterr().err

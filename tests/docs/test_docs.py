@@ -1,0 +1,241 @@
+"""Every code example in README.md and docs/ runs.
+
+Each Markdown file is one session, run like a notebook from a fresh directory laid out as the repository root: the
+shipped tiny Llama at src/diff_transformer/assets/tiny-llama and the corpus at data/. Its fenced blocks run in
+order: ```python blocks share one namespace, ```bash blocks whose every command is `diff-transformer ...` run through
+the CLI's `main` (exit status 0 required). Any other block must say why it cannot run here, in an HTML comment on
+the line before it, which the test reports as the skip reason:
+
+    <!-- docs-test: skip needs a GPU -->        not run (GPU, Hub, vLLM, a server, a long run, installs)
+    <!-- docs-test: slow -->                    run, but only in the full suite (marked `slow`); later blocks
+                                                must not depend on what it makes
+    <!-- docs-test: fails -->                   every command must exit 2, printing the `# error: ...` lines shown
+                                                (`...` stands for any text)
+    <!-- docs-test: partial reason -->           only the block's `diff-transformer` commands run, `serve` aside
+    <!-- docs-test: hub -->                     run against tests/helpers/hub_server.py's fake Hub (started for the
+                                                page)
+
+Blocks in other languages (text, yaml, output listings) are not code and are not collected.
+"""
+
+import contextlib
+import io
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import REPOSITORY
+
+
+ROOT = REPOSITORY
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+RUNNABLE = {"python", "bash", "sh", "shell", "console"}
+FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
+MARKER = re.compile(r"<!--\s*docs-test:\s*(?P<kind>skip|slow|fails|partial|hub)\b\s*(?P<reason>.*?)\s*-->\s*$")
+
+
+class Block:
+    def __init__(self, page: Path, index: int, lang: str, code: str, line: int, marker):
+        self.page, self.index, self.lang, self.code, self.line = page, index, lang, code, line
+        self.kind = marker["kind"] if marker else None
+        self.reason = marker["reason"] if marker else ""
+
+    @property
+    def id(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def extract(page: Path) -> list[Block]:
+    """The runnable fenced blocks of a page, each with the docs-test marker on the line before it (if any)."""
+    text = page.read_text(encoding="utf-8")
+    blocks = []
+    for match in FENCE.finditer(text):
+        lang = match["lang"].lower()
+        if lang not in RUNNABLE:
+            continue
+        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        marker = MARKER.search(before)
+        indent = len(match["indent"])
+        code = "\n".join(line[indent:] for line in match["body"].splitlines())
+        line = text.count("\n", 0, match.start()) + 1
+        blocks.append(Block(page, len(blocks), lang, code, line, marker))
+    return blocks
+
+
+BLOCKS = {page: extract(page) for page in PAGES}
+
+
+def shell_commands(code: str, partial: bool = False) -> list[list[str]] | None:
+    """The block's commands as argument lists, or None if any command is not `diff-transformer ...`. `partial`: only
+    the `diff-transformer` commands, `serve` (a server that runs until stopped) aside."""
+    commands = []
+    for line in code.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        if not words:
+            continue
+        if words[0] != "diff-transformer":
+            if partial:
+                continue
+            return None
+        if not (partial and words[1:2] == ["serve"]):
+            commands.append(words[1:])
+    return commands
+
+
+class Session:
+    """One page's working directory and Python namespace; blocks run in order, each once."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        tiny = "src/diff_transformer/assets/tiny-llama"
+        shutil.copytree(ROOT / tiny, directory / tiny)
+        (directory / "data").mkdir()
+        for name in ("corpus.txt", "heldout.txt"):
+            shutil.copy(ROOT / "data" / name, directory / "data" / name)
+        self.namespace = {"__name__": "__docs__"}
+        self.done = -1
+        self.hub = None
+        self.resources = contextlib.ExitStack()
+
+    def close(self) -> None:
+        """Stop the page's fake Hub (and undo its patches), if it started one."""
+        self.resources.close()
+        hub, self.hub = self.hub, None
+        if hub is not None:  # a route the fake lacks, or a crash in it, would otherwise go unseen
+            assert not hub.problems, hub.problems
+
+    def run(self, block: Block) -> None:
+        if block.kind == "hub" and self.hub is None:
+            from tests.helpers.hub_server import running_hub
+
+            self.hub = self.resources.enter_context(running_hub(self.directory / ".hf"))
+        if block.lang == "python":
+            exec(compile(block.code, block.id, "exec"), self.namespace)
+            return
+        from diff_transformer.cli import main
+
+        commands = shell_commands(block.code, partial=block.kind == "partial")
+        assert commands is not None, f"{block.id}: runs commands other than diff-transformer: mark it skip, say why"
+        stderr = io.StringIO()
+        for argv in commands:
+            with contextlib.redirect_stderr(stderr):
+                try:
+                    status = main(argv)
+                except SystemExit as exit:  # argparse's --help / --version
+                    status = exit.code
+            expected = (2,) if block.kind == "fails" else (0, None)
+            assert status in expected, f"{block.id}: diff-transformer {shlex.join(argv)} exited with {status}"
+        if block.kind == "fails":
+            for line in re.findall(r"^# (error: .*)$", block.code, re.M):
+                pattern = ".*?".join(re.escape(part) for part in line.split("..."))
+                assert re.search(pattern, stderr.getvalue()), f"{block.id}: {line!r} not in {stderr.getvalue()!r}"
+
+
+SESSIONS: dict[Path, Session] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def close_sessions():
+    yield
+    while SESSIONS:
+        SESSIONS.popitem()[1].close()
+
+
+def cases():
+    seen = {}  # code of each block -> its id
+    for blocks in BLOCKS.values():
+        for block in blocks:
+            marks = [pytest.mark.slow] if block.kind == "slow" else []
+            # The journey is in README.md and in docs/long_description.md, word for word (tests/cli/test_journey.py).
+            if block.kind == "partial" and block.code in seen:
+                block.kind, block.reason = "skip", f"the same block as {seen[block.code]}, run there"
+            seen.setdefault(block.code, block.id)
+            yield pytest.param(block, id=block.id, marks=marks)
+
+
+@pytest.fixture
+def session_for(tmp_path_factory, monkeypatch):
+    def get(block: Block) -> Session:
+        for page, other in SESSIONS.items():
+            if page != block.page:
+                other.close()  # the fake Hub serves its own page only: the others stay offline
+        if block.page not in SESSIONS:
+            SESSIONS[block.page] = Session(tmp_path_factory.mktemp(block.page.stem))
+        session = SESSIONS[block.page]
+        monkeypatch.chdir(session.directory)
+        return session
+
+    return get
+
+
+def test_every_block_is_runnable_or_says_why_not():
+    """A block the test cannot run (any command other than diff-transformer) must carry a skip reason, and a skip
+    marker must give one."""
+    problems = []
+    for blocks in BLOCKS.values():
+        for block in blocks:
+            if block.kind == "skip" and not block.reason:
+                problems.append(f"{block.id}: skip marker without a reason")
+            if block.kind == "partial" and not block.reason:
+                problems.append(f"{block.id}: partial marker without a reason")
+            runnable = shell_commands(block.code, partial=block.kind == "partial") is not None
+            if block.kind != "skip" and block.lang != "python" and not runnable:
+                problems.append(f"{block.id}: commands other than diff-transformer, and no skip reason")
+    assert not problems, "\n".join(problems)
+    assert sum(len(blocks) for blocks in BLOCKS.values()) > 20
+
+
+@pytest.mark.parametrize("block", list(cases()))
+def test_block(block: Block, session_for, one_torch_thread):
+    if block.kind == "skip":
+        pytest.skip(block.reason)
+    session = session_for(block)
+    # Run the earlier blocks of the page this one builds on that have not run yet (under -k). Slow blocks are never
+    # prerequisites: later blocks must not need what they make, so the quick loop can leave them out.
+    for earlier in BLOCKS[block.page][session.done + 1 : block.index]:
+        if earlier.kind in (None, "partial", "hub"):  # an unmarked shell block is runnable: checked above
+            session.run(earlier)
+    session.done = block.index
+    torch.manual_seed(0)
+    session.run(block)
+
+
+def test_extract_finds_markers_and_nested_fences(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "text\n\n<!-- docs-test: skip needs a GPU -->\n```python\nimport torch\n```\n\n"
+        "* item\n\n  ```bash\n  diff-transformer convert a b \\\n    --verify  # exact\n  ```\n\n"
+        "```text\nnot code\n```\n<!-- docs-test: slow -->\n```bash\npip install x\n```\n"
+        "<!-- docs-test: fails -->\n```bash\ndiff-transformer generate nowhere hi\n# error: MODEL ...\n```\n"
+        "<!-- docs-test: partial pip is not run -->\n```bash\npip install x\ndiff-transformer merge a b\n"
+        "diff-transformer serve --port 1\n```\n<!-- docs-test: hub -->\n```python\npass\n```\n",
+        encoding="utf-8",
+    )
+    blocks = extract(page)
+    assert [(b.lang, b.kind, b.reason) for b in blocks] == [
+        ("python", "skip", "needs a GPU"),
+        ("bash", None, ""),
+        ("bash", "slow", ""),
+        ("bash", "fails", ""),
+        ("bash", "partial", "pip is not run"),
+        ("python", "hub", ""),
+    ]
+    assert shell_commands(blocks[4].code, partial=True) == [["merge", "a", "b"]]
+    assert shell_commands(blocks[1].code) == [["convert", "a", "b", "--verify"]]
+    assert shell_commands(blocks[2].code) is None
+
+
+def test_readme_is_short_and_its_links_resolve():
+    """The README stays an entry point (issue 25: at most 200 lines); its relative links name files that exist (the
+    site's links are checked by `mkdocs build --strict`)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 200
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [t for t in targets if "://" not in t]
+    assert len(local) > 10
+    missing = [t for t in local if not (ROOT / t).exists()]
+    assert not missing, missing

@@ -1,0 +1,89 @@
+"""A saved Diff model loads with trust_remote_code=True in an interpreter where diff_transformer cannot be imported."""
+
+import json
+import shutil
+import textwrap
+
+import pytest
+import torch
+
+from tests.helpers.processes import run_json
+from tests.helpers.tiny import tiny_model
+
+
+# Runs in a fresh interpreter where any attempt to import diff_transformer fails (see _subprocess.py).
+LOADER = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source, ids = sys.argv[1], json.loads(sys.argv[2])
+    try:
+        AutoModelForCausalLM.from_pretrained(source, trust_remote_code=False)
+    except ValueError as error:
+        refused = "trust_remote_code" in str(error)
+    else:
+        refused = False
+    config = AutoConfig.from_pretrained(source, trust_remote_code=True)
+    model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True, attn_implementation="eager")
+    with torch.no_grad():
+        logits = model(torch.tensor(ids)).logits
+    generated = model.generate(torch.tensor(ids), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    print(json.dumps({
+        "refused_without_trust": refused,
+        "config_module": type(config).__module__,
+        "model_module": type(model).__module__,
+        "model_class": type(model).__name__,
+        "imported_diff_transformer": any(m.startswith("diff_transformer") for m in sys.modules),
+        "logits": logits.flatten().tolist(),
+        "generated": generated.tolist(),
+    }))
+    """
+)
+
+
+def run_isolated(source, ids, env_extra):
+    return run_json(LOADER, source, json.dumps(ids), env=env_extra)
+
+
+def check(report, model, ids):
+    assert report["refused_without_trust"]
+    assert report["imported_diff_transformer"] is False
+    assert report["model_class"] == "DiffForCausalLM"
+    assert report["model_module"].startswith("transformers_modules.")
+    assert report["config_module"].startswith("transformers_modules.")
+    with torch.no_grad():
+        expected = model(torch.tensor(ids)).logits.flatten()
+    assert torch.allclose(torch.tensor(report["logits"]), expected, atol=1e-6)
+    generated = model.generate(torch.tensor(ids), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert report["generated"] == generated.tolist()
+
+
+def test_remote_code_from_local_directory(tmp_path, diff_version):
+    model = tiny_model(diff_version)
+    model.save_pretrained(tmp_path / "saved")
+    ids = [[5, 17, 42, 8, 9, 30]]
+    report = run_isolated(tmp_path / "saved", ids, {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
+    check(report, model, ids)
+
+
+# Loading from the cache does not depend on the version (test_remote_code_from_local_directory runs both): V1 is slow.
+@pytest.mark.parametrize("version", [pytest.param(1, marks=pytest.mark.slow), 2])
+def test_remote_code_from_offline_hub_cache(tmp_path, version):
+    """The repo sits in the HF cache exactly as snapshot_download leaves it; HF_HUB_OFFLINE=1 forbids the network."""
+    model = tiny_model(version)
+    model.save_pretrained(tmp_path / "saved")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someone--tiny-diff"
+    shutil.copytree(tmp_path / "saved", repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    ids = [[3, 4, 5, 6]]
+    env = {
+        "HF_HUB_CACHE": str(tmp_path / "hub"),
+        "HF_MODULES_CACHE": str(tmp_path / "modules"),
+        "HF_HUB_OFFLINE": "1",
+    }
+    report = run_isolated("someone/tiny-diff", ids, env)
+    check(report, model, ids)

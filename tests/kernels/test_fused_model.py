@@ -1,0 +1,112 @@
+"""`attn_implementation="diff_triton"` in the model: V1 layers run the fused Triton kernel (here through Triton's
+interpreter on CPU, forced through the registered function's `runs_on`), everything else runs as sdpa. References:
+the eager model (the formula, one explicit softmax per map) with the same weights. The kernel's own tests are in
+test_kernels.py."""
+
+import pytest
+import torch
+
+import diff_transformer.modeling_diff as modeling
+from diff_transformer import DiffForCausalLM
+from diff_transformer.integrations.attention import diff_triton_attention_forward
+from diff_transformer.modeling_diff import V1Strategy
+from tests.helpers.tiny import tiny_model
+
+
+pytest.importorskip("triton", reason="the fused kernel needs triton (in the test extra)")
+
+# fp32 through the interpreter: both sides compute in fp32, only the summation order differs.
+TOLERANCE = dict(rtol=1e-4, atol=1e-5)
+
+
+def fused_twin(model):
+    """`model`'s weights under attn_implementation="diff_triton"."""
+    twin = DiffForCausalLM._from_config(model.config, attn_implementation="diff_triton")
+    twin.load_state_dict(model.state_dict())
+    return twin.eval()
+
+
+@pytest.fixture
+def strategies(monkeypatch):
+    """What each V1 layer call ran (V2 has one strategy: one standard call)."""
+    ran, select = [], modeling.select_v1_strategy
+    monkeypatch.setattr(modeling, "select_v1_strategy", lambda *a, **k: ran.append(select(*a, **k)) or ran[-1])
+    return ran
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """Let the kernel run on CPU tensors (Triton's interpreter) as it would on CUDA ones."""
+    monkeypatch.setattr(diff_triton_attention_forward, "runs_on", lambda device: True)
+
+
+def padded_batch(model, lengths=(13, 9, 4)):
+    torch.manual_seed(1)
+    ids = torch.randint(3, model.config.vocab_size, (len(lengths), max(lengths)))
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        mask[row, -length:] = 1  # left padding, as for generation
+    return ids, mask
+
+
+@pytest.mark.parametrize("num_key_value_heads", [4, 2, 1], ids=["mha", "gqa2", "gqa4"])
+def test_fused_v1_matches_eager_on_a_padded_batch(strategies, fused_on_cpu, num_key_value_heads):
+    model = tiny_model(1, num_key_value_heads=num_key_value_heads)
+    twin = fused_twin(model)
+    ids, mask = padded_batch(model)
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits
+        fused = twin(ids, attention_mask=mask).logits
+    assert strategies and set(strategies) == {V1Strategy.FUSED}
+    real = mask.bool()  # padded positions attend nothing real; their logits are not compared
+    torch.testing.assert_close(fused[real], expected[real], **TOLERANCE)
+    ids = ids[:1, -7:]  # no padding: transformers passes no mask and the kernel runs plain causal
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids).logits, model(ids).logits, **TOLERANCE)
+
+
+def test_fused_v1_gradients_match_eager(fused_on_cpu):
+    model = tiny_model(1).train()
+    twin = fused_twin(model).train()
+    ids = torch.randint(3, model.config.vocab_size, (2, 11))
+    for m in (model, twin):
+        m(ids, labels=ids).loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    for name, p in twin.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert twin.model.layers[0].self_attn.diff_lambda.lambda_q1.grad.abs().sum() > 0  # λ is on the kernel's graph
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"], ids=["dynamic", "static"])
+def test_fused_v1_generates_what_eager_generates(strategies, fused_on_cpu, cache_implementation):
+    model = tiny_model(1)
+    twin = fused_twin(model)
+    ids, mask = padded_batch(model, lengths=(9, 5))
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation=cache_implementation)
+    expected = model.generate(ids, **kwargs)
+    assert torch.equal(twin.generate(ids, **kwargs), expected)
+    assert set(strategies) == {V1Strategy.FUSED}  # the prompt and every one-token step
+
+
+def test_diff_triton_runs_as_sdpa_where_the_kernel_does_not(strategies, diff_version):
+    """No CUDA (or no triton, or Hub custom code without the package): "diff_triton" is sdpa, with the same logits."""
+    model = tiny_model(diff_version, attn_implementation="sdpa")
+    twin = fused_twin(model)
+    ids, mask = padded_batch(model)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            twin(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits, rtol=0, atol=0
+        )
+    if diff_version == 1:
+        assert strategies and V1Strategy.FUSED not in strategies
+        assert set(strategies) == {V1Strategy.PADDED_WIDE_VALUE}  # what sdpa on CPU runs
+
+
+def test_diff_triton_is_a_transformers_backend_name():
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    assert "diff_triton" in AttentionInterface._global_mapping
+    assert "diff_triton" in AttentionMaskInterface._global_mapping
+    model = tiny_model(1, attn_implementation="sdpa")
+    model.set_attn_implementation("diff_triton")
+    assert model.config._attn_implementation == "diff_triton"

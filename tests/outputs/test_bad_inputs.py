@@ -1,0 +1,567 @@
+"""Issue 21 ("Trust 2"): a hostile or careless user's inputs. Nothing the user owns is lost, inputs cannot demand
+unbounded resources, bad values are refused instead of giving silently wrong results, and every bad input is one
+`error:` line with exit status 2 before anything is written. Commands run in-process on tiny checkpoints."""
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from diff_transformer import cli
+from diff_transformer.safe_output import write_manifest, wrote_this
+from tests.helpers import REPOSITORY
+from tests.helpers.checkpoints import tree_digest
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data loss and the hang: the demo's manifest covers every entry and never opens what is not a regular file
+
+
+def test_manifest_covers_directories_and_other_entries(tmp_path):
+    out = tmp_path / "out"
+    (out / "diff-v1").mkdir(parents=True)
+    (out / "diff-v1" / "config.json").write_text("{}")
+    write_manifest(out, "demo")
+    assert wrote_this(out, "demo")
+    (out / "my-run").mkdir()  # an empty directory of the user's: the old manifest hashed files only
+    assert not wrote_this(out, "demo")
+    (out / "my-run").rmdir()
+    (out / "diff-v1" / "empty").mkdir()
+    assert not wrote_this(out, "demo")
+    (out / "diff-v1" / "empty").rmdir()
+    assert wrote_this(out, "demo")
+
+
+def test_demo_rerun_keeps_a_directory_the_user_added(refused, tmp_path, capsys):
+    out = tmp_path / "d"
+    assert cli.main(["demo", "--scratch", "--output", str(out)]) == 0
+    (out / "my-experiments").mkdir()
+    refused(["demo", "--scratch", "--output", out], str(out), "--overwrite", notes=True)
+    assert (out / "my-experiments").is_dir()
+
+
+def test_demo_rerun_does_not_hang_on_a_fifo(tmp_path, capsys):
+    out = tmp_path / "d"
+    assert cli.main(["demo", "--scratch", "--output", str(out)]) == 0
+    os.mkfifo(out / "f")
+    status = []
+    worker = threading.Thread(target=lambda: status.append(cli.main(["demo", "--scratch", "--output", str(out)])))
+    worker.daemon = True
+    worker.start()
+    worker.join(timeout=60)
+    if worker.is_alive():  # the old code blocks in open(): unblock it by opening the FIFO's other end
+        with open(out / "f", "wb"):
+            pass
+        worker.join(timeout=60)
+        pytest.fail("demo --output blocked reading a FIFO")
+    assert status == [2] and "--overwrite" in capsys.readouterr().err
+    assert (out / "f").exists()
+    os.mkfifo(out / "diff-v1" / ".diff-transformer-output.json.fifo")
+    manifest = out / ".diff-transformer-output.json"
+    manifest.unlink()
+    os.mkfifo(manifest)  # a FIFO in place of the manifest: not read either
+    assert not wrote_this(out, "diff-transformer demo --scratch")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train: one run per --output, resuming into another run, a user's checkpoint-mynotes/, option ranges
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A tiny random Diff V2 checkpoint with the shipped tokenizer (`v2`) and a text file, as test_train's."""
+    from tests.helpers.checkpoints import HELDOUT, save_trainable_checkpoint
+
+    root = tmp_path_factory.mktemp("train")
+    save_trainable_checkpoint(root / "v2", 2)
+    (root / "text.txt").write_text(HELDOUT[:2500], encoding="utf-8")
+    return root
+
+
+def _train_argv(workdir, output, *extra):
+    from tests.helpers.training import QUIET
+
+    return ["train", workdir / "v2", "--data", workdir / "text.txt", "--output", output, *QUIET, *extra]
+
+
+def test_second_train_into_the_same_output_is_refused(refused, workdir, tmp_path, capsys):
+    from diff_transformer.safe_output import OutputLock
+
+    out = tmp_path / "run"
+    with OutputLock(out, name="--output"):  # a first run, still alive
+        argv = _train_argv(workdir, out, "--max-steps", "1")
+        refused(argv, f"--output {out} is being written by another run", notes=True)
+        assert sorted(p.name for p in out.iterdir()) == [".diff-transformer.lock"]  # the first run's lock only
+    assert not out.exists()  # the lock's directory, created for it, goes with it
+
+
+def test_resume_into_another_run_needs_overwrite_and_keeps_users_directories(refused, workdir, tmp_path, capsys):
+    import shutil
+
+    run_x, run_y = tmp_path / "rX", tmp_path / "rY"
+    assert cli.main([str(a) for a in _train_argv(workdir, run_x, "--max-steps", "2", "--save-steps", "1")]) == 0
+    run_y.mkdir()
+    shutil.copytree(run_x / "checkpoint-1", run_y / "checkpoint-1")  # another run's checkpoint
+    (run_x / "checkpoint-mynotes").mkdir()
+    (run_x / "checkpoint-mynotes" / "notes.txt").write_text("mine")
+    digest = tree_digest(run_x)
+    argv = _train_argv(workdir, run_x, "--max-steps", "3", "--save-steps", "1", "--resume", run_y / "checkpoint-1")
+    refused(argv, f"--output {run_x} holds another training run (checkpoint-1, checkpoint-2", "--overwrite")
+    assert tree_digest(run_x) == digest
+    assert cli.main([str(a) for a in [*argv, "--overwrite"]]) == 0
+    assert sorted(p.name for p in run_x.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3", "checkpoint-mynotes"]
+    assert (run_x / "checkpoint-mynotes" / "notes.txt").read_text() == "mine"
+    # --overwrite starting over deletes Trainer's checkpoints only
+    assert cli.main([str(a) for a in _train_argv(workdir, run_x, "--max-steps", "1", "--overwrite")]) == 0
+    assert sorted(p.name for p in run_x.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-mynotes"]
+    assert (run_x / "checkpoint-mynotes" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--warmup-steps", "-5"], ["--warmup-steps -5", ">= 0"]),
+        (["--seed", "-1"], ["--seed -1", "[0, 4294967295]"]),
+        (["--seed", str(2**32)], [f"--seed {2**32}"]),
+        (["--save-total-limit", "0"], ["--save-total-limit 0"]),
+        (["--eval-batch-size", "0"], ["--eval-batch-size 0"]),
+        (["--eval-fraction", "nan"], ["--eval-fraction nan"]),
+        (["--report-to", "wandb"], ["--report-to wandb", "pip install wandb"]),
+        (["--report-to", "bogus"], ["--report-to bogus", "tensorboard"]),
+        (["--report-to", "none", "tensorboard"], ["--report-to none", "alone"]),
+    ],
+)
+def test_train_option_ranges(refused, workdir, tmp_path, capsys, extra, words):
+    pytest.importorskip("tensorboard")
+    if "wandb" in extra:
+        pytest.importorskip("importlib").util.find_spec("wandb") is None or pytest.skip("wandb is installed")
+    out = tmp_path / "out"
+    refused([*_train_argv(workdir, out), *extra], *words, notes=True)
+    assert not out.exists()
+
+
+def test_train_into_an_unwritable_output_is_one_line(refused, workdir, capsys):
+    out = "/sys/diff-transformer-run"  # not creatable, even by root
+    refused(_train_argv(workdir, out), f"cannot write --output {out}", notes=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# convert: side files from an allowlist, bounded card metadata, configs validated before anything is written
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from tests.helpers.checkpoints import make_llama
+
+    return make_llama(tmp_path_factory.mktemp("src") / "llama")
+
+
+def _copy_with(src, dst, **config_changes):
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(config_changes)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_convert_copies_side_files_from_an_allowlist_and_names_the_rest(llama, tmp_path, capsys):
+    src = _copy_with(llama, tmp_path / "src")
+    for name in ("secrets.env", "credentials", "id_rsa", "notes.txt", "training_args.json"):
+        (src / name).write_text("hf_SECRET\n")
+    (src / "merges.txt").write_text("a b\n")
+    os.mkfifo(src / "tokenizer.model")  # an allowed name, but no regular file: never opened
+    out = tmp_path / "out"
+    assert cli.main(["convert", str(src), str(out), "--quiet"]) == 0
+    copied = {p.name for p in out.iterdir()}
+    assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "merges.txt", "LICENSE"} <= copied
+    assert {"chat_template.jinja"} <= copied and not copied & {"secrets.env", "credentials", "id_rsa", "notes.txt"}
+    assert "training_args.json" not in copied and "tokenizer.model" not in copied
+    err = capsys.readouterr().err
+    assert "not copied from SRC into OUT" in err and "credentials, id_rsa, notes.txt, secrets.env" in err
+
+
+def test_convert_bounds_what_the_source_card_puts_in_the_config(llama, tmp_path):
+    src = _copy_with(llama, tmp_path / "src")
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 5)]
+    (src / "README.md").write_text("---\n" + "\n".join(levels) + "\nlicense: mit\nlanguage: *a4\n---\n# bomb\n")
+    out = tmp_path / "out"
+    assert cli.main(["convert", str(src), str(out), "--quiet"]) == 0
+    assert (out / "config.json").stat().st_size < 20_000  # 10^5 aliased strings were copied into it
+    assert json.loads((out / "config.json").read_text())["conversion"]["card_data"] == {}
+
+    (src / "README.md").write_text("---\nlicense: mit\nlanguage: [en, [nested]]\ntags: [x]\n---\n")
+    out2 = tmp_path / "out2"
+    assert cli.main(["convert", str(src), str(out2), "--quiet"]) == 0
+    assert json.loads((out2 / "config.json").read_text())["conversion"]["card_data"] == {"license": "mit"}
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"pad_token_id": 500}, ["pad_token_id=500", "0 to 100"]),
+        ({"pad_token_id": -1}, ["pad_token_id=-1"]),
+        ({"rope_parameters": {"rope_type": "bogus", "rope_theta": 1e4}}, ["rope_type 'bogus'", "llama3"]),
+        ({"model_type": ["llama"]}, ["model_type ['llama'] is not a string"]),
+    ],
+)
+def test_convert_refuses_bad_configs_before_writing(refused, llama, tmp_path, capsys, changes, words):
+    src = _copy_with(llama, tmp_path / "src", **changes)
+    refused(["convert", src, tmp_path / "out", "--quiet", "--verify"], *words, notes=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_task_head_with_a_negative_pad_token_is_refused_before_writing(refused, tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, num_labels=3, pad_token_id=-1,
+    )  # fmt: skip
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path / "cls")
+    refused(["convert", tmp_path / "cls", tmp_path / "out", "--quiet", "--verify"], "pad_token_id=-1", notes=True)
+    assert not (tmp_path / "out").exists()
+
+
+def _diff_checkpoint(tmp_path, **config_changes):
+    from tests.helpers.tiny import tiny_model
+
+    path = tmp_path / "diff"
+    tiny_model(2).save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(config_changes)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"pad_token_id": 500}, ["pad_token_id=500"]),
+        ({"rope_parameters": {"rope_type": "bogus", "rope_theta": 1e4}}, ["rope_type 'bogus'"]),
+        ({"_attn_implementation": "flash_attention_2"}, ["_attn_implementation='flash_attention_2'", "install"]),
+        ({"model_type": 5}, ["model_type 5 is not a string"]),
+        ({"conversion": {"card_data": {"tags": ["x"], "license": "mit"}}}, ["card_data holds 'tags'"]),
+        ({"conversion": {"card_data": {"base_model": "a/b"}}}, ["card_data holds 'base_model'"]),
+        ({"conversion": {"card_data": {"pipeline_tag": "x"}}}, ["card_data holds 'pipeline_tag'"]),
+    ],
+)
+def test_generate_inspect_train_refuse_bad_configs_before_loading(refused, tmp_path, capsys, changes, words):
+    if changes.get("_attn_implementation") == "flash_attention_2":
+        from transformers.utils import is_flash_attn_2_available
+
+        if is_flash_attn_2_available():
+            pytest.skip("flash-attn is installed")
+    model = _diff_checkpoint(tmp_path, **changes)
+    refused(["generate", model, "5 6 7"], *words, notes=True)
+    refused(["inspect", model, "5 6 7", "--out", tmp_path / "f.png"], *words, notes=True)
+    text = tmp_path / "t.txt"
+    text.write_text("hello world " * 50)
+    refused(["train", model, "--data", text, "--output", tmp_path / "run", "--report-to", "none"], *words, notes=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["diff", "t.txt"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Silent wrong results in the layer and the kernel; the kernel's cu_seqlens
+
+
+def test_differential_attention_refuses_what_sdpa_refuses():
+    from diff_transformer.layers import DifferentialAttention, differential_attention
+
+    q = torch.randn(1, 2, 4, 8)
+    mask = torch.ones(4, 4, dtype=torch.bool).tril()
+    expected = differential_attention(q, q, q[..., :4], 0.5, attn_mask=mask)
+    for dtype in (torch.int64, torch.uint8):
+        with pytest.raises(ValueError, match=f"attn_mask has dtype {dtype}: pass a bool mask"):
+            differential_attention(q, q, q[..., :4], 0.5, attn_mask=mask.to(dtype))
+        for sdpa_mask in (mask.to(dtype),):  # SDPA refuses the same masks
+            with pytest.raises(RuntimeError):
+                torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=sdpa_mask)
+    additive = torch.zeros(4, 4).masked_fill(~mask, float("-inf"))  # the float mask still equals the bool one
+    torch.testing.assert_close(differential_attention(q, q, q[..., :4], 0.5, attn_mask=additive), expected)
+    with pytest.raises(ValueError, match="query has dtype torch.int64"):
+        differential_attention(q.long(), q.long(), q.long(), 0.5)
+    for scale in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"scale={scale} must be a finite number"):
+            differential_attention(q, q, q, 0.5, scale=scale)
+    for lambda_init in (1.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match=f"lambda_init={lambda_init} must lie in \\[0, 1\\)"):
+            DifferentialAttention(16, 2, lambda_init=lambda_init)
+    DifferentialAttention(16, 2, lambda_mode="head", lambda_init=1.0)  # no (1 - λ_init) factor there
+
+
+@pytest.mark.parametrize(
+    "offsets, words",
+    [
+        ([0, 100], "end at N=6"),
+        ([0, -4, 6], "never decrease"),
+        ([0, 6, 12], "end at N=6"),
+        ([2, 6], "start at 0"),
+        ([0, 4], "end at N=6"),
+    ],
+)
+def test_kernel_refuses_cu_seqlens_outside_the_packed_rows(offsets, words):
+    pytest.importorskip("triton")
+    from diff_transformer.kernels import differential_attention_v1
+
+    q, kv = torch.randn(1, 4, 6, 16), torch.randn(1, 4, 6, 16)
+    with pytest.raises(ValueError, match=words):
+        differential_attention_v1(q, kv, kv, 0.5, scaling=0.25, cu_seqlens=torch.tensor(offsets, dtype=torch.int32))
+
+
+def test_kernel_refuses_integer_masks_and_bad_offsets_types():
+    pytest.importorskip("triton")
+    from diff_transformer.kernels import differential_attention_v1
+
+    q, kv = torch.randn(1, 4, 5, 16), torch.randn(1, 4, 5, 16)
+    mask = torch.ones(1, 1, 5, 5, dtype=torch.bool).tril()
+    for dtype in (torch.int64, torch.uint8):
+        with pytest.raises(ValueError, match=f"attention_mask has dtype {dtype}"):
+            differential_attention_v1(q, kv, kv, 0.5, scaling=0.25, attention_mask=mask.to(dtype))
+    with pytest.raises(ValueError, match="int32 or int64"):
+        differential_attention_v1(q, kv, kv, 0.5, scaling=0.25, cu_seqlens=torch.tensor([0.0, 5.0]))
+    with pytest.raises(ValueError, match="below the longest packed sequence"):
+        differential_attention_v1(q, kv, kv, 0.5, scaling=0.25, cu_seqlens=torch.tensor([0, 5]), max_seqlen=2)
+    out = differential_attention_v1(q, kv, kv, 0.5, scaling=0.25, cu_seqlens=torch.tensor([0, 2, 5]))  # int64 is fine
+    assert out.shape == (1, 5, 2, 32) and out.isfinite().all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inspect: bounded memory, only the plotted layer's maps, options, outputs
+
+
+def test_inspect_refuses_texts_beyond_the_context_or_the_memory_budget(refused, tmp_path, capsys):
+    model = _diff_checkpoint(tmp_path, max_position_embeddings=16)
+    out = tmp_path / "f.png"
+    refused(["inspect", model, " ".join(["5"] * 17), "--out", out], "17 tokens", "context (16 positions)", notes=True)
+    argv = ["inspect", model, " ".join(["5"] * 16), "--out", out, "--max-memory-gb", "1e-6"]
+    refused(argv, "16 tokens", "over --max-memory-gb 1e-06", notes=True)
+    assert not out.exists()
+
+
+def test_inspect_computes_only_the_plotted_layers_maps(tmp_path, monkeypatch):
+    from diff_transformer.analysis import maps as analysis
+
+    model = _diff_checkpoint(tmp_path)
+    computed = []
+    layer_maps = analysis._layer_maps
+    monkeypatch.setattr(analysis, "_layer_maps", lambda *a: computed.append(a[1]) or layer_maps(*a))
+    assert cli.main(["inspect", str(model), "5 6 7 8", "--layer", "1", "--out", str(tmp_path / "f.png")]) == 0
+    assert len(computed) == 1  # the old code computed (and held) every layer's maps for one plot
+    computed.clear()
+    assert (
+        cli.main(
+            ["inspect", str(model), "5 6 7 8", "--out", str(tmp_path / "g.png"), "--grid", str(tmp_path / "h.png")]
+        )
+        == 0
+    )
+    assert len(computed) == 2  # the grid needs every layer, one at a time
+
+
+def test_inspect_options_and_outputs(refused, tmp_path, capsys):
+    model = _diff_checkpoint(tmp_path)
+    out = tmp_path / "f.png"
+    for dpi in ("0", "-5", "100000"):
+        refused(["inspect", model, "5 6", "--out", out, "--dpi", dpi], f"--dpi {dpi}", "between 1 and 600", notes=True)
+    refused(["inspect", model, "5 6", "--out", "/sys/f.png"], "--out /sys/f.png", "cannot write", notes=True)
+    refused(["inspect", model, "5 6", "--out", out, "--json", "/sys/m.json"], "--json /sys/m.json", notes=True)
+    config = (model / "config.json").read_bytes()
+    argv = ["inspect", model, "5 6", "--out", out, "--json", model / "config.json", "--overwrite"]
+    refused(argv, f"--json {model / 'config.json'} lies inside MODEL", "never modified", notes=True)
+    refused(["inspect", model, "5 6", "--out", model / "f.png"], "lies inside MODEL", notes=True)
+    assert (model / "config.json").read_bytes() == config and not out.exists() and not (model / "f.png").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# generate: generation_config.json and the length asked for
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("num_beams", -3, "num_beams=-3 must be >= 1"),
+        ("top_p", 2.0, "top_p=2.0 must be > 0.0 and <= 1.0"),
+        ("top_k", -1, "top_k=-1 must be >= 0"),
+        ("repetition_penalty", 0.0, "repetition_penalty=0.0 must be > 0.0"),
+        ("num_return_sequences", 0, "num_return_sequences=0"),
+        ("temperature", -1.0, "temperature=-1.0"),
+    ],
+)
+def test_generate_refuses_a_bad_generation_config(refused, tmp_path, capsys, field, value, words):
+    model = _diff_checkpoint(tmp_path)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, field: value}))
+    refused(["generate", model, "5 6 7", "--max-new-tokens", "2"], "generation_config.json", words, notes=True)
+
+
+def test_generate_length_stays_within_the_context(refused, tmp_path, capsys):
+    model = _diff_checkpoint(tmp_path, max_position_embeddings=8)
+    argv = ["generate", model, "5 6 7", "--max-new-tokens", "100000000"]
+    refused(argv, "context (8 positions)", "at most 5", notes=True)
+    refused(["generate", model, " ".join(["5"] * 8)], "8 tokens", "shorten it", notes=True)
+    assert cli.main(["generate", str(model), "5 6 7", "--max-new-tokens", "5"]) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Examples follow the CLI's rules
+
+
+def _example(name):
+    import importlib.util
+
+    path = REPOSITORY / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_continued_pretraining_keeps_a_non_empty_workdir(tmp_path, capsys, monkeypatch):
+    example = _example("continued_pretraining")
+    monkeypatch.setattr(example, "train", lambda *a: pytest.fail("trained into a non-empty --workdir"))
+    work = tmp_path / "W"
+    (work / "tiny-diff-v2").mkdir(parents=True)
+    (work / "tiny-diff-v2" / "my-notes.txt").write_text("mine")
+    (work / "run-v2").mkdir()
+    digest = tree_digest(work)
+    argv = ["--workdir", str(work), "--models", "v2", "--steps", "1", "--docs", str(tmp_path / "docs")]
+    assert example.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: --workdir {work} is not empty: pass --overwrite to replace the converted models and runs " \
+        "in it, or choose another directory"  # fmt: skip
+    assert tree_digest(work) == digest and not (tmp_path / "docs").exists()
+    assert example.main(["--workdir", str(Path.cwd()), "--steps", "1"]) == 2
+    assert "is the current directory" in capsys.readouterr().err
+    assert example.main(["--steps", "0"]) == 2 and "--steps 0 must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--models", "llama,bogus"], "--models llama,bogus"),
+        (["--models", "v1,v1"], "distinct names"),
+        (["--seeds", "0"], "--seeds 0 must be at least 1"),
+        (["--log-every", "0"], "--log-every 0 must be at least 1"),
+        (["--threads", "-1"], "--threads -1 must be at least 1"),
+        (["--lr", "nan"], "--lr nan"),
+        (["--length", "100", "--min-length", "100", "--max-needles", "1"], "up to 6 needles"),
+        (["--max-needles", "100", "--length", "4000", "--min-length", "3000"], "--max-needles 100"),
+        (["--vocab-size", "10"], "--vocab-size 10"),
+        (["--heads", "3"], "--heads 3 even"),
+        (["--intermediate-size", "10"], "too small for V2"),
+    ],
+)
+def test_multi_needle_arguments_are_checked_before_training(tmp_path, capsys, extra, words):
+    example = _example("multi_needle")
+    with pytest.raises(SystemExit) as exit_:
+        example.parse_args(["--output", str(tmp_path / "out"), *extra])
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# New hostile cases (found while fixing the above)
+
+
+def test_a_config_claiming_many_layers_is_refused_before_anything_is_built(refused, tmp_path, capsys):
+    model = _diff_checkpoint(tmp_path, num_hidden_layers=20_000)  # the old code built all of them on meta first
+    refused(["generate", model, "5 6 7"], "num_hidden_layers=20000", "the weights hold 2 layers", notes=True)
+
+
+def test_float16_conversion_refuses_values_it_would_make_inf(refused, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from tests.helpers.checkpoints import make_llama
+
+    src = make_llama(tmp_path / "llama")
+    weights = load_file(src / "model.safetensors")
+    weights["model.layers.0.mlp.down_proj.weight"][0, 0] = 1e5  # fine in float32 and bfloat16, inf in float16
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    argv = ["convert", src, tmp_path / "out", "--dtype", "float16", "--quiet"]
+    refused(argv, "model.layers.0.mlp.down_proj.weight", "beyond float16's range", "bfloat16", notes=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama"]
+    assert cli.main(["convert", str(src), str(tmp_path / "out"), "--dtype", "bfloat16", "--quiet"]) == 0
+
+
+def test_train_does_not_write_over_a_directory_of_the_users(refused, workdir, tmp_path, capsys):
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "README.md").write_text("my notes")  # the final save writes a model card README.md
+    argv = _train_argv(workdir, out, "--max-steps", "1")
+    refused(argv, "holds files that no training run wrote (README.md)", notes=True)
+    assert (out / "README.md").read_text() == "my notes" and sorted(p.name for p in out.iterdir()) == ["README.md"]
+
+
+def test_overwrite_never_follows_a_checkpoint_link(workdir, tmp_path):
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    (elsewhere / "checkpoint-3").mkdir(parents=True)
+    (elsewhere / "checkpoint-3" / "trainer_state.json").write_text("{}")  # looks like a checkpoint, is not ours
+    run.mkdir()
+    (run / "trainer_state.json").write_text("{}")
+    (run / "checkpoint-3").symlink_to(elsewhere / "checkpoint-3")
+    assert cli.main([str(a) for a in _train_argv(workdir, run, "--max-steps", "1", "--overwrite")]) == 0
+    assert (elsewhere / "checkpoint-3" / "trainer_state.json").read_text() == "{}"
+
+
+def test_convert_does_not_block_on_a_fifo_card_and_checks_the_generation_config(refused, llama, tmp_path, capsys):
+    src = _copy_with(llama, tmp_path / "src")
+    (src / "README.md").unlink()
+    os.mkfifo(src / "README.md")  # the old code opened it to read the licence: blocked forever
+    status = []
+    worker = threading.Thread(target=lambda: status.append(cli.main(["convert", str(src), str(tmp_path / "o")])))
+    worker.daemon = True
+    worker.start()
+    worker.join(timeout=60)
+    if worker.is_alive():
+        with open(src / "README.md", "wb"):
+            pass
+        worker.join(timeout=60)
+        pytest.fail("convert blocked reading a FIFO README.md")
+    assert status == [0]
+    (src / "generation_config.json").write_text(json.dumps({"num_beams": -3}))
+    refused(["convert", src, tmp_path / "o2", "--quiet"], "num_beams=-3 must be >= 1", notes=True)
+    assert not (tmp_path / "o2").exists()
+
+
+def test_oversized_config_is_not_read(refused, tmp_path, capsys):
+    model = _diff_checkpoint(tmp_path)
+    with open(model / "config.json", "a") as handle:
+        handle.write(" " * (17 << 20))  # whitespace: still valid JSON, but no config is 17 MB
+    refused(["generate", model, "5 6 7"], "is over 16 MB, not a config", notes=True)
+
+
+def test_a_full_disk_during_training_is_one_line(refused, workdir, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from diff_transformer.training import train as train_module
+
+    out = tmp_path / "run"
+
+    def full(self, output_dir=None, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "model.safetensors"))
+
+    monkeypatch.setattr(train_module.CausalLMTrainer, "save_model", full)
+    refused(_train_argv(workdir, out, "--max-steps", "1"), "No space left on device", "--resume", notes=True)
+
+
+def test_a_fifo_in_the_model_directory_is_never_opened(tmp_path, capsys):
+    model = _diff_checkpoint(tmp_path)
+    (model / "generation_config.json").unlink()
+    os.mkfifo(model / "generation_config.json")  # refused, not opened (transformers happened to skip it)
+    status = []
+    worker = threading.Thread(target=lambda: status.append(cli.main(["generate", str(model), "5 6 7"])))
+    worker.daemon = True
+    worker.start()
+    worker.join(timeout=60)
+    if worker.is_alive():
+        with open(model / "generation_config.json", "wb"):
+            pass
+        worker.join(timeout=60)
+        pytest.fail("generate blocked reading a FIFO generation_config.json")
+    assert status == [2] and "generation_config.json is not a regular file" in capsys.readouterr().err
