@@ -5,7 +5,7 @@
     python experiments/continued_pretraining/continued_pretraining.py --models llama v1cal --seeds 0 --steps 40
     python experiments/continued_pretraining/continued_pretraining.py --merge a.json b.json  # several partial runs
 
-1. Convert `src/diff_transformer/assets/tiny-llama` (a 2.1M-parameter Llama trained by examples/train_tiny_llama.py on
+1. Convert `src/diff_transformer/assets/tiny-llama` (a 2.1M-parameter Llama trained by scripts/train_tiny_llama.py on
    four Jane Austen novels) to Diff V2 (function-preserving) and to Diff V1 three times: the paper's start
    (`--v1-init paper`: heads re-paired, λ_init schedule, fresh λ, unit sub-layer norm), the calibrated start
    (`--v1-init calibrated`: each layer's λ and the sub-layer norm gains fitted on the built-in calibration text,
