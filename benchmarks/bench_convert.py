@@ -12,6 +12,8 @@ converter peak-RSS increase <= 1.3 x largest source shard.
 
     python benchmarks/bench_convert.py            # full (~1.1B params, ~2.2 GB, 3 shards)
     python benchmarks/bench_convert.py --quick    # tiny smoke test
+
+A full run writes its report to benchmarks/results/results_convert.md (a --quick one only prints it).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 from bench_common import median, proc_status_kb  # it also puts the checkout's src/ first on sys.path
 
 
-RESULTS = Path(__file__).with_name("results_convert.md")
+RESULTS = Path(__file__).resolve().parent / "results" / "results_convert.md"
 WALL_TARGET = 1.5
 RSS_TARGET = 1.3
 
@@ -308,6 +310,7 @@ def main() -> None:
         print()
         print(text)
         if not args.quick:
+            RESULTS.parent.mkdir(exist_ok=True)
             RESULTS.write_text(text)
             print(f"wrote {RESULTS}")
     finally:

@@ -19,6 +19,7 @@ that would not finish in time and records them as "skipped: time budget"; a comp
 one has been timed. Most of a call's time is compiling: each ``--compile-configs`` entry costs one inductor compile
 of the training step (train_compile) or two of the decode step (decode_static, batch 1 and 32), each probably
 0.5-2 min for these models; everything uncompiled takes ~1.5 min per call.
+``--out-dir`` defaults to ``benchmarks/results/``, where the benchmarks' results are kept.
 
 Models (random init, bf16; same embeddings, MLP, norms, vocab 32000, untied head; sub-head size d = 64)
 ----------------------------------------------------------------------------------------------------
@@ -113,6 +114,7 @@ from diff_transformer import DiffConfig, DiffForCausalLM
 
 
 _HERE = Path(__file__).resolve().parent
+RESULTS_DIR = _HERE / "results"  # the default --out-dir
 
 
 MODELS = ("llama", "diffllama", "v1", "v2", "v2wide")
@@ -1126,7 +1128,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--out-dir",
         default=None,
-        help="where results_gpu.{json,md} go (default benchmarks/; smoke: a new temporary directory)",
+        help="where results_gpu.{json,md} go (default benchmarks/results/; smoke: a new temporary directory)",
     )
     p.add_argument("--merge", action="store_true", help="add to an existing results_gpu.json (same sizes)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing results_gpu.json")
@@ -1149,7 +1151,7 @@ def fail(msg: str) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     defaults = DEFAULTS[args.smoke]
-    out_dir = Path(args.out_dir) if args.out_dir else (None if args.smoke else _HERE)  # smoke: a new temp dir
+    out_dir = Path(args.out_dir) if args.out_dir else (None if args.smoke else RESULTS_DIR)  # smoke: a new temp dir
     path_json, path_md = (out_dir / "results_gpu.json", out_dir / "results_gpu.md") if out_dir else (None, None)
     if args.report_only:
         if out_dir is None:

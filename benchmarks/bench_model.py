@@ -5,7 +5,8 @@ Run from a checkout (no install needed, the checkout's ``src/`` is put first on 
 
     python benchmarks/bench_model.py                      # full run, ~60M-parameter models
     python benchmarks/bench_model.py --quick              # tiny models, < 1 minute smoke test
-    python benchmarks/bench_model.py --reps 7 --json benchmarks/results_cpu.json --md benchmarks/results_cpu.md
+    python benchmarks/bench_model.py --reps 7 \\
+        --json benchmarks/results/results_cpu.json --md benchmarks/results/results_cpu.md
 
 Models (fp32, ``attn_implementation="sdpa"``, random init, same embedding / MLP / norms / vocab everywhere)
 -------------------------------------------------------------------------------------------------------------

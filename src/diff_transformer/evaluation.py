@@ -1,4 +1,4 @@
-"""Held-out perplexity as the demo, `convert --verify` and the examples score it."""
+"""Held-out perplexity as the demo, `convert --verify` and scripts/train_tiny_llama.py score it."""
 
 import math
 

@@ -511,7 +511,7 @@ def test_sdist_holds_what_its_tests_need(tmp_path):
     unpacked = next((tmp_path / "unpacked").iterdir())
     for path in ("constraints.txt", "tests/conftest.py", "tests/helpers/reference.py", "tests/helpers/hub_server.py",
                  "tests/helpers/processes.py", "tests/distributed/dist_common.py", "tests/evaluation/lm_eval_tasks",
-                 "benchmarks/bench_gpu.py", "examples/multi_needle.py", "data/heldout.txt",
+                 "benchmarks/bench_gpu.py", "experiments/multi_needle/multi_needle.py", "data/heldout.txt",
                  "src/diff_transformer/assets/tiny-llama/model.safetensors"):  # fmt: skip
         assert (unpacked / path).exists(), path
     assert not list(unpacked.rglob("__pycache__")) and not list(unpacked.rglob(".venv*"))

@@ -1,4 +1,5 @@
-"""examples/multi_needle.py: the task it builds is the one docs/multi_needle.md describes, and the script runs."""
+"""experiments/multi_needle/multi_needle.py: the task it builds is the one docs/experiments/multi_needle.md describes,
+and the script runs."""
 
 import importlib.util
 import json
@@ -15,7 +16,9 @@ REPO = REPOSITORY
 
 @pytest.fixture(scope="module")
 def mn():
-    spec = importlib.util.spec_from_file_location("multi_needle", REPO / "examples" / "multi_needle.py")
+    spec = importlib.util.spec_from_file_location(
+        "multi_needle", REPO / "experiments" / "multi_needle" / "multi_needle.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,5 +1,5 @@
-"""examples/retrieval.py: the task is the one docs/retrieval.md describes, the models match in size, and the script's
-saved figures are what re-evaluating its saved models gives."""
+"""experiments/retrieval/retrieval.py: the task is the one docs/experiments/retrieval.md describes, the models match in
+size, and the script's saved figures are what re-evaluating its saved models gives."""
 
 import importlib.util
 import json
@@ -16,7 +16,7 @@ REPO = REPOSITORY
 
 @pytest.fixture(scope="module")
 def rt():
-    spec = importlib.util.spec_from_file_location("retrieval", REPO / "examples" / "retrieval.py")
+    spec = importlib.util.spec_from_file_location("retrieval", REPO / "experiments" / "retrieval" / "retrieval.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -9,7 +9,7 @@ REPOSITORY = Path(__file__).resolve().parents[2]
 
 
 def load_script(path: Path):
-    """A script of the repository (benchmarks/, examples/, experiments/) imported as a module, with its own folder
+    """A script of the repository (benchmarks/, experiments/, scripts/) imported as a module, with its own folder
     importable while it loads, as when it runs (`python benchmarks/bench_gpu.py` imports its sibling bench_common)."""
     import importlib.util
     import sys

@@ -415,7 +415,7 @@ def test_generate_length_stays_within_the_context(refused, tmp_path, capsys):
 def _example(name):
     import importlib.util
 
-    path = REPOSITORY / "examples" / f"{name}.py"
+    path = REPOSITORY / "experiments" / name / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"example_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -431,11 +431,12 @@ def test_continued_pretraining_keeps_a_non_empty_workdir(tmp_path, capsys, monke
     (work / "run-v2").mkdir()
     digest = tree_digest(work)
     argv = ["--workdir", str(work), "--models", "v2", "--steps", "1", "--docs", str(tmp_path / "docs")]
+    argv += ["--results", str(tmp_path / "results")]
     assert example.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: --workdir {work} is not empty: pass --overwrite to replace the converted models and runs " \
         "in it, or choose another directory"  # fmt: skip
-    assert tree_digest(work) == digest and not (tmp_path / "docs").exists()
+    assert tree_digest(work) == digest and not (tmp_path / "docs").exists() and not (tmp_path / "results").exists()
     assert example.main(["--workdir", str(Path.cwd()), "--steps", "1"]) == 2
     assert "is the current directory" in capsys.readouterr().err
     assert example.main(["--steps", "0"]) == 2 and "--steps 0 must be at least 1" in capsys.readouterr().err

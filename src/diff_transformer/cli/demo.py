@@ -1,7 +1,7 @@
 """The offline end-to-end demo: a real (tiny) trained Llama checkpoint -> Diff Transformer V2, verified.
 
 `run_demo()` takes the Llama shipped in `diff_transformer/assets/tiny-llama/` (trained by
-`examples/train_tiny_llama.py` on public-domain Jane Austen novels, with its own byte-level BPE tokenizer), converts
+`scripts/train_tiny_llama.py` on public-domain Jane Austen novels, with its own byte-level BPE tokenizer), converts
 it with `convert_llama_to_diff(..., diff_version=2)`, checks that the conversion preserved the function (max |Δlogit|,
 greedy continuations, held-out perplexity), reloads the result through `AutoModelForCausalLM` and generates English
 text with both models. It needs no network and prints what it did and the figures; the return value is a process

@@ -35,7 +35,7 @@ from .errors import ConversionError, one_line
 from .layout import IGNORED_SOURCE_TENSORS, Geometry, TensorMap
 
 
-# The built-in calibration text: public domain, and not the held-out text (assets/heldout.txt) examples evaluate on.
+# The built-in calibration text: public domain, and not the held-out text (assets/heldout.txt) the demo evaluates on.
 BUILTIN_TEXT = Path(__file__).resolve().parent.parent / "assets" / "calibration.txt"
 BUILTIN_DESCRIPTION = (
     "built-in: Jane Austen, Persuasion (1817), chapters 1-2 (public domain; assets/calibration.txt, not the "

@@ -1,10 +1,11 @@
 """Continued pretraining after conversion, on real text: the shipped tiny Llama vs its Diff V2 and V1 conversions.
 
-    python examples/continued_pretraining.py   # 8 configurations x 3 seeds of 200 steps: ~1 h on one idle core
-    python examples/continued_pretraining.py --models llama v1cal --seeds 0 --steps 40    # a quick look
-    python examples/continued_pretraining.py --merge a.json b.json  # tables and figure from several partial runs
+    python experiments/continued_pretraining/continued_pretraining.py   # 8 configurations x 3 seeds of 200 steps:
+                                                                         # ~1 h on one idle core
+    python experiments/continued_pretraining/continued_pretraining.py --models llama v1cal --seeds 0 --steps 40
+    python experiments/continued_pretraining/continued_pretraining.py --merge a.json b.json  # several partial runs
 
-1. Convert `src/diff_transformer/assets/tiny-llama` (a 2.1M-parameter Llama trained by examples/train_tiny_llama.py on
+1. Convert `src/diff_transformer/assets/tiny-llama` (a 2.1M-parameter Llama trained by scripts/train_tiny_llama.py on
    four Jane Austen novels) to Diff V2 (function-preserving) and to Diff V1 three times: the paper's start
    (`--v1-init paper`: heads re-paired, λ_init schedule, fresh λ, unit sub-layer norm), the calibrated start
    (`--v1-init calibrated`: each layer's λ and the sub-layer norm gains fitted on the built-in calibration text,
@@ -14,9 +15,10 @@
    with `diff-transformer train` (run in this process) for the same budget and settings on data/corpus.txt, evaluating
    held-out perplexity on data/heldout.txt (the last two chapters of each book, never trained on) at step 0, every
    `--eval-every` steps and at the end; once per seed (the seed drives the data order and the λ vectors).
-3. Write docs/<--stem>.png (loss, held-out perplexity: mean over seeds with the min-max band; λ per
-   layer), .json (every run) and .md (tables: means ± standard deviation over seeds, ratios to the Llama of the same
-   seed).
+3. Write the page <--docs>/<--stem>.md (default docs/experiments/: tables, means ± standard deviation over seeds,
+   ratios to the Llama of the same seed), the figure it embeds, <--docs>/continued_pretraining/<--stem>.png (loss,
+   held-out perplexity: mean over seeds with the min-max band; λ per layer), and the raw results
+   <--results>/<--stem>.json (default experiments/continued_pretraining/results/: every run).
 
 What differs between configurations of one seed is only the model and, for "+ warm-up", the λ ramp.
 """
@@ -39,8 +41,11 @@ from diff_transformer import cli
 from diff_transformer.conversion import convert_to_diff
 
 
-REPO = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
 LLAMA = REPO / "src" / "diff_transformer" / "assets" / "tiny-llama"
+# The page's figures go in this folder beside it (docs/experiments/continued_pretraining/ by default).
+FIGURES = "continued_pretraining"
 NAMES = {
     "llama": "Llama (source, baseline)",
     "v2": "Diff V2 (converted)",
@@ -91,7 +96,13 @@ def parse_args(argv=None):
     p.add_argument(
         "--overwrite", action="store_true", help="replace the converted models and runs of a non-empty --workdir"
     )
-    p.add_argument("--docs", type=Path, default=REPO / "docs", help="where the .png/.json/.md go")
+    p.add_argument(
+        "--docs",
+        type=Path,
+        default=REPO / "docs" / "experiments",
+        help=f"where the page (.md) goes, and its figure under {FIGURES}/ (.png)",
+    )
+    p.add_argument("--results", type=Path, default=HERE / "results", help="where the raw results (.json) go")
     p.add_argument("--stem", default="continued_pretraining", help="their file name without the suffix")
     p.add_argument("--data", type=Path, default=REPO / "data" / "corpus.txt")
     p.add_argument("--heldout", type=Path, default=REPO / "data" / "heldout.txt")
@@ -284,12 +295,12 @@ def markdown(results: dict, figures: dict, args) -> str:
     lines = [
         "# Continued pretraining after conversion (tiny Llama, Jane Austen)",
         "",
-        f"Produced by `python examples/continued_pretraining.py {command}`. Held-out perplexity: `diff-transformer "
-        "train`'s evaluation (exp of the mean token NLL over data/heldout.txt packed into blocks of "
-        f"{args.block_size} tokens, each starting with `<s>`). Figures are the mean ± standard deviation over the "
-        f"n seeds of each configuration (of {seeds}; the seed drives the data order and V1's λ vectors); ratios are "
-        "taken per seed against the Llama of the same seed (step 0: the source itself; the end: the Llama trained "
-        "the same way), with their min-max in brackets.",
+        f"Produced by `python experiments/continued_pretraining/continued_pretraining.py {command}`. Held-out "
+        "perplexity: `diff-transformer train`'s evaluation (exp of the mean token NLL over data/heldout.txt packed "
+        f"into blocks of {args.block_size} tokens, each starting with `<s>`). Figures are the mean ± standard "
+        f"deviation over the n seeds of each configuration (of {seeds}; the seed drives the data order and V1's λ "
+        "vectors); ratios are taken per seed against the Llama of the same seed (step 0: the source itself; the end: "
+        "the Llama trained the same way), with their min-max in brackets.",
         "",
         f"| model | n | held-out ppl, step 0 | ÷ source | held-out ppl, step {args.steps} | ÷ Llama trained alike | "
         "training time (mean) |",
@@ -340,7 +351,7 @@ def markdown(results: dict, figures: dict, args) -> str:
         + figures.get("time_basis", "wall-clock, evaluations and tokenisation included")
         + (f"; {figures['note']}." if figures.get("note") else "."),
         "",
-        f"![]({args.stem}.png)",
+        f"![]({FIGURES}/{args.stem}.png)",
         "",
     ]
     return "\n".join(lines)
@@ -374,9 +385,10 @@ def render(figures: dict, args) -> None:
     vars(args).update(figures["settings"])
     results = {name: figures["results"][name] for name in NAMES if name in figures["results"]}
     figures["summary"] = summary(results)
-    args.docs.mkdir(parents=True, exist_ok=True)
-    plot(results, args.docs / f"{args.stem}.png", args)
-    (args.docs / f"{args.stem}.json").write_text(json.dumps(figures, indent=1) + "\n")
+    for directory in (args.docs / FIGURES, args.results):
+        directory.mkdir(parents=True, exist_ok=True)
+    plot(results, args.docs / FIGURES / f"{args.stem}.png", args)
+    (args.results / f"{args.stem}.json").write_text(json.dumps(figures, indent=1) + "\n")
     (args.docs / f"{args.stem}.md").write_text(markdown(results, figures, args))
 
 
@@ -458,7 +470,10 @@ def main(argv=None) -> int:
             f"{NAMES[name]:40s} held-out ppl step 0 {row['ppl_step0'][0]:9.2f} ± {row['ppl_step0'][1]:.2f}   "
             f"step {args.steps} {row['ppl_end'][0]:8.2f} ± {row['ppl_end'][1]:.2f}   ({row['seconds'][0]:.0f} s)"
         )
-    print(f"wrote {args.docs / args.stem}.png, .json, .md; runs in {work}")
+    print(
+        f"wrote {args.docs / args.stem}.md, {args.docs / FIGURES / args.stem}.png, {args.results / args.stem}.json; "
+        f"runs in {work}"
+    )
     return 0
 
 

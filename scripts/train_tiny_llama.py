@@ -1,8 +1,8 @@
 """Train the tiny Llama that `diff-transformer demo` converts (shipped in src/diff_transformer/assets/tiny-llama/).
 
-    python examples/train_tiny_llama.py --overwrite           # rewrites the shipped assets: ~5 min on 2 idle cores
+    python scripts/train_tiny_llama.py --overwrite           # rewrites the shipped assets: ~5 min on 2 idle cores
                                                               # (500 steps of ~0.6 s), longer when they are shared
-    python examples/train_tiny_llama.py --output /tmp/tiny --steps 100
+    python scripts/train_tiny_llama.py --output /tmp/tiny --steps 100
 
 Data: data/corpus.txt (training) and data/heldout.txt (held out), four public-domain Jane Austen novels; see
 data/README.md for their provenance. Steps, all seeded (a rerun on the same machine and torch build reproduces
@@ -132,7 +132,7 @@ pipeline_tag: text-generation
 A {figures["parameters"] / 1e6:.2f} M-parameter `LlamaForCausalLM` ({args.layers} layers, hidden {args.hidden_size},
 {args.heads} attention heads over {args.kv_heads} key/value heads, tied embeddings) with a \
 {figures["vocab_size"]}-entry
-byte-level BPE tokenizer, trained from scratch by `examples/train_tiny_llama.py` of the diff-transformer repository
+byte-level BPE tokenizer, trained from scratch by `scripts/train_tiny_llama.py` of the diff-transformer repository
 on four public-domain novels by Jane Austen (Pride and Prejudice, Sense and Sensibility, Northanger Abbey,
 Persuasion; see `data/README.md` there for provenance). It exists so that the package's demo can convert a real,
 trained Llama checkpoint with a real tokenizer into a Diff Transformer V2 checkpoint offline; it is not a useful

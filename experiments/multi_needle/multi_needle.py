@@ -1,9 +1,9 @@
 """Multi-needle retrieval at toy scale: a Llama, Diff V1 and Diff V2 trained from scratch on the same data.
 
-    python examples/multi_needle.py --output runs/multi_needle                 # ~12 min per model on 2 idle cores
-    python examples/multi_needle.py --output runs/multi_needle --seeds 3       # three seeds, one after the other
-    python examples/multi_needle.py --output /tmp/mn --steps 40 --eval-per-cell 4  # a quick look (~3 min)
-    python examples/multi_needle.py --output runs/multi_needle --evaluate-only # re-evaluate the saved models
+    python experiments/multi_needle/multi_needle.py --output runs/multi_needle      # ~12 min per model, 2 idle cores
+    python experiments/multi_needle/multi_needle.py --output runs/multi_needle --seeds 3  # three seeds, one by one
+    python experiments/multi_needle/multi_needle.py --output /tmp/mn --steps 40 --eval-per-cell 4  # a quick look
+    python experiments/multi_needle/multi_needle.py --output runs/multi_needle --evaluate-only  # re-evaluate models
 
 The task follows the paper's multi-needle test (Diff Transformer, §3.4, Table 2): N needles "the magic number of
 CITY is NUMBER ." are hidden at random depths in a haystack of Jane Austen's prose (data/corpus.txt), and the model is
@@ -23,10 +23,10 @@ asked for R of them at the end: "what is the magic number of CITY ? NUMBER ." To
 - the same seeded data stream, steps, batch, learning-rate schedule and initialisation seed for all three.
 
 Evaluation, on held-out haystack (data/heldout.txt) and fresh needles: accuracy for (N, R) = (1, 1), (2, 2), (4, 2),
-(6, 2) as in the paper's Table 2, with the first queried needle at depths 0, 0.25, 0.5, 0.75, 1 of the haystack and
-the others at random depths; and attention at the first "?" position with `diff_transformer.analysis`:
-"answer" = the signed weight on the queried needle's 8 tokens over the row's total |weight|, "noise" = the |weight| on
-every other token over the same total (docs/multi_needle.md gives the definitions and how they are aggregated).
+(6, 2) as in the paper's Table 2, with the first queried needle at depths 0, 0.25, 0.5, 0.75, 1 of the haystack and the
+others at random depths; and attention at the first "?" position with `diff_transformer.analysis`: "answer" = the
+signed weight on the queried needle's 8 tokens over the row's total |weight|, "noise" = the |weight| on every other
+token over the same total (docs/experiments/multi_needle.md gives the definitions and how they are aggregated).
 
 Writes to --output: results.json (every figure, the training curves, the configs), tables.md, curves.png,
 accuracy.png, attention.png, maps.png (one head of each model on one example) and models/<name>-seed<k>/
@@ -57,7 +57,7 @@ from diff_transformer.errors import UserError
 from diff_transformer.safe_output import check_target
 
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SPECIALS = ["<s>", "</s>", "<pad>", "<unk>"]
 NEEDLE_WORDS = ["the", "magic", "number", "of", "is", "what", "?", "."]
 CITIES = (
@@ -170,7 +170,7 @@ class NeedleTask:
         L is drawn per batch, uniform in [min_length, self.length]: short haystacks early in training let a model
         find the retrieval circuit sooner, long ones teach it to ignore more text. N queries are drawn with
         replacement: asking every needle once let "a number of the context not asked yet" (elimination) score
-        0.75 / 0.29 / 0.18 at N = 2 / 4 / 6 without any retrieval (docs/multi_needle.md)."""
+        0.75 / 0.29 / 0.18 at N = 2 / 4 / 6 without any retrieval (docs/experiments/multi_needle.md)."""
         length = int(rng.integers(min_length, self.length + 1))
         ids = torch.empty(batch, length, dtype=torch.long)
         labels = torch.full((batch, length), -100, dtype=torch.long)
@@ -531,7 +531,7 @@ def plot(results: dict, task: NeedleTask, tokenizer, models_dir: Path, out: Path
     plt.close(fig)
 
 
-# ---- Tables (markdown, for docs/multi_needle.md) ----
+# ---- Tables (markdown, for docs/experiments/multi_needle.md) ----
 
 
 def tables(results: dict) -> str:

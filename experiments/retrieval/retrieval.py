@@ -1,13 +1,14 @@
 """Key-value retrieval among distractors at toy scale: Llama, Diff V1 and Diff V2 of equal parameter count, over seeds.
 
-    python examples/retrieval.py --output runs/retrieval --seeds 5 --jobs 2          # the documented run (2 cores)
-    python examples/retrieval.py --output runs/composed --task composed --steps 6000 --seeds 3 --jobs 2
-    python examples/retrieval.py --output /tmp/r --steps 60 --seeds 1 --eval-per-cell 8   # a quick look
-    python examples/retrieval.py --output runs/retrieval --evaluate-only             # re-evaluate the saved models
+    python experiments/retrieval/retrieval.py --output runs/retrieval --seeds 5 --jobs 2   # the documented run
+    python experiments/retrieval/retrieval.py --output runs/composed --task composed --steps 6000 --seeds 3 --jobs 2
+    python experiments/retrieval/retrieval.py --output /tmp/r --steps 60 --seeds 1 --eval-per-cell 8   # a quick look
+    python experiments/retrieval/retrieval.py --output runs/retrieval --evaluate-only   # re-evaluate the saved models
 
 The paper's retrieval claims (Diff Transformer, Table 2: multi-needle accuracy; Table 3: attention to the answer and
 "attention noise"; Table 5: top attention logits and hidden states) are about finding one fact among similar
-distractors. This is that task stripped to what a 2-layer model learns on a CPU in minutes (docs/retrieval.md):
+distractors. This is that task stripped to what a 2-layer model learns on a CPU in minutes
+(docs/experiments/retrieval.md):
 
 - `--task single` (default): N key-value pairs, each ONE token (key k with value v is token PAIR[k, v]; 32 keys x 8
   values), scattered at random positions in a context of noise tokens; then Q queries, each a key token KEY[k] drawn
@@ -19,15 +20,15 @@ distractors. This is that task stripped to what a 2-layer model learns on a CPU 
   induction-style circuit).
 
 Keys of a sequence are distinct; N and the context length are drawn per batch (N uniform in 1..--max-pairs, length
-uniform in --min-length..--length). The three models are sized as in examples/multi_needle.py (V1 half the heads,
-V2 a narrower MLP) and share, per seed, the data stream, the evaluation samples and the initialisation seed. Weights
-start at std --init-std 0.1 (about 1/sqrt(hidden size)): at transformers' 0.02, sized for hidden sizes near 1,000,
-the query-key products start so small that a 64-wide model stays at the copy plateau for thousands of steps.
+uniform in --min-length..--length). The three models are sized as in experiments/multi_needle/multi_needle.py (V1 half
+the heads, V2 a narrower MLP) and share, per seed, the data stream, the evaluation samples and the initialisation seed.
+Weights start at std --init-std 0.1 (about 1/sqrt(hidden size)): at transformers' 0.02, sized for hidden sizes near
+1,000, the query-key products start so small that a 64-wide model stays at the copy plateau for thousands of steps.
 
-Measured per model and seed (results.json; docs/retrieval.md defines every figure): accuracy over N x context length
-(in distribution and beyond), training accuracy per step and the first step at 90% / 95%, accuracy over N at fixed
-step budgets during training (--grid-steps), at the best retrieval head the answer mass, distractor-key mass and noise
-mass (diff_transformer.analysis), λ, the largest and median |attention logit| and largest |hidden state| (the
+Measured per model and seed (results.json; docs/experiments/retrieval.md defines every figure): accuracy over N x
+context length (in distribution and beyond), training accuracy per step and the first step at 90% / 95%, accuracy over
+N at fixed step budgets during training (--grid-steps), at the best retrieval head the answer mass, distractor-key mass
+and noise mass (diff_transformer.analysis), λ, the largest and median |attention logit| and largest |hidden state| (the
 paper's Table 5), and accuracy after round-to-nearest int8 / int4 weight quantization.
 
 Runs (model, seed) go to --jobs processes of one torch thread each; every finished run is saved at once
@@ -53,7 +54,7 @@ import torch.nn.functional as F
 from diff_transformer.analysis import attention_maps, layer_metrics, span_mass
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "multi_needle"))  # experiments/multi_needle/
 from multi_needle import build_configs, build_model, check_output, model_class, optimizer  # noqa: E402
 
 
