@@ -99,6 +99,10 @@ class DiffConfig(PreTrainedConfig):
             V1 only. `None` uses the paper's depth schedule `0.8 - 0.6 exp(-0.3 layer_idx)`; a float fixes it.
         lambda_std (float):
             Standard deviation of the initial V1 re-parameterisation vectors `lambda_{q,k}{1,2}`. Defaults to 0.1.
+        lambda_floor (float | None):
+            V1 only. `None` (default): the paper's λ, unbounded below. A float m in [0, 1) keeps λ above m throughout
+            training, so the layer always subtracts its second map: λ = m + softplus₁₀₀(λ_paper − m), which equals
+            λ_paper (to within 3e-9) wherever λ_paper ≥ m + 0.2 and approaches m smoothly below it.
         attention_out_bias (bool | None):
             Whether `o_proj` has a bias. `None` (default) follows `attention_bias`; Qwen2 has q/k/v biases and none on
             `o_proj` (`attention_bias=True, attention_out_bias=False`).
@@ -156,6 +160,7 @@ class DiffConfig(PreTrainedConfig):
     diff_version: int = 1
     lambda_init: float | None = None
     lambda_std: float = 0.1
+    lambda_floor: float | None = None
     # Llama-family variants the converter maps exactly (Qwen2, Qwen3); the defaults are Llama's.
     attention_out_bias: bool | None = None
     use_qk_norm: bool = False
@@ -247,6 +252,13 @@ class DiffConfig(PreTrainedConfig):
             raise ValueError(
                 f"lambda_std={self.lambda_std} must be a finite number >= 0 (the std of V1's initial λ vectors, "
                 "which feed an exp()): use e.g. 0.1, the paper's value."
+            )
+        floor = self.lambda_floor
+        number = isinstance(floor, (int, float)) and not isinstance(floor, bool)
+        if floor is not None and not (number and 0 <= floor < 1):
+            raise ValueError(
+                f"lambda_floor={self.lambda_floor} must lie in [0, 1) (the least λ V1 may reach): use e.g. 0.05, or "
+                "None for the paper's unbounded λ."
             )
         if self.conversion is not None:
             # The model card is built from it at every save: refused here, not after the weights are written.

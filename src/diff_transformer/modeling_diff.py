@@ -82,11 +82,13 @@ class DiffMLP(LlamaMLP):
 
 
 class DiffLambdaV1(nn.Module):
-    """The paper's re-parameterised scalar: λ = exp(λq1·λk1) - exp(λq2·λk2) + λ_init, kept in fp32."""
+    """The paper's re-parameterised scalar: λ = exp(λq1·λk1) - exp(λq2·λk2) + λ_init, kept in fp32; with a floor m
+    (`config.lambda_floor`), m + softplus₁₀₀(λ - m): λ stays above m, so the layer always subtracts."""
 
-    def __init__(self, head_dim: int, lambda_init: float):
+    def __init__(self, head_dim: int, lambda_init: float, lambda_floor: float | None = None):
         super().__init__()
         self.lambda_init = lambda_init
+        self.lambda_floor = lambda_floor
         self.lambda_q1 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32))
         self.lambda_k1 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32))
         self.lambda_q2 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32))
@@ -95,10 +97,14 @@ class DiffLambdaV1(nn.Module):
     def forward(self) -> torch.Tensor:
         lambda_1 = torch.exp(torch.sum(self.lambda_q1.float() * self.lambda_k1.float()))
         lambda_2 = torch.exp(torch.sum(self.lambda_q2.float() * self.lambda_k2.float()))
-        return lambda_1 - lambda_2 + self.lambda_init  # () fp32
+        lambda_full = lambda_1 - lambda_2 + self.lambda_init  # () fp32
+        if self.lambda_floor is None:
+            return lambda_full
+        return self.lambda_floor + nn.functional.softplus(lambda_full - self.lambda_floor, beta=100.0)
 
     def extra_repr(self) -> str:
-        return f"lambda_init={self.lambda_init:.4f}"
+        floor = "" if self.lambda_floor is None else f", lambda_floor={self.lambda_floor:.4f}"
+        return f"lambda_init={self.lambda_init:.4f}{floor}"
 
 
 class DiffLambdaV2(nn.Module):
@@ -347,7 +353,7 @@ class DiffAttentionV1(DiffAttention):
         super().__init__(config, layer_idx, kv_width=2 * H_kv * d, output_width=2 * H * d)
         self.num_key_value_groups = H // H_kv  # each call attends H query heads over H_kv key heads
         self.lambda_init = config.lambda_init_for_layer(layer_idx)
-        self.diff_lambda = DiffLambdaV1(d, self.lambda_init)
+        self.diff_lambda = DiffLambdaV1(d, self.lambda_init, config.lambda_floor)
         self.subln = DiffRMSNorm(2 * d, eps=config.rms_norm_eps)
 
     def forward(

@@ -27,10 +27,19 @@ def add_parser(commands) -> None:
     )
     convert.add_argument(
         "--v1-init",
-        choices=("calibrated", "calibrated-lambda0", "paper"),
+        choices=("calibrated", "calibrated-additive", "calibrated-lambda0", "paper"),
         default=None,
-        help="with --diff-version 1: calibrated (default: λ and the sub-layer norm fitted on text), "
-        "calibrated-lambda0 (λ = 0 at start) or paper",
+        help="with --diff-version 1: calibrated (default: differential, λ > 0 from the start and kept above 0.05; "
+        "the sub-layer norm and λ fitted on text), calibrated-additive (λ fitted in [-1, 0.5]: the second map is "
+        "ADDED, not subtracted, at the start; closest to the source), calibrated-lambda0 (λ = 0 at start) or paper",
+    )
+    convert.add_argument(
+        "--v1-layout",
+        choices=("paired", "expanded"),
+        default=None,
+        help="with --diff-version 1: paired (pairs of Llama heads, every weight reused; even head counts) or expanded "
+        "(one differential head per Llama head, a second map and value half added; any head count). Default: "
+        "paired where possible",
     )
     convert.add_argument(
         "--calibration-data",
@@ -54,17 +63,29 @@ def run(args) -> int:
         dtype=args.dtype,
         overwrite=args.overwrite,
         progress=not args.quiet,
-        **{k: v for k, v in (("v1_init", args.v1_init), ("calibration_data", args.calibration_data)) if v is not None},
+        **{
+            name: value
+            for name, value in vars(args).items()
+            if name in ("v1_init", "v1_layout", "calibration_data") and value is not None
+        },
     )
     print(f"wrote {out}")
     conversion = json.loads((Path(out) / "config.json").read_text(encoding="utf-8")).get("conversion") or {}
+    if conversion.get("v1_layout") == "expanded":
+        print(
+            "V1 layout: expanded (one differential head per Llama head; q2, k2 copied from q1, k1 and a value half "
+            "added: more parameters and KV cache, see docs/converting.md)"
+            + ("" if args.v1_layout else ", since the head counts cannot be paired")
+            + "."
+        )
     if "calibration_tokens" in conversion:  # a calibrated V1 start (either kind) records what it read
         blocks, length = conversion["calibration_tokens"]
-        start = (
-            f"λ at step 0 fitted per layer: {conversion['lambda_start']}"
-            if "lambda_start" in conversion
-            else "λ = 0 at step 0 (λ_init 0, mirrored λ vectors)"
-        )
+        if "lambda_start" in conversion:
+            start = f"λ at step 0 fitted per layer: {conversion['lambda_start']}"
+        elif conversion.get("v1_layout") == "expanded":
+            start = "λ = the paper's λ_init at step 0 (A2 = A1: the layer subtracts from the first step)"
+        else:
+            start = "λ = 0 at step 0 (λ_init 0, mirrored λ vectors)"
         print(
             f"V1 calibrated on {conversion['calibration_text']} ({blocks} blocks x {length} tokens): sub-layer norm "
             f"gains fitted by least squares, {start}; relative residual per layer "
@@ -72,8 +93,8 @@ def run(args) -> int:
         )
     if args.diff_version == 1 and conversion.get("source_model_type") != "diffllama":
         print(
-            "note: diff_version=1 re-pairs the Llama heads: not function-preserving (--v1-init calibrated starts "
-            "closest); continue pretraining."
+            "note: diff_version=1 is not function-preserving (--v1-init calibrated-additive starts closest, but adds "
+            "its second map); continue pretraining."
         )
     if args.verify:
         report = _verify(args, out)

@@ -5,15 +5,20 @@ starts with can be reduced before the first step:
 
 * λ starts where the fit puts it while still learning: λ_init = 0 and mirrored vectors (λq2 = λq1, λk2 = λk1), so
   λ = exp(λq1·λk1) − exp(λq2·λk2) = 0 and ∂λ/∂λq1 = exp(λq1·λk1) λk1 ≠ 0 (`LlamaToV1(mirrored_lambda=True)`); with
-  `fit_lambda` (`--v1-init calibrated`, the default) each layer's λ is then chosen from LAMBDA_GRID, the value whose
-  fitted gains (below) leave the least residual, and set by moving λq2 along λk2 (`_set_lambda`); without it
-  (`calibrated-lambda0`) λ stays 0. The fit picks λ < 0 (the second map added, not subtracted): the pair's
-  second half is then read through A2 as well as A1, closer to the source's A2 v2;
+  a `lambda_grid` each layer's λ is then chosen from it, the value whose fitted gains (below) leave the least
+  residual, and set by moving λq2 along λk2 (`_set_lambda`). `--v1-init calibrated` (the default) fits over
+  DIFFERENTIAL_GRID (λ > 0: the layer subtracts, and `lambda_floor` keeps it so); `calibrated-additive` over
+  ADDITIVE_GRID, where the fit picks λ < 0 (the second map added, not subtracted: the pair's second half is then read
+  through A2 as well as A1, closer to the source's A2 v2); `calibrated-lambda0` keeps λ = 0. The expanded layout
+  (`LlamaToV1Expanded`) has A2 = A1 at step 0, so λ has no effect there and is not fitted: it starts at λ_init;
 * with λ_init = 0 the output factor (1 − λ_init) is 1;
-* the sub-layer norm's gain g (2d channels, shared by the layer's heads) is fitted by least squares so that
-  g ⊙ y / rms(y) ≈ t, where y is the V1 head's pre-norm output (A1 − λA2)[v1 | v2] and t the source's output of the
-  same pair of heads, [A1 v1 | A2 v2] (both from the same layer input): per channel j,
-  g_j = Σ ŷ_j t_j / ((1 − λ_init) Σ ŷ_j²), summed over tokens and heads (`least_squares_gain`).
+* o_proj is refitted by least squares (`least_squares_projection`, a small ridge) so that o_proj(y / rms(y) · (1 −
+  λ_init)) ≈ the source's attention output o_proj_src(t), over the calibration tokens, where y is the V1 heads'
+  pre-norm output (A1 − λA2)[v1 | v2] and t what the source's heads computed from the same layer input: the pair
+  [A1 v1 | A2 v2] (paired layout), or A1 v1 on the first half (expanded layout, whose second-half columns stay zero
+  and the value half they read stays noise). The sub-layer norm's weight stays 1: a shared gain cannot match heads
+  whose outputs differ in scale, a projection over every head's channels can, and it also undoes what the
+  normalisation mixes across a head's channels on average.
 
 Layers are fitted in order: layer l is fitted on the hidden states that the already calibrated layers 0..l-1 of the
 V1 model produce, so each gain corrects what reaches it. Only one decoder layer is in memory at a time (its source
@@ -54,13 +59,15 @@ class CalibrationPlan:
     description: str
 
 
-def least_squares_gain(normed: torch.Tensor, target: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """argmin_g Σ (scale · g ⊙ normed − target)² per channel (last dim): Σ normed·target / (scale Σ normed²).
-
-    A channel that is zero in every row keeps gain 1 (nothing to fit)."""
-    normed, target = normed.reshape(-1, normed.shape[-1]).double(), target.reshape(-1, target.shape[-1]).double()
-    numerator, denominator = (normed * target).sum(0), scale * normed.square().sum(0)
-    return torch.where(denominator > 0, numerator / denominator.clamp_min(1e-300), torch.ones_like(numerator)).float()
+def least_squares_projection(features: torch.Tensor, target: torch.Tensor, ridge: float = 1e-4) -> torch.Tensor:
+    """argmin_W ‖features Wᵀ − target‖² + ρ‖W‖² (rows: tokens), ρ = RIDGE × the mean squared feature, in float64:
+    the output projection (target width × feature width) that best maps the normalised heads onto the source's
+    attention output. The small ridge keeps features that never vary (or repeat another) from blowing W up."""
+    features, target = features.double(), target.double()
+    gram = features.T @ features
+    rho = ridge * float(gram.diagonal().mean()) + 1e-12
+    identity = torch.eye(gram.shape[0], dtype=gram.dtype)
+    return torch.linalg.solve(gram + rho * identity, features.T @ target).T
 
 
 def read_calibration_text(path) -> str:
@@ -172,17 +179,20 @@ class _SourceReader:
 
 @dataclass(frozen=True)
 class CalibratedStart:
-    """What `calibrate_subln` fitted: {layer: subln gain (2d,)}, the relative residual ‖g ⊙ ŷ − t‖² / ‖t‖² per
-    layer and, when λ was fitted too, {layer: λ} and {layer: the λq2 vector that gives it}."""
+    """What `calibrate_subln` fitted: {layer: o_proj weight (D, H'·2d)}, the relative residual of the attention
+    output ‖o_proj(ŷ) − o_proj_src(t)‖² / ‖o_proj_src(t)‖² per layer and, when λ was fitted too, {layer: λ} and
+    {layer: the λq2 vector that gives it}."""
 
-    gains: dict[int, torch.Tensor]
+    output_weights: dict[int, torch.Tensor]
     residuals: list[float]
     lambdas: dict[int, float]
     lambda_q2: dict[int, torch.Tensor]
 
 
-# The λ values tried per layer when λ is fitted (`fit_lambda`): 0.05 apart, from −1 to 0.5.
-LAMBDA_GRID = tuple(round(-1.0 + 0.05 * i, 2) for i in range(31))
+# The λ values tried per layer when λ is fitted: 0.05 apart, from −1 to 0.5 (additive start), or from 0.1 to 0.5
+# (differential start: above the 0.05 floor, where the floor's softplus still moves λ a little).
+ADDITIVE_GRID = tuple(round(-1.0 + 0.05 * i, 2) for i in range(31))
+DIFFERENTIAL_GRID = tuple(value for value in ADDITIVE_GRID if value >= 0.1)
 
 
 @torch.no_grad()
@@ -193,13 +203,15 @@ def calibrate_subln(
     tensor_map: TensorMap,
     plan: CalibrationPlan,
     micro_batch: int = 4,
-    fit_lambda: bool = False,
+    lambda_grid: tuple[float, ...] | None = None,
 ) -> CalibratedStart:
-    """Least-squares subln gains of every layer, fitted in layer order (see the module docstring), in float32.
-    With `fit_lambda`, each layer's λ is also chosen from LAMBDA_GRID, the one whose fitted gains leave the
-    smallest residual, and set through λq2 (still trainable)."""
+    """Least-squares output projections of every layer, fitted in layer order (see the module docstring). With
+    `lambda_grid`, each layer's λ is also chosen from it, the one whose fit leaves the smallest residual, and set
+    through λq2 (still trainable)."""
     from ..modeling_diff import DiffDecoderLayer, DiffRotaryEmbedding
+    from .layout import LlamaToV1Expanded
 
+    expanded = isinstance(tensor_map, LlamaToV1Expanded)
     config = type(config).from_dict(config.to_dict())
     config._attn_implementation = "sdpa"  # causal without a mask; never the eager path that needs one
     prefix = geometry.prefix
@@ -215,7 +227,7 @@ def calibrate_subln(
         rotary = DiffRotaryEmbedding(config)
         positions = torch.arange(plan.blocks.shape[1])[None]
         position_embeddings = rotary(hidden[:1], positions)  # cos, sin: (1, L, d)
-        gains, residuals, lambdas, q2 = {}, [], {}, {}
+        weights, residuals, lambdas, q2 = {}, [], {}, {}
         for layer_idx in range(geometry.num_layers):
             layer = _load_layer(DiffDecoderLayer, config, layer_idx, layer_names[layer_idx], reader, tensor_map)
             attn = layer.self_attn
@@ -227,43 +239,65 @@ def calibrate_subln(
             out1 = torch.cat([m[0] for m in maps])  # (tokens x heads, 2d): A1 [v1|v2]
             out2 = torch.cat([m[1] for m in maps])  # A2 [v1|v2]
             del maps
-            target = torch.cat((out1[:, :d], out2[:, d:]), dim=-1)  # the source's pair: [A1 v1 | A2 v2]
-            candidates = _reachable(attn.diff_lambda) if fit_lambda else (float(attn.diff_lambda()),)
+            # what the source computed: the pair [A1 v1 | A2 v2], or (expanded) its one head A1 v1 = the first half
+            fitted = d if expanded else 2 * d
+            target = out1[:, :d] if expanded else torch.cat((out1[:, :d], out2[:, d:]), dim=-1)
+            candidates = _reachable(attn.diff_lambda, lambda_grid) if lambda_grid else (float(attn.diff_lambda()),)
+            heads = attn.num_heads
+            # o_proj's input columns that read the fitted channels (head h's channel j is column 2d·h + j)
+            columns = torch.arange(heads * 2 * d).reshape(heads, 2 * d)[:, :fitted].reshape(-1)
+            source_o_proj = attn.o_proj.weight.detach().double()[:, columns]  # (D, H·fitted): the source's, reordered
+            # the source's attention output (before o_proj's bias): rows are tokens, the heads last but one
+            source_output = target.reshape(-1, heads * fitted).double() @ source_o_proj.T  # (tokens, D)
             best = None
             for lam in candidates:
                 pre_norm = out1 - lam * out2
                 normed = pre_norm * pre_norm.square().mean(-1, keepdim=True).add(attn.subln.variance_epsilon).rsqrt()
-                gain = least_squares_gain(normed, target, scale)
-                residual = float((scale * gain * normed - target).square().sum() / target.square().sum())
+                features = scale * normed.reshape(-1, heads, 2 * d)[..., :fitted].reshape(-1, heads * fitted)
+                o_proj = least_squares_projection(features, source_output)  # (D, H·fitted)
+                error = features.double() @ o_proj.T - source_output
+                residual = float(error.square().sum() / source_output.square().sum())
                 if best is None or residual < best[0]:
-                    best = (residual, lam, gain)
-            residual, lam, gain = best
-            del out1, out2, target
-            gains[layer_idx] = gain
+                    best = (residual, lam, o_proj)
+            residual, lam, o_proj = best
+            del out1, out2, target, source_output
+            weight = attn.o_proj.weight.detach().clone()
+            weight[:, columns] = o_proj.to(weight.dtype)  # the others (expanded: the second half's) stay as mapped
+            weights[layer_idx] = weight
             residuals.append(round(residual, 4))
-            attn.subln.weight.copy_(gain)
-            if fit_lambda:
+            attn.o_proj.weight.copy_(weight)
+            if lambda_grid:
                 lambdas[layer_idx] = round(lam, 4)
                 q2[layer_idx] = _set_lambda(attn.diff_lambda, lam)
             chunks = hidden.split(micro_batch)
             hidden = torch.cat([_layer_output(layer, chunk, position_embeddings) for chunk in chunks])
             del layer
-    return CalibratedStart(gains, residuals, lambdas, q2)
+    return CalibratedStart(weights, residuals, lambdas, q2)
 
 
-def _reachable(module) -> tuple[float, ...]:
-    """The LAMBDA_GRID values `_set_lambda` can give this λ module (all of them for the converter's small vectors)."""
+def _reachable(module, grid: tuple[float, ...]) -> tuple[float, ...]:
+    """The GRID values `_set_lambda` can give this λ module (all of them for the converter's small vectors)."""
     if float(module.lambda_k2 @ module.lambda_k2) == 0:  # λq2 cannot move λ: keep the mirrored start
         return (float(module()),)
     ceiling = math.exp(float(module.lambda_q1 @ module.lambda_k1)) + module.lambda_init
-    return tuple(value for value in LAMBDA_GRID if value < ceiling - 1e-3) or (float(module()),)
+    floor = module.lambda_floor
+    return tuple(v for v in grid if v < ceiling - 1e-3 and (floor is None or v > floor)) or (float(module()),)
+
+
+def _unfloored(module, value: float) -> float:
+    """The paper's λ that the module's floor m turns into VALUE (> m): m + softplus₁₀₀⁻¹(value − m)."""
+    floor = module.lambda_floor
+    if floor is None:
+        return value
+    return floor + math.log(math.expm1(100.0 * (value - floor))) / 100.0
 
 
 def _set_lambda(module, value: float) -> torch.Tensor:
-    """Move λq2 along λk2 (= λk1) so that exp(λq1·λk1) − exp(λq2·λk2) + λ_init = value, keeping the
-    other three vectors; returns the new λq2 (`_reachable` keeps value below exp(λq1·λk1) + λ_init)."""
+    """Move λq2 along λk2 (= λk1) so that the module's λ (exp(λq1·λk1) − exp(λq2·λk2) + λ_init, through its floor)
+    is VALUE, keeping the other three vectors; returns the new λq2 (`_reachable` keeps VALUE within reach)."""
     s1 = float(module.lambda_q1 @ module.lambda_k1)
     k2 = module.lambda_k2.double()
+    value = _unfloored(module, value)
     shift = math.log(math.exp(s1) + module.lambda_init - value) - float(module.lambda_q2.double() @ k2)
     module.lambda_q2.copy_(module.lambda_q2 + (shift * k2 / (k2 @ k2)).float())
     return module.lambda_q2.detach().clone()
@@ -274,7 +308,8 @@ def _load_layer(layer_class, config, layer_idx: int, names: list[str], reader: _
     state = {}
     for name in names:
         for out_name, tensor in tensor_map(name, reader.get(name)):
-            state[out_name.split(f"layers.{layer_idx}.", 1)[1]] = tensor.float()
+            shape = getattr(tensor, "stored_shape", tensor.shape)  # a view the writer streams (`layout.stored_as`)
+            state[out_name.split(f"layers.{layer_idx}.", 1)[1]] = tensor.float().reshape(shape)
     with torch.device("meta"):
         layer = layer_class(config, layer_idx)
     layer.load_state_dict(state, strict=True, assign=True)
@@ -313,10 +348,12 @@ def _map_outputs(attn, normed: torch.Tensor, position_embeddings) -> tuple[torch
 
 
 __all__ = [
+    "ADDITIVE_GRID",
     "BUILTIN_TEXT",
+    "DIFFERENTIAL_GRID",
     "CalibratedStart",
     "CalibrationPlan",
     "calibrate_subln",
-    "least_squares_gain",
+    "least_squares_projection",
     "plan_calibration",
 ]

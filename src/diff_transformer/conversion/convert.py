@@ -25,7 +25,7 @@ from ..safe_output import Staging, check_target
 from .dtypes import cast_dtype, from_safetensors_code, parse_dtype
 from .errors import ConversionError, conversion_boundary, one_line
 from .families import CAUSAL_LM, DIFFLLAMA, FAMILIES, family_of, source_geometry, task_of
-from .layout import IGNORED_SOURCE_TENSORS, Geometry, make_tensor_map
+from .layout import IGNORED_SOURCE_TENSORS, Geometry, LlamaToV1Expanded, choose_v1_layout, make_tensor_map
 from .provenance import conversion_provenance
 from .source import SIDE_FILE_PATTERNS, SourceCheckpoint, check_float_dtypes, open_source, read_weights_headers
 from .writer import ShardWriter
@@ -58,8 +58,10 @@ _REWRITTEN = ("config.json", "README.md", "model.safetensors.index.json")
 _WEIGHT_FILES = re.compile(r"\.(safetensors|bin|pth|pt|ckpt|pkl|h5|msgpack|onnx|gguf)$", re.IGNORECASE)
 # V1's λ vectors feed an exp() and stay float32 whatever `dtype` asks (DiffPreTrainedModel keeps them in fp32 too).
 _FP32_PARAMETERS = re.compile(r"\.diff_lambda\.lambda_[qk][12]$")
-V1_INITS = ("calibrated", "calibrated-lambda0", "paper")
-CALIBRATED_INITS = ("calibrated", "calibrated-lambda0")
+V1_INITS = ("calibrated", "calibrated-additive", "calibrated-lambda0", "paper")
+CALIBRATED_INITS = ("calibrated", "calibrated-additive", "calibrated-lambda0")
+# The least λ of the default (differential) V1 start, kept throughout training (`DiffConfig.lambda_floor`).
+DIFFERENTIAL_LAMBDA_FLOOR = 0.05
 _SOURCE_KINDS = {**dict.fromkeys(FAMILIES, "convert_llama_to_diff"), "diffllama": "convert_diffllama_to_diff"}
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ def convert_llama_to_diff(
     lambda_std: float = 0.1,
     seed: int = 0,
     v1_init: str | None = None,
+    v1_layout: str | None = None,
     calibration_data: str | os.PathLike | None = None,
     calibration_blocks: int = 16,
     calibration_block_size: int = 256,
@@ -95,19 +98,25 @@ def convert_llama_to_diff(
             cached; honours HF_HUB_OFFLINE). Never modified.
         out: output directory; must not exist or be empty unless `overwrite`.
         diff_version: 2 (default) is function-preserving: the result's logits equal the source's at step 0.
-            1 is the paper layout (pairs of Llama heads become differential heads; new λ vectors); it needs even
-            numbers of attention and key/value heads and is not function-preserving.
+            1 is the paper layout, not function-preserving; see `v1_layout` for how Llama heads map onto it.
         dtype: cast floating tensors to this dtype ("bfloat16", torch.float16, ...); None keeps the stored dtypes.
             V1's λ vectors are always stored in float32.
         overwrite: replace a non-empty `out` (only once the new checkpoint is complete).
         progress: show a tqdm bar over tensors.
         lambda_std: std of V1's fresh λ vectors (ignored for V2).
         seed: seeds V1's fresh λ vectors (per layer).
-        v1_init: V1 only. "calibrated" (the default for V1): λ_init = 0, each layer's λ chosen from [-1, 0.5] and
-            the sub-layer norm gains fitted by least squares, layer by layer, so that each head's normalised output
-            matches the source's pair of heads on `calibration_blocks` blocks of `calibration_block_size` tokens
-            (`calibrate.py`); λ stays trainable. "calibrated-lambda0": the same with λ = 0 at the start (mirrored λ
-            vectors). "paper": the paper's λ_init schedule, λ vectors ~ N(0, lambda_std), unit gains.
+        v1_init: V1 only. "calibrated" (the default for V1): differential, λ > 0 in every layer from step 0 and
+            throughout training (`lambda_floor` 0.05); the sub-layer norm gains are fitted by least squares, layer by
+            layer, so that each head's normalised output matches the source's on `calibration_blocks` blocks of
+            `calibration_block_size` tokens (`calibrate.py`); paired layout: λ_init = 0 and each layer's λ chosen
+            from [0.1, 0.5]; expanded layout: λ = the paper's λ_init. "calibrated-additive": the paired fit over
+            [-1, 0.5], which picks λ < 0: the second map is ADDED at the start (no floor; closest to the source).
+            "calibrated-lambda0": λ = 0 at the start (mirrored λ vectors). "paper": the paper's λ_init schedule,
+            λ vectors ~ N(0, lambda_std), unit gains.
+        v1_layout: V1 only. "paired": pairs of Llama heads become differential heads, every weight reused, none
+            added (needs even numbers of attention and key/value heads). "expanded": one differential head per Llama
+            head, with a second map (q2, k2 copied from q1, k1) and a second value half added (any head count).
+            None (default): paired where the head counts allow it, expanded otherwise.
         calibration_data: a UTF-8 text file to calibrate on (its first 4 MiB); default: a built-in public-domain
             English text (assets/calibration.txt). A source without a tokenizer is calibrated on random token ids.
         calibration_blocks: how many blocks of text the V1 calibration fits the gains on.
@@ -138,6 +147,7 @@ def convert_llama_to_diff(
         lambda_std=lambda_std,
         seed=seed,
         v1_init=v1_init,
+        v1_layout=v1_layout,
         calibration_data=calibration_data,
         calibration_blocks=calibration_blocks,
         calibration_block_size=calibration_block_size,
@@ -206,12 +216,17 @@ def convert_to_diff(
         )
     if model_type == "diffllama":
         version = 1 if diff_version is None else diff_version
-        if kwargs.get("calibration_data") is not None or kwargs.get("v1_init") not in (None, *CALIBRATED_INITS):
+        if (
+            kwargs.get("calibration_data") is not None
+            or kwargs.get("v1_init") not in (None, *CALIBRATED_INITS)
+            or kwargs.get("v1_layout") is not None
+        ):
             raise ConversionError(
                 f"{src} is a DiffLlama checkpoint, imported exactly: there is no V1 initialisation to choose or "
                 "calibrate; drop --v1-init / --calibration-data."
             )
-        dropped = ("lambda_std", "seed", "v1_init", "calibration_data", "calibration_blocks", "calibration_block_size")
+        dropped = ("lambda_std", "seed", "v1_init", "v1_layout", "calibration_data", "calibration_blocks")
+        dropped += ("calibration_block_size",)
         kwargs = {k: v for k, v in kwargs.items() if k not in dropped}
         return convert_diffllama_to_diff(
             source.path if source.repo_id is None else src, out, version, dtype, overwrite, progress, **kwargs
@@ -296,6 +311,8 @@ def _diff_config(
     where: str,
     task=CAUSAL_LM,
     lambda_init: float | None = None,
+    v1_layout: str | None = None,
+    lambda_floor: float | None = None,
 ):
     from ..configuration_diff import DiffConfig
 
@@ -312,7 +329,7 @@ def _diff_config(
         fields["mlp_bias"] = False
         lambda_std = getattr(source_config, "lambda_std_dev", None)
         lambda_std = 0.1 if lambda_std is None else float(lambda_std)
-    if diff_version == 2:
+    if diff_version == 2 or v1_layout == "expanded":
         heads, kv_heads = geometry.num_heads, geometry.num_kv_heads
     else:
         heads, kv_heads = geometry.num_heads // 2, geometry.num_kv_heads // 2
@@ -325,6 +342,7 @@ def _diff_config(
             diff_version=diff_version,
             lambda_init=lambda_init,  # None: the paper's depth schedule (also DiffLlama's); 0.0: calibrated V1
             lambda_std=float(lambda_std),
+            lambda_floor=lambda_floor,
         )
     except Exception as exc:
         hint = " or use diff_version=2" if diff_version == 1 and source_kind == "llama" else ""
@@ -432,6 +450,7 @@ def _convert(
     lambda_std: float = 0.1,
     seed: int = 0,
     v1_init: str | None = None,
+    v1_layout: str | None = None,
     calibration_data=None,
     calibration_blocks: int = 16,
     calibration_block_size: int = 256,
@@ -444,16 +463,18 @@ def _convert(
     if lambda_std < 0:
         raise ConversionError(f"lambda_std={lambda_std} must be >= 0.")
     v1_init = _check_v1_init(source_kind, diff_version, v1_init, calibration_data)
+    if v1_layout is not None and v1_init is None:
+        raise ConversionError("--v1-layout chooses how Llama heads map onto V1: add --diff-version 1, or drop it.")
     out_path = check_target(out)
     # Refused (and dead runs' leftovers recovered) before anything is downloaded or read.
     staging = Staging(out_path, overwrite=overwrite, flag="overwrite=True (--overwrite)")
 
     source = open_source(src, revision=revision, token=token)
     check_target(out_path, sources={"SRC": source.path})
-    config, tensor_map = _plan(source, source_kind, diff_version, target_dtype, lambda_std, seed, v1_init)
+    config, tensor_map = _plan(source, source_kind, diff_version, target_dtype, lambda_std, seed, v1_init, v1_layout)
     if v1_init in CALIBRATED_INITS:  # before anything is written: a bad calibration text is refused, OUT untouched
         plan = (calibration_data, calibration_blocks, calibration_block_size, seed)
-        _calibrate(source, config, tensor_map, *plan, fit_lambda=v1_init == "calibrated")
+        _calibrate(source, config, tensor_map, *plan, v1_init=v1_init)
     try:
         with staging as tmp:
             _write(source, config, tensor_map, tmp, out_path.name, target_dtype, max_shard_bytes, progress)
@@ -483,10 +504,10 @@ def _check_v1_init(source_kind: str, diff_version: int, v1_init: str | None, cal
 
 
 def _calibrate(
-    source, config, tensor_map, calibration_data, num_blocks: int, block_size: int, seed: int, fit_lambda: bool
+    source, config, tensor_map, calibration_data, num_blocks: int, block_size: int, seed: int, v1_init: str
 ) -> None:
     """Fit V1's sub-layer norm gains (and λ) on text (conversion/calibrate.py); record how in the provenance."""
-    from .calibrate import calibrate_subln, plan_calibration
+    from .calibrate import ADDITIVE_GRID, DIFFERENTIAL_GRID, calibrate_subln, plan_calibration
 
     plan = plan_calibration(
         source.path,
@@ -497,23 +518,37 @@ def _calibrate(
         block_size=block_size,
         seed=seed,
     )
-    start = calibrate_subln(source, config, tensor_map.geometry, tensor_map, plan, fit_lambda=fit_lambda)
-    tensor_map.subln_gains = start.gains
+    expanded = isinstance(tensor_map, LlamaToV1Expanded)
+    grid = None if expanded else {"calibrated": DIFFERENTIAL_GRID, "calibrated-additive": ADDITIVE_GRID}.get(v1_init)
+    start = calibrate_subln(source, config, tensor_map.geometry, tensor_map, plan, lambda_grid=grid)
+    tensor_map.output_weights = start.output_weights
     tensor_map.lambda_q2 = start.lambda_q2 or None
+    if expanded:
+        lambda_text = (
+            "the paper's λ_init per layer, λq2 = λq1 and λk2 = λk1 (λ = λ_init at step 0, trainable); A2 = A1 at step "
+            "0 (q2, k2 copied), so the layer subtracts from the first step"
+        )
+    elif grid is None:
+        lambda_text = "λ_init = 0, λq2 = λq1 and λk2 = λk1 (λ = 0 at step 0, trainable)"
+    else:
+        low, high = min(grid), max(grid)
+        lambda_text = (
+            f"λ_init = 0; per layer the λ in [{low:g}, {high:g}] (steps of 0.05) whose fitted gains leave the least "
+            "residual, set through λq2 (trainable)"
+        )
     tensor_map.provenance = {
-        "v1_init": "calibrated" if fit_lambda else "calibrated-lambda0",
-        "lambda": (
-            "λ_init = 0; per layer the λ in [-1, 0.5] (steps of 0.05) whose fitted gains leave the least residual, "
-            "set through λq2 (trainable)"
-            if fit_lambda
-            else "λ_init = 0, λq2 = λq1 and λk2 = λk1 (λ = 0 at step 0, trainable)"
+        "v1_init": v1_init,
+        "v1_layout": "expanded" if expanded else "paired",
+        "lambda": lambda_text,
+        "subln": (
+            "unit gains; o_proj refitted per layer, in layer order, by least squares so that o_proj(y/rms(y)) ≈ the "
+            "source's attention output"
         ),
-        "subln": "gains fitted per layer, in layer order, by least squares: g ⊙ y/rms(y) ≈ the source's pair output",
         "calibration_text": plan.description,
         "calibration_tokens": list(plan.blocks.shape),
         "subln_relative_residual": start.residuals,
     }
-    if fit_lambda:
+    if grid is not None:
         tensor_map.provenance["lambda_start"] = [start.lambdas[i] for i in sorted(start.lambdas)]
 
 
@@ -525,20 +560,31 @@ def _plan(
     lambda_std: float,
     seed: int,
     v1_init: str | None = None,
+    v1_layout: str | None = None,
 ):
     """Validate SRC (config, then every tensor header) and return the Diff config and the tensor map."""
     where = source.repo_id or str(source.path)
     source_config, family, task = _source_config(source, source_kind)
     geometry = source_geometry(family, task, source_config)
     calibrated = v1_init in CALIBRATED_INITS
+    layout = choose_v1_layout(geometry, v1_layout) if v1_init is not None else None
     tensor_map = make_tensor_map(
-        source_kind, diff_version, geometry, lambda_std=lambda_std, seed=seed, mirrored_lambda=calibrated
+        source_kind,
+        diff_version,
+        geometry,
+        lambda_std=lambda_std,
+        seed=seed,
+        mirrored_lambda=calibrated,
+        v1_layout=layout or "paired",
     )
     if v1_init == "paper":
-        tensor_map.provenance = {"v1_init": "paper"}
+        tensor_map.provenance = {"v1_init": "paper", "v1_layout": layout}
+    # λ_init: the paper's schedule, except for the paired calibrated starts (0: λ is fitted, or 0, at step 0)
+    lambda_init = 0.0 if calibrated and layout == "paired" else None
+    floor = DIFFERENTIAL_LAMBDA_FLOOR if v1_init == "calibrated" else None
     # Built before any weights are downloaded or read, so that an unsupported config is refused early.
     config = _diff_config(
-        source_config, source_kind, diff_version, geometry, lambda_std, where, task, 0.0 if calibrated else None
+        source_config, source_kind, diff_version, geometry, lambda_std, where, task, lambda_init, layout, floor
     )
     check_model_config(config, where, build=False)  # before a Hub download
     # OUT gets SRC's generation_config.json: one that generate() cannot use (num_beams -3) is refused here.

@@ -7,9 +7,14 @@ layouts"; rows of a projection weight are grouped in blocks of `head_dim` = d):
 * Llama (H query heads, H_kv key/value heads, n = H / H_kv): query head j attends with kv head j // n.
 * Diff V2 (H differential heads, H_kv kv heads): query block j in [0, 2H) attends with kv head j // (2n);
   differential head h = blocks (2h, 2h+1).
-* Diff V1 (H' = H/2 differential heads, H'_kv = H_kv/2 groups, n' = H'/H'_kv = n): q block 2h+c is q_{c+1} of head
-  h (c in {0, 1}), k block 2g+c is k_{c+1} of group g, v blocks (2g, 2g+1) are the 2d-wide v of group g; head h
-  attends with group g(h) = h // n. o_proj's input block 2h+c multiplies the c-th d-wide half of O_h.
+* Diff V1 (H' differential heads, H'_kv groups): q block 2h+c is q_{c+1} of head h (c in {0, 1}), k block 2g+c is
+  k_{c+1} of group g, v blocks (2g, 2g+1) are the 2d-wide v of group g; head h attends with group g(h) = h // n'.
+  o_proj's input block 2h+c multiplies the c-th d-wide half of O_h. Two ways to fill it from a Llama:
+  - paired (`LlamaToV1`, even H and H_kv): H' = H/2, H'_kv = H_kv/2, n' = n; Llama heads become each other's second
+    map, every weight reused, none added;
+  - expanded (`LlamaToV1Expanded`, any head count): H' = H, H'_kv = H_kv, n' = n; Llama head h is q1 of head h and
+    its kv head g is k1 and the first half of v_g; q2, k2 (copies of q1, k1: A2 = A1 at step 0) and the second half of
+    v (small noise, read by zero columns of o_proj) are new.
 """
 
 from __future__ import annotations
@@ -241,14 +246,15 @@ class LlamaToV1(TensorMap):
 
     `mirrored_lambda` draws only λq1 and λk1 and sets λq2 = λq1, λk2 = λk1, so that with λ_init = 0 the layer's
     λ = exp(λq1·λk1) − exp(λq2·λk2) is exactly 0 yet has a gradient (zeroing q2 and k2 instead would leave them at a
-    saddle with none). `subln_gains` ({layer: (2d,)}, set by `calibrate.calibrate_subln`) replaces the unit gains."""
+    saddle with none). `output_weights` ({layer: (D, H'·2d)}, fitted by `calibrate.calibrate_subln`) replace o_proj's
+    weight (the sub-layer norm's own gain stays 1)."""
 
     def __init__(self, geometry: Geometry, lambda_std: float = 0.1, seed: int = 0, mirrored_lambda: bool = False):
         super().__init__(geometry)
         self.lambda_std = float(lambda_std)
         self.seed = int(seed)
         self.mirrored_lambda = mirrored_lambda
-        self.subln_gains: dict[int, torch.Tensor] | None = None
+        self.output_weights: dict[int, torch.Tensor] | None = None
         self.lambda_q2: dict[int, torch.Tensor] | None = None
         self.perm = llama_to_v1_query_permutation(geometry.num_heads, geometry.num_kv_heads)
 
@@ -267,8 +273,13 @@ class LlamaToV1(TensorMap):
                 values = torch.randn(d, generator=generator, dtype=torch.float32) * self.lambda_std
             drawn[lam] = values
             yield prefix + f"diff_lambda.{lam}", values  # fp32 whatever the model dtype (they feed an exp)
-        gain = torch.ones(2 * d) if self.subln_gains is None else self.subln_gains[layer]
-        yield prefix + "subln.weight", gain.to(dtype)
+        yield prefix + "subln.weight", torch.ones(2 * d, dtype=dtype)
+
+    def output_weight(self, layer: int, o_proj: torch.Tensor) -> torch.Tensor:
+        """o_proj's weight (D, H'·2d) as mapped into V1's column order, or the one the calibration fitted."""
+        if self.output_weights is None:
+            return o_proj
+        return self.output_weights[layer].to(o_proj.dtype)
 
     def attention(self, name, layer, proj, kind, tensor):
         d = self.geometry.head_dim
@@ -277,8 +288,52 @@ class LlamaToV1(TensorMap):
             if kind == "weight":
                 yield from self.new_parameters(layer, tensor.dtype)
         elif proj == "o_proj" and kind == "weight":
-            yield name, permute_column_blocks(tensor, self.perm, d)
+            yield name, self.output_weight(layer, permute_column_blocks(tensor, self.perm, d))
         else:  # k_proj, v_proj: kv heads (2g, 2g+1) are group g's k1/k2 and v halves, already in place
+            yield name, tensor
+
+
+class LlamaToV1Expanded(LlamaToV1):
+    """V1 for any head count: one differential head per Llama head, a second map and half a value added.
+
+    Head h's q1 is Llama query head h and q2 a copy of it; group g's k1 is Llama kv head g and k2 a copy, so A2 = A1
+    at step 0 and (A1 − λA2) v = (1 − λ) A1 v for every λ < 1: the sub-layer norm removes the factor, so λ can start
+    at the paper's λ_init > 0 (mirrored vectors: exactly λ_init, with gradients) and the layer already subtracts.
+    The q2/k2 gradients differ from q1/k1's (−λ times theirs), so the copies separate as training goes. v_g's first
+    half is Llama's v_g; the second half is noise of 1/100 of v's scale, read by o_proj columns that start at zero
+    (a zero on both sides would be a saddle with no gradient). o_proj's first-half columns are Llama's.
+
+    Cost per layer against the source: q_proj, k_proj and v_proj grow by H·d·D, H_kv·d·D and H_kv·d·D (+ biases),
+    o_proj by D·H·d, plus 6d for λ and subln; attention work doubles (two maps, v twice as wide); the KV cache
+    doubles (keys 2 H_kv d, values 2 H_kv d per token)."""
+
+    def __init__(self, geometry: Geometry, lambda_std: float = 0.1, seed: int = 0):
+        super().__init__(geometry, lambda_std=lambda_std, seed=seed, mirrored_lambda=True)
+        self.perm = None
+
+    def attention(self, name, layer, proj, kind, tensor):
+        g, d = self.geometry, self.geometry.head_dim
+        if proj in ("q_proj", "k_proj"):
+            heads = g.num_heads if proj == "q_proj" else g.num_kv_heads
+            rest = tensor.shape[1:]
+            blocks = tensor.reshape(heads, 1, d, *rest)  # (heads, 1, d, ...)
+            # (heads, 2, d, ...): block 2h + c = c-th copy of head h; streamed without materialising the copy
+            yield name, stored_as(blocks.expand(heads, 2, d, *rest), (2 * heads * d, *rest))
+            if proj == "q_proj" and kind == "weight":
+                yield from self.new_parameters(layer, tensor.dtype)
+        elif proj == "v_proj":
+            rest = tensor.shape[1:]
+            first = tensor.reshape(g.num_kv_heads, 1, d, *rest)  # (H_kv, 1, d, ...)
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + 500_009 + layer)
+            scale = 0.01 * float(tensor.float().std()) if tensor.numel() > 1 else 0.0
+            second = torch.randn(first.shape, generator=generator, dtype=torch.float32).mul_(scale).to(tensor.dtype)
+            yield name, torch.cat((first, second), dim=1).reshape(2 * g.num_kv_heads * d, *rest)
+        elif proj == "o_proj" and kind == "weight":
+            columns = tensor.reshape(tensor.shape[0], g.num_heads, 1, d)  # (D, H, 1, d)
+            zeros = torch.zeros_like(columns)
+            widened = torch.cat((columns, zeros), dim=2).reshape(tensor.shape[0], 2 * g.num_heads * d)
+            yield name, self.output_weight(layer, widened)
+        else:  # o_proj's bias
             yield name, tensor
 
 
@@ -309,6 +364,30 @@ class DiffLlamaToV1(TensorMap):
             yield name, tensor
 
 
+V1_LAYOUTS = ("paired", "expanded")
+
+
+def pairable(geometry: Geometry) -> bool:
+    """Whether the paired V1 layout exists: even H and H_kv, and H/2 heads over H_kv/2 groups."""
+    H, H_kv = geometry.num_heads, geometry.num_kv_heads
+    return not (H % 2 or H_kv % 2 or (H // 2) % (H_kv // 2))
+
+
+def choose_v1_layout(geometry: Geometry, layout: str | None) -> str:
+    """LAYOUT, or where none is asked, paired when the head counts allow it and expanded otherwise."""
+    if layout is None:
+        return "paired" if pairable(geometry) else "expanded"
+    if layout not in V1_LAYOUTS:
+        raise ConversionError(f"v1_layout={layout!r} is not one of {', '.join(V1_LAYOUTS)} (--v1-layout).")
+    if layout == "paired" and not pairable(geometry):
+        H, H_kv = geometry.num_heads, geometry.num_kv_heads
+        raise ConversionError(
+            f"the paired V1 layout needs even num_attention_heads and num_key_value_heads (got {H} and {H_kv}): "
+            "use --v1-layout expanded (one differential head per Llama head, any count), or drop --v1-layout."
+        )
+    return layout
+
+
 def make_tensor_map(
     source_kind: str,
     diff_version: int,
@@ -317,6 +396,7 @@ def make_tensor_map(
     lambda_std: float = 0.1,
     seed: int = 0,
     mirrored_lambda: bool = False,
+    v1_layout: str = "paired",
 ) -> TensorMap:
     H, H_kv = geometry.num_heads, geometry.num_kv_heads
     if source_kind == "diffllama":
@@ -335,11 +415,8 @@ def make_tensor_map(
     if diff_version == 2:
         return LlamaToV2(geometry)
     if diff_version == 1:
-        if H % 2 or H_kv % 2 or (H // 2) % (H_kv // 2):
-            raise ConversionError(
-                f"diff_version=1 pairs Llama heads into differential heads and needs an even num_attention_heads and "
-                f"num_key_value_heads (got {H} and {H_kv}): use diff_version=2 (function-preserving, any head count)."
-            )
+        if choose_v1_layout(geometry, v1_layout) == "expanded":
+            return LlamaToV1Expanded(geometry, lambda_std=lambda_std, seed=seed)
         return LlamaToV1(geometry, lambda_std=lambda_std, seed=seed, mirrored_lambda=mirrored_lambda)
     raise ConversionError(
         f"diff_version={diff_version!r} is not supported: use 2 (function-preserving, default) or 1 (paper layout)."
@@ -351,12 +428,16 @@ __all__ = [
     "IGNORED_SOURCE_TENSORS",
     "DiffLlamaToV1",
     "LlamaToV1",
+    "LlamaToV1Expanded",
     "LlamaToV2",
+    "V1_LAYOUTS",
+    "choose_v1_layout",
     "TensorMap",
     "diffllama_kv_permutation",
     "diffllama_query_permutation",
     "llama_to_v1_query_permutation",
     "make_tensor_map",
     "permute_column_blocks",
+    "pairable",
     "permute_row_blocks",
 ]

@@ -82,16 +82,19 @@ class DiffMLP(nn.Module):
 class DiffLambdaV1(nn.Module):
     """λ = exp(λq1·λk1) - exp(λq2·λk2) + λ_init: one fp32 scalar per layer, replicated on every rank."""
 
-    def __init__(self, head_dim: int, lambda_init: float):
+    def __init__(self, head_dim: int, lambda_init: float, lambda_floor: float | None = None):
         super().__init__()
-        self.lambda_init = lambda_init
+        self.lambda_init, self.lambda_floor = lambda_init, lambda_floor
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
             setattr(self, name, nn.Parameter(torch.zeros(head_dim, dtype=torch.float32), requires_grad=False))
 
     def forward(self) -> torch.Tensor:
         lambda_1 = torch.exp(torch.sum(self.lambda_q1.float() * self.lambda_k1.float()))
         lambda_2 = torch.exp(torch.sum(self.lambda_q2.float() * self.lambda_k2.float()))
-        return lambda_1 - lambda_2 + self.lambda_init  # () fp32
+        lambda_full = lambda_1 - lambda_2 + self.lambda_init  # () fp32
+        if self.lambda_floor is None:
+            return lambda_full
+        return self.lambda_floor + nn.functional.softplus(lambda_full - self.lambda_floor, beta=100.0)
 
 
 class DiffLambdaV2(nn.Module):
@@ -189,7 +192,7 @@ class DiffAttentionV1(DiffAttention):
         H, d = config.num_attention_heads, config.head_dim
         super().__init__(config, 2 * d, H, cache_config, quant_config, prefix)
         self.lambda_init = config.lambda_init_for_layer(layer_idx)
-        self.diff_lambda = DiffLambdaV1(d, self.lambda_init)
+        self.diff_lambda = DiffLambdaV1(d, self.lambda_init, getattr(config, "lambda_floor", None))
         self.subln = RMSNorm(2 * d, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
