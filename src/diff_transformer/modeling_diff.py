@@ -276,7 +276,7 @@ def select_v1_strategy(implementation: str, query: torch.Tensor, paged: bool = F
     return V1Strategy.WIDE_VALUE
 
 
-def v1_differential_attention(
+def v1_attention_forward(
     module: nn.Module,
     attention_interface: Callable,
     strategy: V1Strategy,
@@ -337,7 +337,7 @@ class DiffAttentionV1(DiffAttention):
     """V1 (the paper): head h computes `RMSNorm((A1 - λ A2) V) (1 - λ_init)`, A_c = softmax(q_c k_cᵀ / √d), V 2d wide.
 
     The forward is `LlamaAttention.forward` with V1's head layout (`v1_component_major`) and the differential step
-    (`select_v1_strategy`, `v1_differential_attention`) in place of the attention call. V is cached as 2 H_kv heads
+    (`select_v1_strategy`, `v1_attention_forward`) in place of the attention call. V is cached as 2 H_kv heads
     of size d (its two halves), so every cache (dynamic, static, paged) holds what a Llama with 2 H_kv key/value heads
     of size d holds.
     """
@@ -399,7 +399,7 @@ class DiffAttentionV1(DiffAttention):
 
         H, H_kv, d = query.shape[1] // 2, key.shape[1] // 2, self.head_dim
         batch, L = key.shape[0], key.shape[2]  # the paged cache packs every sequence into one batch row
-        attn_output, attn_weights = v1_differential_attention(
+        attn_output, attn_weights = v1_attention_forward(
             self,
             attention_interface,
             select_v1_strategy(implementation, query, paged=paged_cache is not None),
