@@ -458,25 +458,13 @@ class DiffDecoderLayer(GradientCheckpointingLayer):
 
 
 # ---- Integration hooks ----
-# Every place where this model overrides or patches a transformers/PEFT internal beyond the standard model-file API.
+# Every place where this model overrides or patches a transformers internal beyond the standard model-file API.
 # Each hook names the internal it relies on and the test that fails if that internal changes under it. The mixins
 # come first in the model classes' bases, so their methods wrap transformers' with `super()`.
 
 
 class _PreTrainedModelHooks:
     """Hooks of every Diff model class (mixed into `DiffPreTrainedModel`)."""
-
-    def train(self, mode: bool = True):
-        # Relies on: bitsandbytes (0.50) `Linear4bit.forward` repacking a CPU 4-bit layer into an AVX512-BF16 inference
-        # layout on its first forward in eval mode without gradients (when `support_avx512bf16_for_cpu`); the repacked
-        # matmul has no autograd, so QLoRA on CPU silently stopped learning after any evaluation. `eval()` and
-        # `train()` (and from_pretrained, which ends with eval()) turn that repacking off: CPU 4-bit layers keep
-        # bitsandbytes' differentiable kernel. Guarded by tests/test_peft.py::test_qlora_4bit and
-        # tests/test_train.py::test_qlora_cli_keeps_learning_after_evaluations.
-        for module in self.modules():
-            if getattr(module, "support_avx512bf16_for_cpu", False):
-                module.support_avx512bf16_for_cpu = False
-        return super().train(mode)
 
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
