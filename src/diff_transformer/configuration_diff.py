@@ -51,6 +51,9 @@ _TP_PLAN_QK_NORM = {
 }
 
 
+# Mirrors transformers.models.llama.configuration_llama.LlamaConfig
+# diff with Llama: `num_attention_heads` counts differential heads and `head_dim` is a sub-head's (default
+# hidden_size // 2H); no `pretraining_tp`; the Diff fields; its own validation (`validate_values`) and λ plans
 @strict
 class DiffConfig(PreTrainedConfig):
     r"""

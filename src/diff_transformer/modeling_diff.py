@@ -120,6 +120,10 @@ def _output_from_map(weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor
     return torch.matmul(weights.to(value.dtype), value).transpose(1, 2)  # (B, N, H, dv)
 
 
+# Mirrors transformers.models.llama.modeling_llama.LlamaAttention
+# diff with Llama: 2H query heads of size d; K/V and o_proj widths set by the version; o_proj's own bias (Qwen2);
+# q_norm/k_norm (Qwen3); the forward is each version's (DiffAttentionV1, DiffAttentionV2); not decorated with
+# `use_kernelized_func` (the kernels hub's rotary)
 class DiffAttention(nn.Module):
     """What both versions share: Llama's four projections (same names, so checkpoints, PEFT targets and TP plans
     carry over), the head geometry and the rotary scaling. `DiffAttentionV1` and `DiffAttentionV2` add the λ module
@@ -160,10 +164,12 @@ class DiffAttentionV2(DiffAttention):
         self.num_key_value_groups = 2 * H // H_kv  # 2H query heads share H_kv key/value heads
         self.diff_lambda = DiffLambdaV2(config.hidden_size, H)
 
+    # Mirrors transformers.models.llama.modeling_llama.LlamaAttention.forward
+    # diff with Llama: q_norm/k_norm; the differential step (a_2h - λ a_2h+1) after the attention call
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
@@ -195,7 +201,6 @@ class DiffAttentionV2(DiffAttention):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        dropout = 0.0 if not self.training else self.attention_dropout
 
         attn_output, attn_weights = attention_interface(
             self,
@@ -203,7 +208,7 @@ class DiffAttentionV2(DiffAttention):
             key_states,
             value_states,
             attention_mask,
-            dropout=dropout,
+            dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
             **kwargs,
         )  # (B, N, 2H, d)
@@ -212,7 +217,8 @@ class DiffAttentionV2(DiffAttention):
         if attn_weights is not None:  # the differential maps A_2h - λ A_2h+1, (B, H, N, L)
             weights = attn_weights.view(input_shape[0], -1, 2, *attn_weights.shape[2:])  # (B, H, 2, N, L)
             attn_weights = weights[:, :, 0] - lam.transpose(1, 2).unsqueeze(-1).to(weights.dtype) * weights[:, :, 1]
-        if attn_weights is not None and self.config._attn_implementation == "eager" and dropout == 0.0:
+        dropped = self.training and self.attention_dropout
+        if attn_weights is not None and self.config._attn_implementation == "eager" and not dropped:
             # Eager returns maps: compute the output from them (as Llama does), so they are on the gradient path.
             # With dropout, eager drops between its maps and its output, so the backend's output is kept.
             attn_output = _output_from_map(attn_weights, value_states)  # (B, N, H, d)
@@ -350,10 +356,13 @@ class DiffAttentionV1(DiffAttention):
         self.diff_lambda = DiffLambdaV1(d, self.lambda_init)
         self.subln = DiffRMSNorm(2 * d, eps=config.rms_norm_eps)
 
+    # Mirrors transformers.models.llama.modeling_llama.LlamaAttention.forward
+    # diff with Llama: V1's head layout (v1_component_major), a paged cache written once, v1_attention_forward in
+    # place of the attention call, subln
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
@@ -420,9 +429,12 @@ class DiffAttentionV1(DiffAttention):
 DIFF_ATTENTION_CLASSES = {1: DiffAttentionV1, 2: DiffAttentionV2}
 
 
+# Mirrors transformers.models.llama.modeling_llama.LlamaDecoderLayer
+# diff with Llama: the attention class by `config.diff_version`
 class DiffDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: DiffConfig, layer_idx: int):
         super().__init__()
+        self.hidden_size = config.hidden_size
         self.self_attn = DIFF_ATTENTION_CLASSES[config.diff_version](config=config, layer_idx=layer_idx)
         self.mlp = DiffMLP(config)
         self.input_layernorm = DiffRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -454,7 +466,8 @@ class DiffDecoderLayer(GradientCheckpointingLayer):
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states = self.mlp(hidden_states)
-        return residual + hidden_states
+        hidden_states = residual + hidden_states
+        return hidden_states
 
 
 # ---- Integration hooks ----
@@ -545,6 +558,8 @@ class _GenerationHooks:
 # ---- Models ----
 
 
+# Mirrors transformers.models.llama.modeling_llama.LlamaPreTrainedModel
+# diff with Llama: hooks; fp32 modules per version; V1's λ initialisation
 class DiffPreTrainedModel(_PreTrainedModelHooks, PreTrainedModel):  # hooks: see "Integration hooks" above
     """Base class of every Diff model: weight initialisation (V1's λ vectors from N(0, `lambda_std`²)), the modules
     kept in fp32 per version (V1's λ vectors, strictly; V2's λ gate), and transformers' capabilities (sdpa, flash,
@@ -590,6 +605,7 @@ class DiffPreTrainedModel(_PreTrainedModelHooks, PreTrainedModel):  # hooks: see
                 init.normal_(param, mean=0.0, std=self.config.lambda_std)
 
 
+# Mirrors transformers.models.llama.modeling_llama.LlamaModel
 class DiffModel(DiffPreTrainedModel):
     """The bare decoder: embeddings, `config.num_hidden_layers` `DiffDecoderLayer`s (Llama's, with differential
     attention: `DiffAttentionV1` or `DiffAttentionV2` by `config.diff_version`) and the final RMSNorm.
@@ -603,7 +619,9 @@ class DiffModel(DiffPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList([DiffDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [DiffDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
         self.norm = DiffRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DiffRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
@@ -643,9 +661,8 @@ class DiffModel(DiffPreTrainedModel):
             past_key_values = DynamicCache(config=self.config)
         if position_ids is None:
             past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
-            position_ids = (
-                torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-            ).unsqueeze(0)
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
 
         causal_mask = create_causal_mask(
             config=self.config,
@@ -670,6 +687,8 @@ class DiffModel(DiffPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
 
+# Mirrors transformers.models.llama.modeling_llama.LlamaForCausalLM
+# diff with Llama: hooks; no `_fsdp_plan` yet (Llama's keeps lm_head's full weight under FSDP2)
 class DiffForCausalLM(_GenerationHooks, DiffPreTrainedModel, GenerationMixin):  # hooks: see "Integration hooks"
     """`DiffModel` with a language-modelling head (tied to the embeddings when `config.tie_word_embeddings`), for
     training and `generate` (every decoding strategy and cache transformers has, continuous batching included).
@@ -736,7 +755,8 @@ class DiffForCausalLM(_GenerationHooks, DiffPreTrainedModel, GenerationMixin):  
             use_cache=use_cache,
             **kwargs,
         )
-        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        hidden_states = outputs.last_hidden_state
+        hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
         logits = self.lm_head(hidden_states)
 
         loss = None
@@ -756,16 +776,22 @@ class DiffForCausalLM(_GenerationHooks, DiffPreTrainedModel, GenerationMixin):  
 # the last token that is not `config.pad_token_id` (left or right padding). Hooks: see "Integration hooks".
 
 
+# Mirrors transformers.models.llama.modeling_llama.LlamaForSequenceClassification
+# diff with Llama: hooks
 class DiffForSequenceClassification(_TaskHeadHooks, GenericForSequenceClassification, DiffPreTrainedModel):
     """`DiffModel` with a linear `score` head on the last token that is not `config.pad_token_id`; logits
     `(B, num_labels)`. transformers' generic head, as Llama's."""
 
 
+# Mirrors transformers.models.llama.modeling_llama.LlamaForTokenClassification
+# diff with Llama: hooks
 class DiffForTokenClassification(_TaskHeadHooks, GenericForTokenClassification, DiffPreTrainedModel):
     """`DiffModel` with a linear `score` head on every token; logits `(B, N, num_labels)`. transformers' generic
     head, as Llama's."""
 
 
+# Mirrors transformers.models.llama.modeling_llama.LlamaForQuestionAnswering
+# diff with Llama: hooks; the base model is `model` (Llama keeps `transformer` for old checkpoints)
 class DiffForQuestionAnswering(_TaskHeadHooks, GenericForQuestionAnswering, DiffPreTrainedModel):
     """`DiffModel` with a `qa_outputs` span head for extractive question answering; `start_logits` and
     `end_logits` `(B, N)`. transformers' generic head, as Llama's."""
