@@ -453,16 +453,16 @@ def v1_sdpa_attention(q, k, v, lam, scale):
 
 
 def kernel_v1_op(device):
-    """V1's fused kernel as an op, or why not: `diff_transformer.kernels.differential_attention_v1(q, k, v, lam,
+    """V1's fused kernel as an op, or why not: `diff_transformer.kernels.triton_v1_attention(q, k, v, lam,
     scaling=..., causal=True)` with q (B, 2H, N, d) = [q1 | q2] heads, k (B, 2H_kv, N, d) = [k1 | k2], v (B, 2H_kv,
     N, d) = the two d-wide halves of V, returning (B, N, H, 2d). Checked against `v1_sdpa_attention` before timing."""
     try:
         kernels = importlib.import_module("diff_transformer.kernels")
     except ImportError as e:
         return None, f"unavailable: diff_transformer.kernels does not import ({one_line(e)})"
-    op = getattr(kernels, "differential_attention_v1", None)
+    op = getattr(kernels, "triton_v1_attention", None)
     if not callable(op):
-        return None, "unavailable: diff_transformer.kernels has no differential_attention_v1"
+        return None, "unavailable: diff_transformer.kernels has no triton_v1_attention"
     available = getattr(kernels, "is_available", None)
     if callable(available) and not available(device):
         return None, (

@@ -9,7 +9,7 @@ wide); its backward the same as Llama's (dO Vᵀ is shared by the two maps).
 * prefill, causal, N = L: forward and forward+backward
     llama_sdpa      F.scaled_dot_product_attention(enable_gqa=True), flash backend
     v1_sdpa_model   what modeling_diff.py runs today on sdpa: one call per map with V 2d wide (transformers' sdpa path)
-    v1_fused        differential_attention_v1 (this package's kernels), dQ by a separate kernel / by atomics
+    v1_fused        triton_v1_attention (this package's kernels), dQ by a separate kernel / by atomics
 * decode, N = 1 against L cached positions: forward
     llama_sdpa, v1_sdpa_model (four calls on V halves, as the model decodes today), v1_fused (split-K kernel)
 Times are medians of triton.testing.do_bench (L2 flushed between runs); ratios are against llama_sdpa of the same
@@ -112,9 +112,9 @@ def v1_sdpa_model(q, k, v, lam, causal):
 
 
 def v1_fused(q, k, v, lam, causal, **options):
-    from diff_transformer.kernels import differential_attention_v1
+    from diff_transformer.kernels import triton_v1_attention
 
-    return differential_attention_v1(q, k, v, lam, scaling=D**-0.5, causal=causal, **options)
+    return triton_v1_attention(q, k, v, lam, scaling=D**-0.5, causal=causal, **options)
 
 
 def timed(fn, backward):

@@ -34,30 +34,6 @@ AUTO_MAP = {
     "AutoModelForQuestionAnswering": "modeling_diff.DiffForQuestionAnswering",
 }
 
-# What `conversion["card_data"]` may hold: the source card's fields that must follow the weights (a derivative keeps
-# its source's licence), each a short string (`language`: or a list of them). The card generator sets base_model,
-# pipeline_tag and tags itself.
-CARD_DATA_KEYS = ("license", "license_name", "license_link", "language")
-CARD_TEXT_MAX = 256  # characters of one value
-CARD_LIST_MAX = 64  # languages
-
-
-def card_data_problem(card_data) -> str | None:
-    """Why `card_data` cannot go into a model card (None: it can): the keys, types and sizes above."""
-    if not isinstance(card_data, dict):
-        return f"card_data must be a mapping, not {type(card_data).__name__}"
-    for key, value in card_data.items():
-        if key not in CARD_DATA_KEYS:
-            return f"card_data holds {key!r}: only {', '.join(CARD_DATA_KEYS)} are copied from a source card"
-        values = value if key == "language" and isinstance(value, list) else [value]
-        if len(values) > CARD_LIST_MAX:
-            return f"card_data[{key!r}] lists {len(values)} values (at most {CARD_LIST_MAX})"
-        for item in values:
-            if not isinstance(item, str) or len(item) > CARD_TEXT_MAX:
-                return f"card_data[{key!r}] must be a string of at most {CARD_TEXT_MAX} characters (or a list of them)"
-    return None
-
-
 # Tensor-parallel rules for λ (not serialised: transformers drops `base_model_tp_plan` from config.json).
 # V2: W_λ has one row per differential head, so it is split with its heads. V1: λ's four vectors and `subln` are
 # replicated, but on each rank they only act on that rank's heads, so their gradients are summed over the ranks.
@@ -75,6 +51,9 @@ _TP_PLAN_QK_NORM = {
 }
 
 
+# Mirrors transformers.models.llama.configuration_llama.LlamaConfig
+# diff with Llama: `num_attention_heads` counts differential heads and `head_dim` is a sub-head's (default
+# hidden_size // 2H); no `pretraining_tp`; the Diff fields; its own validation (`validate_values`) and λ plans
 @strict
 class DiffConfig(PreTrainedConfig):
     r"""
@@ -114,7 +93,8 @@ class DiffConfig(PreTrainedConfig):
             `base_model` (Hub id, when known), `source_model_type`, `function_preserving`, `converter` and
             `card_data` (licence/language of the source's card); a Llama -> V1 conversion adds `v1_init` ("calibrated":
             λ_init = 0 with mirrored λ vectors and fitted `subln` gains, with `calibration_text`, `calibration_tokens`
-            and `subln_relative_residual`; or "paper"). The model card is built from it, so a converted
+            and `subln_relative_residual`; or "paper"). Metadata only: the model never reads it. The
+            diff_transformer package builds the model card from it (and checks `card_data` then), so a converted
             model re-saved or pushed later still names its base model. `None` for models built as Diff models.
     """
 
@@ -260,11 +240,6 @@ class DiffConfig(PreTrainedConfig):
                 f"lambda_floor={self.lambda_floor} must lie in [0, 1) (the least λ V1 may reach): use e.g. 0.05, or "
                 "None for the paper's unbounded λ."
             )
-        if self.conversion is not None:
-            # The model card is built from it at every save: refused here, not after the weights are written.
-            problem = card_data_problem(self.conversion.get("card_data", {}))
-            if problem:
-                raise ValueError(f"conversion: {problem}; remove the other entries from config.json's conversion.")
 
     def lambda_init_for_layer(self, layer_idx: int) -> float:
         """V1's λ_init of a (0-based) layer: the configured constant, or the paper's depth schedule."""
@@ -273,4 +248,4 @@ class DiffConfig(PreTrainedConfig):
         return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
 
 
-__all__ = ["CARD_DATA_KEYS", "DiffConfig", "card_data_problem"]
+__all__ = ["DiffConfig"]

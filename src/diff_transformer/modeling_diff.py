@@ -126,6 +126,10 @@ def _output_from_map(weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor
     return torch.matmul(weights.to(value.dtype), value).transpose(1, 2)  # (B, N, H, dv)
 
 
+# Mirrors transformers.models.llama.modeling_llama.LlamaAttention
+# diff with Llama: 2H query heads of size d; K/V and o_proj widths set by the version; o_proj's own bias (Qwen2);
+# q_norm/k_norm (Qwen3); the forward is each version's (DiffAttentionV1, DiffAttentionV2); not decorated with
+# `use_kernelized_func` (the kernels hub's rotary)
 class DiffAttention(nn.Module):
     """What both versions share: Llama's four projections (same names, so checkpoints, PEFT targets and TP plans
     carry over), the head geometry and the rotary scaling. `DiffAttentionV1` and `DiffAttentionV2` add the λ module
@@ -166,10 +170,12 @@ class DiffAttentionV2(DiffAttention):
         self.num_key_value_groups = 2 * H // H_kv  # 2H query heads share H_kv key/value heads
         self.diff_lambda = DiffLambdaV2(config.hidden_size, H)
 
+    # Mirrors transformers.models.llama.modeling_llama.LlamaAttention.forward
+    # diff with Llama: q_norm/k_norm; the differential step (a_2h - λ a_2h+1) after the attention call
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
@@ -201,7 +207,6 @@ class DiffAttentionV2(DiffAttention):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        dropout = 0.0 if not self.training else self.attention_dropout
 
         attn_output, attn_weights = attention_interface(
             self,
@@ -209,7 +214,7 @@ class DiffAttentionV2(DiffAttention):
             key_states,
             value_states,
             attention_mask,
-            dropout=dropout,
+            dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
             **kwargs,
         )  # (B, N, 2H, d)
@@ -218,7 +223,8 @@ class DiffAttentionV2(DiffAttention):
         if attn_weights is not None:  # the differential maps A_2h - λ A_2h+1, (B, H, N, L)
             weights = attn_weights.view(input_shape[0], -1, 2, *attn_weights.shape[2:])  # (B, H, 2, N, L)
             attn_weights = weights[:, :, 0] - lam.transpose(1, 2).unsqueeze(-1).to(weights.dtype) * weights[:, :, 1]
-        if attn_weights is not None and self.config._attn_implementation == "eager" and dropout == 0.0:
+        dropped = self.training and self.attention_dropout
+        if attn_weights is not None and self.config._attn_implementation == "eager" and not dropped:
             # Eager returns maps: compute the output from them (as Llama does), so they are on the gradient path.
             # With dropout, eager drops between its maps and its output, so the backend's output is kept.
             attn_output = _output_from_map(attn_weights, value_states)  # (B, N, H, d)
@@ -282,7 +288,7 @@ def select_v1_strategy(implementation: str, query: torch.Tensor, paged: bool = F
     return V1Strategy.WIDE_VALUE
 
 
-def v1_differential_attention(
+def v1_attention_forward(
     module: nn.Module,
     attention_interface: Callable,
     strategy: V1Strategy,
@@ -343,7 +349,7 @@ class DiffAttentionV1(DiffAttention):
     """V1 (the paper): head h computes `RMSNorm((A1 - λ A2) V) (1 - λ_init)`, A_c = softmax(q_c k_cᵀ / √d), V 2d wide.
 
     The forward is `LlamaAttention.forward` with V1's head layout (`v1_component_major`) and the differential step
-    (`select_v1_strategy`, `v1_differential_attention`) in place of the attention call. V is cached as 2 H_kv heads
+    (`select_v1_strategy`, `v1_attention_forward`) in place of the attention call. V is cached as 2 H_kv heads
     of size d (its two halves), so every cache (dynamic, static, paged) holds what a Llama with 2 H_kv key/value heads
     of size d holds.
     """
@@ -356,10 +362,13 @@ class DiffAttentionV1(DiffAttention):
         self.diff_lambda = DiffLambdaV1(d, self.lambda_init, config.lambda_floor)
         self.subln = DiffRMSNorm(2 * d, eps=config.rms_norm_eps)
 
+    # Mirrors transformers.models.llama.modeling_llama.LlamaAttention.forward
+    # diff with Llama: V1's head layout (v1_component_major), a paged cache written once, v1_attention_forward in
+    # place of the attention call, subln
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
@@ -405,7 +414,7 @@ class DiffAttentionV1(DiffAttention):
 
         H, H_kv, d = query.shape[1] // 2, key.shape[1] // 2, self.head_dim
         batch, L = key.shape[0], key.shape[2]  # the paged cache packs every sequence into one batch row
-        attn_output, attn_weights = v1_differential_attention(
+        attn_output, attn_weights = v1_attention_forward(
             self,
             attention_interface,
             select_v1_strategy(implementation, query, paged=paged_cache is not None),
@@ -426,9 +435,12 @@ class DiffAttentionV1(DiffAttention):
 DIFF_ATTENTION_CLASSES = {1: DiffAttentionV1, 2: DiffAttentionV2}
 
 
+# Mirrors transformers.models.llama.modeling_llama.LlamaDecoderLayer
+# diff with Llama: the attention class by `config.diff_version`
 class DiffDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: DiffConfig, layer_idx: int):
         super().__init__()
+        self.hidden_size = config.hidden_size
         self.self_attn = DIFF_ATTENTION_CLASSES[config.diff_version](config=config, layer_idx=layer_idx)
         self.mlp = DiffMLP(config)
         self.input_layernorm = DiffRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -460,29 +472,18 @@ class DiffDecoderLayer(GradientCheckpointingLayer):
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states = self.mlp(hidden_states)
-        return residual + hidden_states
+        hidden_states = residual + hidden_states
+        return hidden_states
 
 
 # ---- Integration hooks ----
-# Every place where this model overrides or patches a transformers/PEFT internal beyond the standard model-file API.
+# Every place where this model overrides or patches a transformers internal beyond the standard model-file API.
 # Each hook names the internal it relies on and the test that fails if that internal changes under it. The mixins
 # come first in the model classes' bases, so their methods wrap transformers' with `super()`.
 
 
 class _PreTrainedModelHooks:
     """Hooks of every Diff model class (mixed into `DiffPreTrainedModel`)."""
-
-    def train(self, mode: bool = True):
-        # Relies on: bitsandbytes (0.50) `Linear4bit.forward` repacking a CPU 4-bit layer into an AVX512-BF16 inference
-        # layout on its first forward in eval mode without gradients (when `support_avx512bf16_for_cpu`); the repacked
-        # matmul has no autograd, so QLoRA on CPU silently stopped learning after any evaluation. `eval()` and
-        # `train()` (and from_pretrained, which ends with eval()) turn that repacking off: CPU 4-bit layers keep
-        # bitsandbytes' differentiable kernel. Guarded by tests/training/test_peft.py::test_qlora_4bit and
-        # tests/training/test_train.py::test_qlora_cli_keeps_learning_after_evaluations.
-        for module in self.modules():
-            if getattr(module, "support_avx512bf16_for_cpu", False):
-                module.support_avx512bf16_for_cpu = False
-        return super().train(mode)
 
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
@@ -563,6 +564,8 @@ class _GenerationHooks:
 # ---- Models ----
 
 
+# Mirrors transformers.models.llama.modeling_llama.LlamaPreTrainedModel
+# diff with Llama: hooks; fp32 modules per version; V1's λ initialisation
 class DiffPreTrainedModel(_PreTrainedModelHooks, PreTrainedModel):  # hooks: see "Integration hooks" above
     """Base class of every Diff model: weight initialisation (V1's λ vectors from N(0, `lambda_std`²)), the modules
     kept in fp32 per version (V1's λ vectors, strictly; V2's λ gate), and transformers' capabilities (sdpa, flash,
@@ -608,6 +611,7 @@ class DiffPreTrainedModel(_PreTrainedModelHooks, PreTrainedModel):  # hooks: see
                 init.normal_(param, mean=0.0, std=self.config.lambda_std)
 
 
+# Mirrors transformers.models.llama.modeling_llama.LlamaModel
 class DiffModel(DiffPreTrainedModel):
     """The bare decoder: embeddings, `config.num_hidden_layers` `DiffDecoderLayer`s (Llama's, with differential
     attention: `DiffAttentionV1` or `DiffAttentionV2` by `config.diff_version`) and the final RMSNorm.
@@ -621,7 +625,9 @@ class DiffModel(DiffPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList([DiffDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [DiffDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
         self.norm = DiffRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DiffRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
@@ -661,9 +667,8 @@ class DiffModel(DiffPreTrainedModel):
             past_key_values = DynamicCache(config=self.config)
         if position_ids is None:
             past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
-            position_ids = (
-                torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-            ).unsqueeze(0)
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
 
         causal_mask = create_causal_mask(
             config=self.config,
@@ -688,6 +693,8 @@ class DiffModel(DiffPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
 
+# Mirrors transformers.models.llama.modeling_llama.LlamaForCausalLM
+# diff with Llama: hooks; no `_fsdp_plan` yet (Llama's keeps lm_head's full weight under FSDP2)
 class DiffForCausalLM(_GenerationHooks, DiffPreTrainedModel, GenerationMixin):  # hooks: see "Integration hooks"
     """`DiffModel` with a language-modelling head (tied to the embeddings when `config.tie_word_embeddings`), for
     training and `generate` (every decoding strategy and cache transformers has, continuous batching included).
@@ -754,7 +761,8 @@ class DiffForCausalLM(_GenerationHooks, DiffPreTrainedModel, GenerationMixin):  
             use_cache=use_cache,
             **kwargs,
         )
-        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        hidden_states = outputs.last_hidden_state
+        hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
         logits = self.lm_head(hidden_states)
 
         loss = None
@@ -774,16 +782,22 @@ class DiffForCausalLM(_GenerationHooks, DiffPreTrainedModel, GenerationMixin):  
 # the last token that is not `config.pad_token_id` (left or right padding). Hooks: see "Integration hooks".
 
 
+# Mirrors transformers.models.llama.modeling_llama.LlamaForSequenceClassification
+# diff with Llama: hooks
 class DiffForSequenceClassification(_TaskHeadHooks, GenericForSequenceClassification, DiffPreTrainedModel):
     """`DiffModel` with a linear `score` head on the last token that is not `config.pad_token_id`; logits
     `(B, num_labels)`. transformers' generic head, as Llama's."""
 
 
+# Mirrors transformers.models.llama.modeling_llama.LlamaForTokenClassification
+# diff with Llama: hooks
 class DiffForTokenClassification(_TaskHeadHooks, GenericForTokenClassification, DiffPreTrainedModel):
     """`DiffModel` with a linear `score` head on every token; logits `(B, N, num_labels)`. transformers' generic
     head, as Llama's."""
 
 
+# Mirrors transformers.models.llama.modeling_llama.LlamaForQuestionAnswering
+# diff with Llama: hooks; the base model is `model` (Llama keeps `transformer` for old checkpoints)
 class DiffForQuestionAnswering(_TaskHeadHooks, GenericForQuestionAnswering, DiffPreTrainedModel):
     """`DiffModel` with a `qa_outputs` span head for extractive question answering; `start_logits` and
     `end_logits` `(B, N)`. transformers' generic head, as Llama's."""

@@ -98,6 +98,25 @@ def test_only_the_main_process_writes_the_card(tmp_path):
     assert not (tmp_path / "README.md").exists()
 
 
+@pytest.mark.parametrize(
+    "card_data, words",
+    [
+        ({"tags": ["x"], "license": "mit"}, "card_data holds 'tags'"),
+        ({"license": {"nested": "yaml"}}, "must be a string of at most 256"),
+        ({"language": ["en"] * 65}, "lists 65 values"),
+    ],
+)
+def test_card_data_the_card_cannot_carry_is_refused_before_anything_is_written(tmp_path, card_data, words):
+    """The config stores `conversion` as written (the model never reads it); the card, the one consumer of
+    `card_data`, checks it before the weights are written."""
+    model = tiny_model(2, conversion={"source": "x", "card_data": card_data})
+    with pytest.raises(ValueError, match=words):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=words):
+        diff_transformer.integrations.hub.diff_model_card(model.config)
+
+
 # ---- converter ----
 
 

@@ -17,7 +17,7 @@ from transformers.masking_utils import sdpa_mask
 
 from diff_transformer import kernels
 from diff_transformer.kernels import diff_attention_v1 as op_module
-from diff_transformer.kernels import differential_attention_v1
+from diff_transformer.kernels import triton_v1_attention
 from tests.helpers import REPOSITORY, load_script
 from tests.helpers.processes import run_json
 
@@ -106,9 +106,7 @@ def check(name, actual, expected, dtype):
 def run_and_compare(device, dtype, B, H, H_kv, N, L, d, causal=True, mask=None, seed=0, **options):
     query, key, value, lam = make_inputs(device, dtype, B, H, H_kv, N, L, d, seed)
     scaling = d**-0.5
-    out = differential_attention_v1(
-        query, key, value, lam, scaling=scaling, causal=causal, attention_mask=mask, **options
-    )
+    out = triton_v1_attention(query, key, value, lam, scaling=scaling, causal=causal, attention_mask=mask, **options)
     assert out.shape == (B, N, H, 2 * d) and out.dtype == dtype
     expected = reference(query, key, value, lam, scaling, causal, mask)
     check("out", out, expected, dtype)
@@ -193,7 +191,7 @@ def test_packed_sequences(device, dtype):
     cu_seqlens = torch.tensor([0, 13, 14, 31, 37], dtype=torch.int32, device=device)
     assert cu_seqlens[-1] == sum(lengths)
     query, key, value, lam = make_inputs(device, dtype, 1, 4, 2, 37, 37, 16)
-    out = differential_attention_v1(query, key, value, lam, scaling=0.25, cu_seqlens=cu_seqlens)
+    out = triton_v1_attention(query, key, value, lam, scaling=0.25, cu_seqlens=cu_seqlens)
     expected = reference(query, key, value, lam, 0.25, cu_seqlens=cu_seqlens)
     check("out", out, expected, dtype)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(device=device, dtype=dtype)
@@ -227,14 +225,14 @@ def test_single_query_uses_the_decode_kernel(device, dtype, monkeypatch):
         monkeypatch.setattr(module, name, launches[name])
     query, key, value, lam = make_inputs(device, dtype, 2, 4, 2, 1, 50, 16)
     with torch.no_grad():
-        out = differential_attention_v1(query, key, value, lam, scaling=0.25)
+        out = triton_v1_attention(query, key, value, lam, scaling=0.25)
     check("out", out, reference(query, key, value, lam, 0.25), dtype)
     assert launches["_decode_split_kernel"].count == 1 and launches["_decode_combine_kernel"].count == 1
     assert launches["_fwd_kernel"].count == 0
     # A prefill-sized query block goes to the FlashAttention kernel.
     query, key, value, lam = make_inputs(device, dtype, 1, 2, 1, 20, 20, 16)
     with torch.no_grad():
-        differential_attention_v1(query, key, value, lam, scaling=0.25)
+        triton_v1_attention(query, key, value, lam, scaling=0.25)
     assert launches["_fwd_kernel"].count == 1 and launches["_decode_split_kernel"].count == 1
 
 
@@ -295,7 +293,7 @@ def test_bad_input_is_named(change, message):
     options = {k: change.pop(k) for k in ("attention_mask", "cu_seqlens") if k in change}
     args.update(change)
     with pytest.raises(ValueError, match=message) as error:
-        differential_attention_v1(**args, scaling=0.25, **options)
+        triton_v1_attention(**args, scaling=0.25, **options)
     assert "\n" not in str(error.value)
 
 
@@ -311,8 +309,8 @@ sys.meta_path.insert(0, NoTriton())
 import torch
 from diff_transformer import kernels
 try:
-    kernels.differential_attention_v1(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16),
-                                      torch.tensor(0.5), scaling=0.25)
+    kernels.triton_v1_attention(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16),
+                                torch.tensor(0.5), scaling=0.25)
     error = None
 except RuntimeError as e:
     error = str(e)
@@ -321,6 +319,12 @@ print(json.dumps([kernels.triton_available(), kernels.is_available(), kernels.is
     triton_ok, available, available_cpu, error = run_json(script, env={}, block_diff_transformer=False)
     assert (triton_ok, available, available_cpu) == (False, False, False)
     assert "needs triton" in error and "is_available" in error
+
+
+def test_the_op_still_imports_under_its_old_name():
+    from diff_transformer.kernels import differential_attention_v1
+
+    assert differential_attention_v1 is triton_v1_attention
 
 
 def _has_nvidia_backend():

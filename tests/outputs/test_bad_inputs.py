@@ -308,27 +308,27 @@ def test_differential_attention_refuses_what_sdpa_refuses():
 )
 def test_kernel_refuses_cu_seqlens_outside_the_packed_rows(offsets, words):
     pytest.importorskip("triton")
-    from diff_transformer.kernels import differential_attention_v1
+    from diff_transformer.kernels import triton_v1_attention
 
     q, kv = torch.randn(1, 4, 6, 16), torch.randn(1, 4, 6, 16)
     with pytest.raises(ValueError, match=words):
-        differential_attention_v1(q, kv, kv, 0.5, scaling=0.25, cu_seqlens=torch.tensor(offsets, dtype=torch.int32))
+        triton_v1_attention(q, kv, kv, 0.5, scaling=0.25, cu_seqlens=torch.tensor(offsets, dtype=torch.int32))
 
 
 def test_kernel_refuses_integer_masks_and_bad_offsets_types():
     pytest.importorskip("triton")
-    from diff_transformer.kernels import differential_attention_v1
+    from diff_transformer.kernels import triton_v1_attention
 
     q, kv = torch.randn(1, 4, 5, 16), torch.randn(1, 4, 5, 16)
     mask = torch.ones(1, 1, 5, 5, dtype=torch.bool).tril()
     for dtype in (torch.int64, torch.uint8):
         with pytest.raises(ValueError, match=f"attention_mask has dtype {dtype}"):
-            differential_attention_v1(q, kv, kv, 0.5, scaling=0.25, attention_mask=mask.to(dtype))
+            triton_v1_attention(q, kv, kv, 0.5, scaling=0.25, attention_mask=mask.to(dtype))
     with pytest.raises(ValueError, match="int32 or int64"):
-        differential_attention_v1(q, kv, kv, 0.5, scaling=0.25, cu_seqlens=torch.tensor([0.0, 5.0]))
+        triton_v1_attention(q, kv, kv, 0.5, scaling=0.25, cu_seqlens=torch.tensor([0.0, 5.0]))
     with pytest.raises(ValueError, match="below the longest packed sequence"):
-        differential_attention_v1(q, kv, kv, 0.5, scaling=0.25, cu_seqlens=torch.tensor([0, 5]), max_seqlen=2)
-    out = differential_attention_v1(q, kv, kv, 0.5, scaling=0.25, cu_seqlens=torch.tensor([0, 2, 5]))  # int64 is fine
+        triton_v1_attention(q, kv, kv, 0.5, scaling=0.25, cu_seqlens=torch.tensor([0, 5]), max_seqlen=2)
+    out = triton_v1_attention(q, kv, kv, 0.5, scaling=0.25, cu_seqlens=torch.tensor([0, 2, 5]))  # int64 is fine
     assert out.shape == (1, 5, 2, 32) and out.isfinite().all()
 
 

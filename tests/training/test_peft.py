@@ -256,6 +256,18 @@ def test_adapter_on_converted_model_reloads_as_remote_code(tmp_path, converted, 
         torch.testing.assert_close(torch.tensor(got["logits"]), expected[version], rtol=0, atol=1e-5)
 
 
+def test_train_and_eval_keep_cpu_4bit_layers_differentiable():
+    """The package's bitsandbytes hook (not the checkpoint's code): `train()` and `eval()` turn off the CPU inference
+    repacking of 4-bit layers, whose matmul has no autograd. A stand-in attribute: no bitsandbytes needed."""
+    model = tiny_model(2)
+    layer = model.model.layers[0].mlp.up_proj
+    for switch in (model.train, model.eval):
+        layer.support_avx512bf16_for_cpu = True
+        switch()
+        assert layer.support_avx512bf16_for_cpu is False
+    assert "support_avx512bf16_for_cpu" not in Path(diff_transformer.modeling_diff.__file__).read_text()
+
+
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; run on a lent H100)")
 
 

@@ -69,6 +69,13 @@ def check_diff_checkpoint(directory: Path, *, name: str = "MODEL") -> None:
             f"{config_file} is not a valid Diff config ({' '.join(str(exc).split())[:200]}): fix it."
         ) from None
     check_model_config(config, f"{name} {directory}", build=False)
+    from ..integrations.hub import config_card_data_problem
+
+    problem = config_card_data_problem(config)
+    if problem:  # the card, built from it at every save, would refuse it after a run: refused before loading
+        raise CheckpointError(
+            f"{name} {directory}: config.json's conversion: {problem}: fix or remove conversion.card_data."
+        )
     layers = _stored_layers(shapes)
     if layers != config.num_hidden_layers:  # before anything is built: a config can claim any number of layers
         raise CheckpointError(

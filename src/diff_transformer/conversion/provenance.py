@@ -13,7 +13,7 @@ import re
 import stat
 from pathlib import Path
 
-from ..configuration_diff import CARD_DATA_KEYS, card_data_problem
+from ..integrations.hub import CARD_DATA_KEYS, card_data_problem
 from .source import SourceCheckpoint
 
 

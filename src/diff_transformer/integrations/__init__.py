@@ -2,19 +2,22 @@
 and `modeling_diff.py` import only torch, transformers and each other):
 
 * `attention`: `attn_implementation="diff_triton"` (V1's fused kernel) registered with transformers;
+* `bitsandbytes`: CPU 4-bit layers keep their differentiable kernel after `eval()` (QLoRA on CPU keeps learning);
 * `hub`: the model card, written by `save_pretrained`, `push_to_hub` and the converter;
 * `peft`: PEFT's default target modules for `model_type="diff"`;
 * `vllm`: the vLLM model and its plugin entry point (imports vLLM; never imported by `import diff_transformer`).
 
-`install()` applies the first three to the package's model classes; `import diff_transformer` calls it.
+`install()` applies the first four to the package's model classes; `import diff_transformer` calls it.
 """
 
 from .attention import register_diff_triton
+from .bitsandbytes import install_bitsandbytes_hooks
 from .hub import install_card_hooks
 from .peft import install_peft_hooks
 
 
 def install() -> None:
     register_diff_triton()
+    install_bitsandbytes_hooks()
     install_card_hooks()
     install_peft_hooks()

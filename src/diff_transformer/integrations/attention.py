@@ -37,7 +37,7 @@ def diff_triton_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     # transformers' sdpa mask is None exactly when plain causal attention over the last N of L keys is right.
-    output = kernels.differential_attention_v1(
+    output = kernels.triton_v1_attention(
         query,
         key,
         value,

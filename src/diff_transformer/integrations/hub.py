@@ -9,8 +9,43 @@ import os
 
 from transformers import PreTrainedModel
 
-from ..configuration_diff import CARD_DATA_KEYS, DiffConfig
+from ..configuration_diff import DiffConfig
 from ..modeling_diff import DiffPreTrainedModel
+
+
+# What `config.conversion["card_data"]` may hold: the source card's fields that must follow the weights (a derivative
+# keeps its source's licence), each a short string (`language`: or a list of them). The card sets base_model,
+# pipeline_tag and tags itself, so a config.json cannot put other YAML into the card through it.
+CARD_DATA_KEYS = ("license", "license_name", "license_link", "language")
+CARD_TEXT_MAX = 256  # characters of one value
+CARD_LIST_MAX = 64  # languages
+
+
+def card_data_problem(card_data) -> str | None:
+    """Why `card_data` cannot go into a model card (None: it can): the keys, types and sizes above."""
+    if not isinstance(card_data, dict):
+        return f"card_data must be a mapping, not {type(card_data).__name__}"
+    for key, value in card_data.items():
+        if key not in CARD_DATA_KEYS:
+            return f"card_data holds {key!r}: only {', '.join(CARD_DATA_KEYS)} are copied from a source card"
+        values = value if key == "language" and isinstance(value, list) else [value]
+        if len(values) > CARD_LIST_MAX:
+            return f"card_data[{key!r}] lists {len(values)} values (at most {CARD_LIST_MAX})"
+        for item in values:
+            if not isinstance(item, str) or len(item) > CARD_TEXT_MAX:
+                return f"card_data[{key!r}] must be a string of at most {CARD_TEXT_MAX} characters (or a list of them)"
+    return None
+
+
+def config_card_data_problem(config: DiffConfig) -> str | None:
+    """`card_data_problem` of a config's `conversion` (None: no conversion, or card data the card can carry)."""
+    return card_data_problem((config.conversion or {}).get("card_data") or {})
+
+
+def _check_card_data(config: DiffConfig) -> None:
+    problem = config_card_data_problem(config)
+    if problem:
+        raise ValueError(f"config.conversion: {problem}: fix or remove conversion.card_data in config.json.")
 
 
 # The text of the card transformers writes when a repo has none (`transformers.utils.hub.create_and_tag_model_card`).
@@ -78,7 +113,7 @@ def _card_data(config: DiffConfig):
         library_name="transformers",
         pipeline_tag=_task(config)[0],
         tags=tags,
-        **{key: value for key, value in (conversion.get("card_data") or {}).items() if key in CARD_DATA_KEYS},
+        **(conversion.get("card_data") or {}),  # checked by `diff_model_card`
     )
 
 
@@ -177,6 +212,7 @@ def diff_model_card(config: DiffConfig, model_id: str | None = None):
     """
     from huggingface_hub import ModelCard
 
+    _check_card_data(config)
     name = model_id or "PATH_OR_ID"
     variant, attention, lam = _version_texts(config)
     table = _architecture_table(config, attention)
@@ -227,6 +263,7 @@ def _save_pretrained(self, save_directory, *args, **kwargs):
     Guarded by tests/hub/test_card.py (test_save_pretrained_writes_a_card_with_architecture_and_lambda,
     test_a_readme_already_in_the_directory_is_kept, test_only_the_main_process_writes_the_card).
     """
+    _check_card_data(self.config)  # before anything is written, not after the weights
     readme = os.path.join(save_directory, "README.md")
     had_card = os.path.isfile(readme)
     PreTrainedModel.save_pretrained(self, save_directory, *args, **kwargs)
@@ -261,4 +298,11 @@ def install_card_hooks(model_class: type = DiffPreTrainedModel) -> None:
     model_class._upload_modified_files = _upload_modified_files
 
 
-__all__ = ["diff_model_card", "install_card_hooks", "TRANSFORMERS_PLACEHOLDER_CARD"]
+__all__ = [
+    "CARD_DATA_KEYS",
+    "TRANSFORMERS_PLACEHOLDER_CARD",
+    "card_data_problem",
+    "config_card_data_problem",
+    "diff_model_card",
+    "install_card_hooks",
+]

@@ -238,7 +238,7 @@ def _backward(p: _Problem, query, key, value, lam, out, o2, lse1, lse2, grad_out
     return dquery, dkey, dvalue, dlam
 
 
-class _DifferentialAttentionV1(torch.autograd.Function):
+class _TritonV1Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, lam, problem, path, save_o2, atomic_dq):
         out, o2, lse1, lse2 = _forward(problem, query, key, value, lam, path, save_o2)
@@ -262,7 +262,7 @@ def select_path(n_queries: int, n_heads: int, n_kv_heads: int, packed: bool = Fa
     return "prefill"
 
 
-def differential_attention_v1(
+def triton_v1_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -320,14 +320,14 @@ def differential_attention_v1(
         ```python
         from diff_transformer import kernels
         if kernels.is_available(query.device):
-            out = kernels.differential_attention_v1(query, key, value, lam, scaling=d**-0.5)  # (B, N, H, 2d)
+            out = kernels.triton_v1_attention(query, key, value, lam, scaling=d**-0.5)  # (B, N, H, 2d)
         ```
     """
     if not isinstance(lam, torch.Tensor):
         lam = torch.tensor(float(lam))
     if not triton_available():
         raise RuntimeError(
-            "differential_attention_v1 needs triton (pip install triton); check "
+            "triton_v1_attention needs triton (pip install triton); check "
             "diff_transformer.kernels.is_available() before calling it"
         )
     _validate(query, key, value, lam, attention_mask, cu_seqlens, path)
@@ -344,7 +344,7 @@ def differential_attention_v1(
             max_seqlen = longest
         elif not longest <= max_seqlen:
             raise ValueError(
-                f"differential_attention_v1: max_seqlen {max_seqlen} is below the longest packed sequence ({longest})"
+                f"triton_v1_attention: max_seqlen {max_seqlen} is below the longest packed sequence ({longest})"
             )
     # The kernels need unit column stride and int32 offsets inside one head's (rows, d) slice.
     query, key, value = (
@@ -358,8 +358,8 @@ def differential_attention_v1(
     atomic = ATOMIC_DQ if atomic_dq is None else bool(atomic_dq)
     if query.device.type == "cuda":
         with torch.cuda.device(query.device):
-            return _DifferentialAttentionV1.apply(query, key, value, lam32, problem, path, needs_grad, atomic)
-    return _DifferentialAttentionV1.apply(query, key, value, lam32, problem, path, needs_grad, atomic)
+            return _TritonV1Attention.apply(query, key, value, lam32, problem, path, needs_grad, atomic)
+    return _TritonV1Attention.apply(query, key, value, lam32, problem, path, needs_grad, atomic)
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, n: int) -> int:
@@ -370,7 +370,7 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, n: int) -> int:
     if offsets[0] != 0 or offsets[-1] != n or any(b < a for a, b in zip(offsets, offsets[1:], strict=False)):
         shown = offsets if len(offsets) <= 8 else [*offsets[:4], "...", *offsets[-2:]]
         raise ValueError(
-            f"differential_attention_v1: cu_seqlens {shown} must start at 0, never decrease and end at N={n} (the "
+            f"triton_v1_attention: cu_seqlens {shown} must start at 0, never decrease and end at N={n} (the "
             "packed length): the offsets of each sequence's first token, then the total."
         )
     return max(b - a for a, b in zip(offsets, offsets[1:], strict=False))
@@ -378,7 +378,7 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, n: int) -> int:
 
 def _validate(query, key, value, lam, attention_mask, cu_seqlens, path):
     def fail(message):
-        raise ValueError(f"differential_attention_v1: {message}")
+        raise ValueError(f"triton_v1_attention: {message}")
 
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         fail(
