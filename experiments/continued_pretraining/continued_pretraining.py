@@ -51,8 +51,10 @@ NAMES = {
     "v2": "Diff V2 (converted)",
     "v1": "Diff V1, paper init",
     "v1-wu": "Diff V1, paper init + λ warm-up",
-    "v1cal": "Diff V1, calibrated init",
-    "v1cal-wu": "Diff V1, calibrated init + λ warm-up",
+    "v1cal": "Diff V1, calibrated init (differential, λ > 0)",
+    "v1cal-wu": "Diff V1, calibrated init (differential) + λ warm-up",
+    "v1add": "Diff V1, calibrated additive init (λ < 0 at start)",
+    "v1exp": "Diff V1, expanded layout, calibrated (differential)",
     "v1cal0": "Diff V1, calibrated init with λ = 0",
     "v1cal0-wu": "Diff V1, calibrated init with λ = 0 + λ warm-up",
 }
@@ -63,16 +65,20 @@ COLORS = {
     "v1-wu": "tab:orange",
     "v1cal": "tab:green",
     "v1cal-wu": "tab:olive",
+    "v1add": "tab:brown",
+    "v1exp": "tab:cyan",
     "v1cal0": "tab:purple",
     "v1cal0-wu": "tab:pink",
 }
-# How each configuration's model is made: (diff_version, v1_init) or None for the source itself.
+# How each configuration's model is made: (diff_version, v1_init, v1_layout) or None for the source itself.
 CONVERSIONS = {
     "llama": None,
-    "v2": (2, None),
-    "v1": (1, "paper"),
-    "v1cal": (1, "calibrated"),
-    "v1cal0": (1, "calibrated-lambda0"),
+    "v2": (2, None, None),
+    "v1": (1, "paper", None),
+    "v1cal": (1, "calibrated", None),
+    "v1cal0": (1, "calibrated-lambda0", None),
+    "v1add": (1, "calibrated-additive", None),
+    "v1exp": (1, "calibrated", "expanded"),
 }
 SETTINGS = ("steps", "batch_size", "block_size", "lr", "warmup_steps", "eval_every", "seeds", "lambda_warmup_steps")
 
@@ -442,9 +448,10 @@ def main(argv=None) -> int:
         for key, conversion in CONVERSIONS.items():
             if conversion is None or not any(name.split("-")[0] == key for name in args.models):
                 continue
-            version, v1_init = conversion
+            version, v1_init, v1_layout = conversion
             target = work / f"tiny-diff-{key}-seed{seed}"
             options = {"v1_init": v1_init} if v1_init else {}
+            options |= {"v1_layout": v1_layout} if v1_layout else {}
             convert_to_diff(
                 LLAMA, target, diff_version=version, progress=False, seed=seed, overwrite=args.overwrite, **options
             )

@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -62,15 +63,18 @@ def test_convert_command_verifies_v2(tmp_path, capsys):
     assert config["model_type"] == "diff" and config["diff_version"] == 2
 
 
-def test_convert_command_v1_odd_heads_is_refused(tmp_path):
+def test_convert_command_v1_odd_heads_says_it_uses_the_expanded_layout(tmp_path):
     _tiny_llama(tmp_path / "llama", num_attention_heads=3, num_key_value_heads=3)
     before = sorted((p.name, p.read_bytes()) for p in (tmp_path / "llama").iterdir())
     result = _cli("convert", tmp_path / "llama", tmp_path / "diff", "--diff-version", "1", "--quiet")
-    assert result.returncode == 2
-    message = result.stderr.strip().splitlines()[-1]
-    assert message.startswith("error: ") and "diff_version=2" in message
-    assert not (tmp_path / "diff").exists()
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stdout.splitlines() if line.startswith("V1 layout:")]
+    assert notes == [notes[0]] and "expanded" in notes[0] and "cannot be paired" in notes[0]
+    assert json.loads((tmp_path / "diff" / "config.json").read_text())["num_attention_heads"] == 3
     assert sorted((p.name, p.read_bytes()) for p in (tmp_path / "llama").iterdir()) == before
+    refused = _cli("convert", tmp_path / "llama", tmp_path / "d2", "--diff-version", "1", "--v1-layout", "paired")
+    assert refused.returncode == 2 and "--v1-layout expanded" in refused.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "d2").exists()
 
 
 # --- one clear line instead of a traceback (exit 2, the input named, the fix given) -------------------------------

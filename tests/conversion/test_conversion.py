@@ -494,12 +494,50 @@ def test_v1_pairs_queries_with_the_keys_they_were_trained_with(tmp_path, heads, 
     "heads,kv_heads,hidden",
     [(3, 3, 36), (6, 3, 48), (9, 3, 36), (4, 1, 32)],
 )
-def test_v1_refuses_odd_head_counts(tmp_path, heads, kv_heads, hidden):
+def test_v1_expanded_layout_for_head_counts_that_cannot_pair(tmp_path, heads, kv_heads, hidden):
+    """Odd (or unpairable) head counts convert to the expanded layout: one differential head per Llama head whose q1,
+    k1 and first value half are the Llama's rows, q2/k2 copies of them, a second value half behind zero o_proj
+    columns; λ = λ_init > 0. A2 = A1, so at step 0 the output does not depend on λ (checked by moving λ)."""
     src = make_llama(tmp_path / "llama", num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=hidden)
     digest = tree_digest(src)
-    with pytest.raises(ConversionError, match=r"even num_attention_heads and num_key_value_heads.*use diff_version=2"):
-        convert_llama_to_diff(src, tmp_path / "diff", diff_version=1, progress=False)
-    assert not (tmp_path / "diff").exists() and tree_digest(src) == digest
+    with pytest.raises(ConversionError, match=r"paired V1 layout needs even .*use --v1-layout expanded"):
+        convert_llama_to_diff(src, tmp_path / "refused", diff_version=1, v1_layout="paired", progress=False)
+    assert not (tmp_path / "refused").exists()
+    out = convert_llama_to_diff(src, tmp_path / "diff", diff_version=1, v1_init="paper", progress=False)
+    assert tree_digest(src) == digest
+    config = json.loads((out / "config.json").read_text())
+    assert config["conversion"]["v1_layout"] == "expanded" and config["lambda_floor"] is None
+    d = hidden // heads
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (heads, kv_heads, d)
+    source, converted = load_file(src / "model.safetensors"), out_state(out)
+    p = "model.layers.1.self_attn."
+    q, k, v = (converted[p + f"{n}_proj.weight"] for n in "qkv")
+    llama_q, llama_k, llama_v = (source[p + f"{n}_proj.weight"] for n in "qkv")
+    assert torch.equal(q.view(heads, 2, d, hidden)[:, 0], llama_q.view(heads, d, hidden))
+    assert torch.equal(q.view(heads, 2, d, hidden)[:, 1], llama_q.view(heads, d, hidden))
+    assert torch.equal(k.view(kv_heads, 2, d, hidden)[:, 0], llama_k.view(kv_heads, d, hidden))
+    assert torch.equal(k.view(kv_heads, 2, d, hidden)[:, 1], llama_k.view(kv_heads, d, hidden))
+    halves = v.view(kv_heads, 2, d, hidden)
+    assert torch.equal(halves[:, 0], llama_v.view(kv_heads, d, hidden))
+    assert 0 < halves[:, 1].abs().max() < 0.05 * llama_v.abs().max()  # small noise, not zero: no saddle
+    o_proj = converted[p + "o_proj.weight"].view(hidden, heads, 2, d)
+    assert torch.equal(o_proj[:, :, 0], source[p + "o_proj.weight"].view(hidden, heads, d))
+    assert not o_proj[:, :, 1].any()
+    model = DiffForCausalLM.from_pretrained(out).eval()
+    lam = model.model.layers[1].self_attn.diff_lambda
+    assert lam().item() == pytest.approx(0.8 - 0.6 * math.exp(-0.3), abs=1e-6) and lam.lambda_q1.abs().min() > 0
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits
+        for layer in model.model.layers:  # λ up by about 0.26 (λq2·λk2 lowered by 0.3), still below 1
+            module = layer.self_attn.diff_lambda
+            module.lambda_q2.sub_(0.3 * module.lambda_k2 / module.lambda_k2.square().sum())
+        assert model.model.layers[1].self_attn.diff_lambda().item() > lam.lambda_init + 0.1
+        moved = model(ids).logits
+        assert (moved - before).abs().max() < 1e-3  # only the norm's eps sees the factor (1 - λ)
+        q_proj = model.model.layers[1].self_attn.q_proj.weight.view(heads, 2, d, hidden)
+        q_proj[:, 1] += 0.5 * torch.randn(q_proj[:, 1].shape, generator=torch.Generator().manual_seed(1))
+        assert (model(ids).logits - moved).abs().max() > 1e-2  # once A2 differs from A1, λ matters
 
 
 # ----------------------------------------------------------------------------------------------------------------

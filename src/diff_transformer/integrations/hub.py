@@ -58,8 +58,8 @@ _CONVERSION_METHODS = {
         "pretraining lets the two queries of each pair diverge."
     ),
     ("llama", 1): (
-        "Pairs of source heads became differential heads (each query kept with the key/value head it was trained "
-        "with), every weight reused, with fresh λ vectors: continue pretraining before use."
+        "Source heads became differential heads (paired: each query kept with the key/value head it was trained "
+        "with, every weight reused; expanded: see below), with fresh λ vectors: continue pretraining before use."
     ),
     ("diffllama", 1): (
         "Imported from transformers' DiffLlama into the V1 (paper) layout with the head permutation that reproduces "
@@ -181,23 +181,43 @@ def _provenance(config: DiffConfig) -> str:
 
 
 def _v1_init(conversion: dict) -> str:
-    """How a Llama -> V1 conversion started (`convert --v1-init`)."""
+    """How a Llama -> V1 conversion started (`convert --v1-init`, `--v1-layout`)."""
+    layout = ""
+    if conversion.get("v1_layout") == "expanded":
+        layout = (
+            " Layout: expanded (the source's heads could not be paired, or --v1-layout expanded was asked): one "
+            "differential head per source head; q2 and k2 started as copies of q1 and k1 (A2 = A1 at step 0) and a "
+            "second value half was added behind zero `o_proj` columns."
+        )
     if conversion.get("v1_init") == "paper":
-        return " Start: the paper's (λ_init depth schedule, λ vectors drawn at random, unit sub-layer norm gains)."
-    if "calibration_tokens" not in conversion:  # no calibrated V1 start (either kind) recorded
-        return ""
+        return layout + (
+            " Start: the paper's (λ_init depth schedule, λ vectors drawn at random, unit sub-layer norm gains)."
+        )
+    if "calibration_tokens" not in conversion:  # no calibrated V1 start recorded
+        return layout
     blocks, length = conversion["calibration_tokens"]
-    if "lambda_start" in conversion:
-        lambdas = ", ".join(f"{value:g}" for value in conversion.get("lambda_start", ()))
+    lambdas = ", ".join(f"{value:g}" for value in conversion.get("lambda_start", ()))
+    if conversion.get("v1_init") == "calibrated-additive":
         start = (
-            f"λ_init = 0 and each layer's λ fitted on text ({lambdas}), set through λq2 so it learns from the first "
-            "step; "
+            f"additive: λ_init = 0 and each layer's λ fitted on text ({lambdas}), set through λq2; λ < 0 ADDS the "
+            "second attention map instead of subtracting it, which starts closer to the source but is not "
+            "differential attention until training makes λ positive (no floor keeps it so); "
+        )
+    elif "lambda_start" in conversion:
+        start = (
+            f"differential: λ_init = 0 and each layer's λ fitted on text in [0.1, 0.5] ({lambdas}), set through λq2 "
+            "so it learns from the first step, and kept above `lambda_floor` throughout training; "
+        )
+    elif conversion.get("v1_layout") == "expanded":
+        start = (
+            "differential: λ = the paper's λ_init per layer (λq2 = λq1, λk2 = λk1), kept above `lambda_floor` "
+            "throughout training; "
         )
     else:
         start = "λ_init = 0 with λq2 = λq1 and λk2 = λk1, so λ = 0 exactly at step 0 and learns from the first step; "
-    return (
-        f" Start: calibrated. {start}the sub-layer norm gains were fitted per layer, in layer order, by least squares "
-        "so that each differential head's normalised output approximates the source's pair of heads, on "
+    return layout + (
+        f" Start: calibrated, {start}`o_proj` was refitted per layer, in layer order, by least squares so that the "
+        "normalised differential heads reproduce the source's attention output, on "
         f"{conversion.get('calibration_text')} ({blocks} blocks of {length} tokens)."
     )
 
