@@ -69,6 +69,29 @@ def test_v1_lambda_schedule_and_constant():
     assert tiny_model(1, lambda_init=0.5).model.layers[1].self_attn.lambda_init == 0.5
 
 
+def test_v1_lambda_floor_keeps_lambda_above_it_and_leaves_it_alone_above():
+    """λ = m + softplus₁₀₀(λ_paper − m): at least m (also where the paper's λ is far below, e.g. −3), the paper's λ
+    within 3e-9 from m + 0.2 up, and a gradient through it near the floor."""
+    module = tiny_model(1, lambda_floor=0.05).model.layers[0].self_attn.diff_lambda
+    plain = tiny_model(1).model.layers[0].self_attn.diff_lambda
+    assert module.lambda_floor == 0.05 and plain.lambda_floor is None
+    with torch.no_grad():
+        for target in (-3.0, 0.0, 0.05, 0.1, 0.25, 0.6, 0.95):  # set the paper's λ through λq2 (λk2 non-zero)
+            for lam in (module, plain):
+                lam.lambda_q1.zero_(), lam.lambda_k1.zero_(), lam.lambda_k2.fill_(1.0)
+                s2 = math.log(1.0 + lam.lambda_init - target)  # exp(0) − exp(s2) + λ_init = target
+                lam.lambda_q2.fill_(s2 / lam.lambda_k2.numel())
+            paper, floored = plain().item(), module().item()
+            assert paper == pytest.approx(target, abs=1e-6)
+            assert floored == pytest.approx(0.05 + math.log1p(math.exp(100 * (paper - 0.05))) / 100, abs=1e-6)
+            assert floored > 0.05
+            if paper >= 0.25:
+                assert floored == pytest.approx(paper, abs=1e-7)
+    module.lambda_q2.requires_grad_(True)
+    module().backward()
+    assert module.lambda_q2.grad.abs().sum() > 0
+
+
 def test_parameter_layout_matches_design():
     H, H_kv, d, D = 4, 2, 6, 48
     for version, shapes in {
@@ -328,6 +351,9 @@ def test_meta_device_and_device_map_loading(tmp_path, diff_version):
         (dict(hidden_size=40, num_attention_heads=4), "head_dim=5"),
         (dict(lambda_init=1.5), "lambda_init"),
         (dict(lambda_std=-1.0), "lambda_std"),
+        (dict(lambda_floor=1.0), "lambda_floor"),
+        (dict(lambda_floor=-0.1), "lambda_floor"),
+        (dict(lambda_floor=math.nan), "lambda_floor"),
         (dict(diff_version=1, attention_dropout=0.1), "attention_dropout"),
         (dict(num_key_value_heads=0), "num_key_value_heads"),
     ],
