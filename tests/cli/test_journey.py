@@ -422,6 +422,8 @@ def test_console_shows_one_lambda_summary_and_the_logs_keep_every_layer(journey)
         assert f"'loss': '{entry['loss']:.4g}'" in line and "'grad_norm'" in line and "'learning_rate'" in line
         summary = " / ".join(f"{v:.4g}" for v in (sum(layers) / len(layers), min(layers), max(layers)))
         assert f"'lambda mean/min/max': '{summary}'" in line
+        negative = sum(value < 0 for value in layers)  # the sign: layers that add their second map
+        assert entry["lambda_negative_layers"] == negative and f"'layers with lambda < 0': '{negative} of 4'" in line
 
 
 def test_lora_runs_show_no_upstream_deprecation_warning(journey, tmp_path, monkeypatch):

@@ -41,7 +41,8 @@ class LambdaLoggingCallback(TrainerCallback):
       (population) std unchanged.
 
     Plus `lambda_mean`, `lambda_min`, `lambda_max`: the mean, least and greatest of the per-layer λ (means) above,
-    the one λ figure the console shows (`console_logs`).
+    the one λ figure the console shows (`console_logs`), and `lambda_negative_layers`: how many layers have λ < 0
+    (they add their second attention map instead of subtracting it), shown on the console as "k of L".
 
     It must run before the reporting callbacks: `train.build_trainer` puts it first in the callback list.
     """
@@ -94,6 +95,8 @@ class LambdaLoggingCallback(TrainerCallback):
         layers = [value for key, value in values.items() if key.startswith("lambda/")]
         if layers:
             values.update(lambda_mean=sum(layers) / len(layers), lambda_min=min(layers), lambda_max=max(layers))
+            # λ's sign: a layer with λ < 0 adds its second map instead of subtracting it (V2's λ is a sigmoid)
+            values["lambda_negative_layers"] = sum(value < 0 for value in layers)
         _add_to_log(state, logs, values)
 
     def remove(self):
@@ -191,10 +194,14 @@ def last_lambda_summary(log_history: list[dict]) -> str | None:
 
 def _console_view(logs: dict) -> dict:
     """What a person reads on the console: loss, lr, grad norm, ... and λ as one "mean / min / max" entry."""
-    view = {k: v for k, v in logs.items() if not k.startswith(_PER_LAYER) and k not in LAMBDA_SUMMARY}
+    hidden = (*LAMBDA_SUMMARY, "lambda_negative_layers")
+    view = {k: v for k, v in logs.items() if not k.startswith(_PER_LAYER) and k not in hidden}
     summary = lambda_summary(logs)
     if summary is not None:
         view["lambda mean/min/max"] = summary
+    if "lambda_negative_layers" in logs:
+        layers = sum(key.startswith("lambda/") for key in logs)
+        view["layers with lambda < 0"] = f"{logs['lambda_negative_layers']} of {layers}"
     return view
 
 
