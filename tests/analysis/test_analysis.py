@@ -239,6 +239,14 @@ def test_inspect_writes_png_and_json(tmp_path, capsys, diff_version):
     torch.testing.assert_close(torch.tensor(report["second"]), entry.second[0, 3])
     assert torch.tensor(report["metrics"]["entropy"]).shape == (2, 4)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+    printed = capsys.readouterr().out
+    lambdas = [
+        float(layer.lam.float().mean()) for layer in attention_maps(model, torch.tensor([[5, 17, 42, 8, 9, 30]]))
+    ]
+    negative = sum(value < 0 for value in lambdas)
+    assert f"λ per layer ({'mean over tokens and heads' if diff_version == 2 else 'one per layer'}): " in printed
+    assert ", ".join(f"{value:+.3f}" for value in lambdas) in printed
+    assert f"{negative} of 2 layers have λ < 0" in printed
 
 
 def test_inspect_on_the_shipped_llama(tmp_path):

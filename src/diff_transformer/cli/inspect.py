@@ -205,6 +205,14 @@ def run(args) -> int:
     figure = head_figure(entries, args.layer, args.head, tokens=tokens, title=title)
     _write_atomically(out, lambda path: figure.savefig(path, dpi=args.dpi))
     print(f"wrote {out} ({name}, layer {args.layer}, head {args.head})")
+    lambdas = [float(entry.lam.float().mean()) for entry in entries if entry.lam is not None]
+    if lambdas:  # λ's sign: a layer with λ < 0 adds its second map instead of subtracting it
+        each = "mean over tokens and heads" if kind == "diff-v2" else "one per layer"
+        negative = sum(value < 0 for value in lambdas)
+        print(
+            f"λ per layer ({each}): {', '.join(f'{value:+.3f}' for value in lambdas)}; {negative} of {len(lambdas)} "
+            "layers have λ < 0 (they add their second map instead of subtracting it)"
+        )
     if grid_out is not None:
         from diff_transformer.analysis.plotting import metric_grid
 
