@@ -61,6 +61,9 @@ def attention_v1(sd, p, config, layer_idx, x, cos, sin, mask):
     lq1, lk1, lq2, lk2 = (sd[p + f"diff_lambda.lambda_{n_}"].float() for n_ in ("q1", "k1", "q2", "k2"))
     lambda_init = config.lambda_init if config.lambda_init is not None else 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
     lam = torch.exp((lq1 * lk1).sum()) - torch.exp((lq2 * lk2).sum()) + lambda_init
+    floor = getattr(config, "lambda_floor", None)
+    if floor is not None:  # m + (1/100) log(1 + exp(100 (λ − m))), written out (logaddexp(0, x) = log(1 + e^x))
+        lam = floor + torch.logaddexp(torch.zeros(()), 100.0 * (lam - floor)) / 100.0
     heads, maps = [], []
     for h in range(H):
         g = h // (H // H_kv)

@@ -26,6 +26,7 @@ HONOURED = (
     "mlp_bias",
     "diff_version",
     "lambda_init",
+    "lambda_floor",
     "use_qk_norm",
 )
 REFUSED_UNLESS = {"hidden_act": ("silu",)}
