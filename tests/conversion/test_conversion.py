@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DiffLlamaForCausalLM, LlamaForCausalLM
 
 from diff_transformer import DiffForCausalLM
+from diff_transformer.analysis import attention_maps
 from diff_transformer.conversion import (
     ConversionError,
     convert_diffllama_to_diff,
@@ -527,6 +528,9 @@ def test_v1_expanded_layout_for_head_counts_that_cannot_pair(tmp_path, heads, kv
     lam = model.model.layers[1].self_attn.diff_lambda
     assert lam().item() == pytest.approx(0.8 - 0.6 * math.exp(-0.3), abs=1e-6) and lam.lambda_q1.abs().min() > 0
     ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    maps = attention_maps(model, ids)[1]  # analysis sees A2 = A1 and the differential map (1 - λ) A1
+    torch.testing.assert_close(maps.second, maps.first)
+    torch.testing.assert_close(maps.differential, (1 - lam().item()) * maps.first)
     with torch.no_grad():
         before = model(ids).logits
         for layer in model.model.layers:  # λ up by about 0.26 (λq2·λk2 lowered by 0.3), still below 1

@@ -49,9 +49,16 @@ def padded_batch(model, lengths=(13, 9, 4)):
     return ids, mask
 
 
-@pytest.mark.parametrize("num_key_value_heads", [4, 2, 1], ids=["mha", "gqa2", "gqa4"])
-def test_fused_v1_matches_eager_on_a_padded_batch(strategies, fused_on_cpu, num_key_value_heads):
-    model = tiny_model(1, num_key_value_heads=num_key_value_heads)
+@pytest.mark.parametrize(
+    "heads",
+    [(4, 4, None), (4, 2, None), (4, 1, None), (3, 3, 8), (9, 3, 8)],
+    ids=["mha", "gqa2", "gqa4", "odd-mha", "odd-gqa3"],  # odd: what the expanded conversion makes (SmolLM2: 9 over 3)
+)
+def test_fused_v1_matches_eager_on_a_padded_batch(strategies, fused_on_cpu, heads):
+    num_attention_heads, num_key_value_heads, head_dim = heads
+    model = tiny_model(
+        1, num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=head_dim
+    )
     twin = fused_twin(model)
     ids, mask = padded_batch(model)
     with torch.no_grad():

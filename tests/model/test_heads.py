@@ -240,6 +240,13 @@ def test_sequence_classifier_converts_to_v2_with_identical_scores(tmp_path, caps
     v1 = convert_to_diff(tmp_path / "src", tmp_path / "v1", diff_version=1, progress=False)
     v1, info = DiffForSequenceClassification.from_pretrained(v1, output_loading_info=True)
     assert not any(info.values()) and torch.equal(v1.score.weight, source.score.weight), info
+    # and so does the expanded V1 layout (the one odd head counts get), with one differential head per source head
+    wide = convert_to_diff(tmp_path / "src", tmp_path / "v1x", diff_version=1, v1_layout="expanded", progress=False)
+    wide, info = DiffForSequenceClassification.from_pretrained(wide, output_loading_info=True)
+    assert not any(info.values()) and torch.equal(wide.score.weight, source.score.weight), info
+    assert wide.config.num_attention_heads == config.num_attention_heads
+    with torch.no_grad():
+        assert wide(ids, attention_mask=PADDED_MASK).logits.isfinite().all()
 
 
 @pytest.mark.parametrize("source_class", [LlamaForTokenClassification, LlamaForQuestionAnswering])
