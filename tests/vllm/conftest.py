@@ -38,6 +38,11 @@ def models(tmp_path_factory):
                 "rope_theta": 10000.0,
             },
         ),
+        # V1 as the expanded conversion makes it for odd head counts (SmolLM2: 9 over 3): 3 differential heads over 1
+        # group, with the λ floor of the differential start.
+        "v1-odd-random": random_model(
+            root / "v1-odd-random", 1, hidden_size=48, num_attention_heads=3, num_key_value_heads=1, lambda_floor=0.05
+        ),
     }
     for version in (2, 1):
         built[f"tiny-llama-v{version}"] = convert_llama_to_diff(

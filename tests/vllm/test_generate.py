@@ -8,12 +8,12 @@ pytest.importorskip("vllm", reason="needs vLLM (the environment .ci/run builds f
 from tests.vllm.helpers import reference_greedy, run_vllm_generate  # noqa: E402
 
 
-MODELS = ["v1-random", "v2-random", "tiny-llama-v2", "tiny-llama-v1"]
+MODELS = ["v1-random", "v2-random", "tiny-llama-v2", "tiny-llama-v1", "v1-odd-random"]
 
 
 @pytest.fixture(scope="module")
 def vllm_tokens(models, prompts, tmp_path_factory):
-    # One child process loads the four models one after the other (each engine start costs tens of seconds).
+    # One child process loads the models one after the other (each engine start costs tens of seconds).
     return run_vllm_generate([models[name] for name in MODELS], prompts, tmp_path_factory.mktemp("job"))
 
 
