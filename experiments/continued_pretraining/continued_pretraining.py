@@ -4,6 +4,9 @@
                                                                          # ~1 h on one idle core
     python experiments/continued_pretraining/continued_pretraining.py --models llama v1cal --seeds 0 --steps 40
     python experiments/continued_pretraining/continued_pretraining.py --merge a.json b.json  # several partial runs
+    python -m tests.helpers.smollm2 smollm2 && python experiments/continued_pretraining/continued_pretraining.py \
+        --source smollm2 --models llama v2 v1cal --seeds 0 --steps 150 --block-size 1024 --batch-size 1 \
+        --eval-every 50 --gradient-checkpointing --stem smollm2_150   # the real checkpoint (hours on a CPU)
 
 1. Convert `src/diff_transformer/assets/tiny-llama` (a 2.1M-parameter Llama trained by scripts/train_tiny_llama.py on
    four Jane Austen novels) to Diff V2 (function-preserving) and to Diff V1 three times: the paper's start
@@ -110,6 +113,14 @@ def parse_args(argv=None):
     )
     p.add_argument("--results", type=Path, default=HERE / "results", help="where the raw results (.json) go")
     p.add_argument("--stem", default="continued_pretraining", help="their file name without the suffix")
+    p.add_argument(
+        "--source",
+        type=Path,
+        default=LLAMA,
+        help="the Llama-family checkpoint to convert and train (default: the shipped tiny Llama; e.g. SmolLM2-135M "
+        "built by `python -m tests.helpers.smollm2 DIR`)",
+    )
+    p.add_argument("--gradient-checkpointing", action="store_true", help="passed to `diff-transformer train`")
     p.add_argument("--data", type=Path, default=REPO / "data" / "corpus.txt")
     p.add_argument("--heldout", type=Path, default=REPO / "data" / "heldout.txt")
     p.add_argument(
@@ -147,6 +158,8 @@ def train(name: str, model: Path, out: Path, seed: int, args) -> dict:
         argv.append("--overwrite")
     if name == "llama":
         argv.append("--any-model")
+    if args.gradient_checkpointing:
+        argv.append("--gradient-checkpointing")
     if name.endswith("-wu"):
         argv += ["--lambda-warmup-steps", str(args.lambda_warmup_steps)]
     print(f"\n=== {NAMES[name]}, seed {seed}: diff-transformer {' '.join(argv)}", flush=True)
@@ -374,6 +387,8 @@ def check_args(args) -> str | None:
             return f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1"
     if args.threads is not None and args.threads < 1:
         return f"--threads {args.threads} must be at least 1"
+    if not (args.source / "config.json").is_file():
+        return f"--source {args.source} is not a checkpoint directory (no config.json): pass one"
     if args.workdir is not None:
         try:
             work = check_target(args.workdir, name="--workdir")
@@ -444,7 +459,7 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     results = {name: {"name": NAMES[name], "runs": {}} for name in args.models}
     for seed in args.seeds:
-        models = {"llama": LLAMA}
+        models = {"llama": args.source}
         for key, conversion in CONVERSIONS.items():
             if conversion is None or not any(name.split("-")[0] == key for name in args.models):
                 continue
@@ -453,7 +468,13 @@ def main(argv=None) -> int:
             options = {"v1_init": v1_init} if v1_init else {}
             options |= {"v1_layout": v1_layout} if v1_layout else {}
             convert_to_diff(
-                LLAMA, target, diff_version=version, progress=False, seed=seed, overwrite=args.overwrite, **options
+                args.source,
+                target,
+                diff_version=version,
+                progress=False,
+                seed=seed,
+                overwrite=args.overwrite,
+                **options,
             )
             models[key] = target
         for name in args.models:
