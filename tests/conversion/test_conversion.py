@@ -503,6 +503,8 @@ def test_v1_expanded_layout_for_head_counts_that_cannot_pair(tmp_path, heads, kv
     digest = tree_digest(src)
     with pytest.raises(ConversionError, match=r"paired V1 layout needs even .*use --v1-layout expanded"):
         convert_llama_to_diff(src, tmp_path / "refused", diff_version=1, v1_layout="paired", progress=False)
+    with pytest.raises(ConversionError, match=r"no additive start: use --v1-init calibrated"):
+        convert_llama_to_diff(src, tmp_path / "refused", diff_version=1, v1_init="calibrated-additive", progress=False)
     assert not (tmp_path / "refused").exists()
     out = convert_llama_to_diff(src, tmp_path / "diff", diff_version=1, v1_init="paper", progress=False)
     assert tree_digest(src) == digest

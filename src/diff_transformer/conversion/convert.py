@@ -579,8 +579,13 @@ def _plan(
     )
     if v1_init == "paper":
         tensor_map.provenance = {"v1_init": "paper", "v1_layout": layout}
-    # λ_init: the paper's schedule, except for the paired calibrated starts (0: λ is fitted, or 0, at step 0)
-    lambda_init = 0.0 if calibrated and layout == "paired" else None
+    if layout == "expanded" and v1_init == "calibrated-additive":
+        raise ConversionError(
+            "--v1-init calibrated-additive fits λ < 0 on paired heads; the expanded layout starts with A2 = A1, where "
+            "λ has no effect, so it has no additive start: use --v1-init calibrated (or --v1-layout paired)."
+        )
+    # λ_init: the paper's schedule, except where λ starts fitted or at 0 (λ_init 0, mirrored vectors)
+    lambda_init = 0.0 if calibrated and (layout == "paired" or v1_init == "calibrated-lambda0") else None
     floor = DIFFERENTIAL_LAMBDA_FLOOR if v1_init == "calibrated" else None
     # Built before any weights are downloaded or read, so that an unsupported config is refused early.
     config = _diff_config(
