@@ -232,9 +232,12 @@ def plot(results: dict, path: Path, args) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     cmap = plt.get_cmap("viridis")
-    v1_panel = [(n, ls) for n, ls in (("v1cal", "-"), ("v1", ":")) if n in results]
+    v1_styles = (("v1cal", "-", "solid: calibrated"), ("v1exp", "--", "dashed: expanded"))
+    v1_styles += (("v1add", "-.", "dash-dot: additive"), ("v1", ":", "dotted: paper init"))
+    v1_panel = [(n, ls) for n, ls, _ in v1_styles if n in results]
+    v1_title = "V1: λ per layer, seed-mean (" + ", ".join(t for n, _, t in v1_styles if n in results) + ")"
     for ax, panel, title in (
-        (v1_ax, v1_panel, "V1: λ per layer, seed-mean (solid: calibrated init, dotted: paper init)"),
+        (v1_ax, v1_panel, v1_title),
         (v2_ax, [("v2", "-")] if "v2" in results else [], "V2: mean sigmoid(λ) per layer, seed-mean"),
     ):
         labelled = set()
@@ -333,11 +336,14 @@ def markdown(results: dict, figures: dict, args) -> str:
             f"{figures['v2_vs_llama_step0_abs_loss_diff']:.2e} (the V2 conversion preserves the function)."
         )
     lines.append(
-        "* V1 paper init: the paper's λ_init schedule, λ vectors ~ N(0, 0.1²), unit sub-layer norm. V1 calibrated "
-        "init (`--v1-init calibrated`, the default): λ_init = 0, each layer's λ (in [-1, 0.5]) and sub-layer norm "
-        "gains fitted by least squares on the built-in calibration text (Persuasion, chapters 1-2; not the held-out "
-        "text), λ trainable; 'with λ = 0' (`--v1-init calibrated-lambda0`): the same gains fit with λ = 0 exactly at "
-        "step 0 (mirrored λ vectors). '+ λ warm-up': "
+        "* V1 paper init: the paper's λ_init schedule, λ vectors ~ N(0, 0.1²), unit sub-layer norm, the source's "
+        "o_proj. V1 calibrated init (`--v1-init calibrated`, the default): differential, λ_init = 0 and each layer's "
+        "λ fitted in [0.1, 0.5], o_proj refitted by least squares on the built-in calibration text (Persuasion, "
+        "chapters 1-2; not the held-out text), λ trainable and kept above 0.05 (`lambda_floor`). Additive "
+        "(`--v1-init calibrated-additive`): the same fit with λ in [-1, 0.5] (it picks λ < 0: the second map is "
+        "added), no floor. Expanded (`--v1-layout expanded`): one differential head per Llama head, q2/k2 copied "
+        "from q1/k1 (A2 = A1 at step 0), λ = the paper's λ_init, o_proj refitted, the floor. 'with λ = 0' "
+        "(`--v1-init calibrated-lambda0`): λ = 0 exactly at step 0 (mirrored λ vectors). '+ λ warm-up': "
         f"`--lambda-warmup-steps {args.lambda_warmup_steps}` (λ used = min(1, step/{args.lambda_warmup_steps}) λ); "
         "its step 0 is the model as trained there (nothing subtracted; the paper init still has its unit-gain norm "
         "and 1 - λ_init)."
