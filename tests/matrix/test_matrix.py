@@ -225,7 +225,9 @@ def test_tensor_parallel_matches_the_unsharded_model(family, version, checkpoint
     model = load(checkpoints[1][family, version])
     ids = token_batches(2)[:, : SEQ_LEN // 2]
     with torch.no_grad():
-        torch.testing.assert_close(tensors[f"{tag}.logits"], model(ids).logits, rtol=0, atol=2e-5)
+        # fp32 summed in another order on 2 ranks: 2e-5, plus 1e-5 of the logit (a calibrated V1 refits o_proj and
+        # its larger logits round further: 2.1e-5 at a logit of 0.8 seen on qwen2-v1)
+        torch.testing.assert_close(tensors[f"{tag}.logits"], model(ids).logits, rtol=1e-5, atol=2e-5)
     generated = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert results[tag]["generated"] == generated.tolist()
 
