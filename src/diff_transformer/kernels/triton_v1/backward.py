@@ -13,7 +13,17 @@ G heads of a KV group in registers (no atomics for GQA); dQ comes from a kernel 
 import triton
 import triton.language as tl
 
-from .common import _load_rows, _masked_scores, _masked_scores_t, _row_sum, _seq_bounds
+from .common import (
+    _causal_key_bounds,
+    _group_bases,
+    _group_program,
+    _load_rows,
+    _masked_scores,
+    _masked_scores_t,
+    _query_program,
+    _row_sum,
+    _seq_bounds,
+)
 
 
 @triton.jit
@@ -118,9 +128,7 @@ def _bwd_dkdv_kernel(
     """Program (key tile, b·g): dK/dV of one key tile of group g, summed over the group's G heads in registers
     (no atomics for GQA); with ATOMIC_DQ it also scatters dQ into an fp32 buffer (DQ has query's strides)."""
     pid_n = tl.program_id(0)
-    pid_bg = tl.program_id(1)
-    b = pid_bg // H_KV
-    g = pid_bg % H_KV
+    b, g = _group_program(tl.program_id(1), H_KV)
     batch, start, n_q, n_k = _seq_bounds(CuSeqlens, b, N, L, VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 >= n_k:
@@ -130,12 +138,13 @@ def _bwd_dkdv_kernel(
     group = H // H_KV
     offs_d = tl.arange(0, BLOCK_D)
     cols = n0 + tl.arange(0, BLOCK_N)
-    k_base = K + batch * stride_kb + start * stride_kn
-    v_base = V + batch * stride_vb + start * stride_vn
-    k1 = _load_rows(k_base + g * stride_kh, cols, stride_kn, n_k, offs_d, True, HEAD_DIM, BLOCK_D)
-    k2 = _load_rows(k_base + (H_KV + g) * stride_kh, cols, stride_kn, n_k, offs_d, True, HEAD_DIM, BLOCK_D)
-    va = _load_rows(v_base + g * stride_vh, cols, stride_vn, n_k, offs_d, True, HEAD_DIM, BLOCK_D)
-    vb = _load_rows(v_base + (H_KV + g) * stride_vh, cols, stride_vn, n_k, offs_d, True, HEAD_DIM, BLOCK_D)
+    k1_base, k2_base, va_base, vb_base = _group_bases(
+        K, V, batch, start, g, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, H_KV
+    )
+    k1 = _load_rows(k1_base, cols, stride_kn, n_k, offs_d, True, HEAD_DIM, BLOCK_D)
+    k2 = _load_rows(k2_base, cols, stride_kn, n_k, offs_d, True, HEAD_DIM, BLOCK_D)
+    va = _load_rows(va_base, cols, stride_vn, n_k, offs_d, True, HEAD_DIM, BLOCK_D)
+    vb = _load_rows(vb_base, cols, stride_vn, n_k, offs_d, True, HEAD_DIM, BLOCK_D)
     dk1 = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
     dk2 = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
     dva = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
@@ -242,10 +251,7 @@ def _bwd_dq_kernel(
     """Program (query tile, b·h): dq1 and dq2 of one query tile, recomputing the scores (no atomics, deterministic).
     DQ has query's strides."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    g = h // (H // H_KV)
+    b, h, g = _query_program(tl.program_id(1), H, H_KV)
     batch, start, n_q, n_k = _seq_bounds(CuSeqlens, b, N, L, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= n_q:
@@ -267,24 +273,14 @@ def _bwd_dq_kernel(
     delta1 = tl.load(Delta1 + lse_off, mask=rows < n_q, other=0.0)
     delta2 = tl.load(Delta2 + lse_off, mask=rows < n_q, other=0.0)
     lam = tl.load(Lam).to(tl.float32)
-    k_base = K + batch * stride_kb + start * stride_kn
-    v_base = V + batch * stride_vb + start * stride_vn
-    k1_base = k_base + g * stride_kh
-    k2_base = k_base + (H_KV + g) * stride_kh
-    va_base = v_base + g * stride_vh
-    vb_base = v_base + (H_KV + g) * stride_vh
+    k1_base, k2_base, va_base, vb_base = _group_bases(
+        K, V, batch, start, g, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, H_KV
+    )
     mask_ptr = Mask + batch * stride_mb + h * stride_mh + m0.to(tl.int64) * stride_mn
     dq1 = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     dq2 = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
 
-    causal_off = n_k - n_q
-    if CAUSAL:
-        hi = tl.minimum(n_k, tl.maximum(m0 + BLOCK_M + causal_off, 0))
-        full = tl.minimum(tl.maximum(m0 + causal_off + 1, 0), n_k)
-    else:
-        hi = n_k
-        full = n_k
-    full = full // BLOCK_N * BLOCK_N
+    causal_off, full, hi = _causal_key_bounds(m0, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N)
     dq1, dq2 = _bwd_dq_inner(
         dq1, dq2, q1, q2, do_a, do_b, lse1, lse2, delta1, delta2, rows, tl.arange(0, BLOCK_M),
         k1_base, k2_base, va_base, vb_base, stride_kn, stride_vn, mask_ptr, stride_mn, stride_ml,

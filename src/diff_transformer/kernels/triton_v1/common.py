@@ -1,4 +1,5 @@
-"""What every kernel of Diff Transformer V1 attention shares: tile loads, masking, the online softmax, sequence bounds.
+"""What every kernel of Diff Transformer V1 attention shares: the prologue (program id -> sequence, head and group;
+base pointers; causal tile bounds), tile loads, masking, the online softmax, sequence bounds.
 
 Layouts (component-major, as DiffAttentionV1's forward in modeling_diff.py builds them):
     query (B, 2H, N, d)      [q1 of heads 0..H-1 | q2 of heads 0..H-1]
@@ -68,6 +69,55 @@ def _seq_bounds(CuSeqlens, b, N, L, VARLEN: tl.constexpr):
         n_q = N + b * 0
         n_k = L + b * 0
     return batch, start, n_q, n_k
+
+
+# ----------------------------------------------------------------------------------------------------------- prologue
+
+
+@triton.jit
+def _query_program(pid_bh, H, H_KV):
+    """(b, h, g) of a program over batch x query heads: its sequence, query head and key/value group."""
+    b = pid_bh // H
+    h = pid_bh % H
+    return b, h, h // (H // H_KV)
+
+
+@triton.jit
+def _group_program(pid_bg, H_KV):
+    """(b, g) of a program over batch x key/value groups."""
+    return pid_bg // H_KV, pid_bg % H_KV
+
+
+@triton.jit
+def _group_bases(
+    K, V, batch, start, g,
+    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    H_KV,
+):
+    """Base pointers of group g's k1, k2 and value halves in sequence `start` of batch row `batch`."""
+    k_base = K + batch * stride_kb + start * stride_kn
+    v_base = V + batch * stride_vb + start * stride_vn
+    return (
+        k_base + g * stride_kh,
+        k_base + (H_KV + g) * stride_kh,
+        v_base + g * stride_vh,
+        v_base + (H_KV + g) * stride_vh,
+    )
+
+
+@triton.jit
+def _causal_key_bounds(m0, n_q, n_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(causal_off, full, hi) of the query tile starting at row m0: the queries are the last n_q of n_k positions, so
+    row i sees keys j <= i + causal_off; key tiles before `full` (a multiple of BLOCK_N) need no causal or bounds
+    test, [full, hi) do (the diagonal and the ragged tail)."""
+    causal_off = n_k - n_q
+    if CAUSAL:
+        hi = tl.minimum(n_k, tl.maximum(m0 + BLOCK_M + causal_off, 0))
+        full = tl.minimum(tl.maximum(m0 + causal_off + 1, 0), n_k)  # keys every row of the tile may see
+    else:
+        hi = n_k
+        full = n_k
+    return causal_off, full // BLOCK_N * BLOCK_N, hi
 
 
 # ------------------------------------------------------------------------------------------------------------ masking

@@ -7,7 +7,7 @@ forward). Layouts and conventions: common.py."""
 import triton
 import triton.language as tl
 
-from .common import LOG2E, _load_rows, _lse, _online_softmax_step
+from .common import LOG2E, _group_bases, _group_program, _load_rows, _lse, _online_softmax_step
 
 
 @triton.jit
@@ -25,8 +25,9 @@ def _decode_split_kernel(
     scratch for _decode_combine_kernel."""
     pid_bg = tl.program_id(0)
     pid_s = tl.program_id(1)
-    b = (pid_bg // H_KV).to(tl.int64)
-    g = (pid_bg % H_KV).to(tl.int64)
+    b, g = _group_program(pid_bg, H_KV)
+    b = b.to(tl.int64)
+    g = g.to(tl.int64)
     group = H // H_KV
     r = tl.arange(0, BLOCK_R)
     head = g * group + r // N  # (BLOCK_R,) query head of each row
@@ -37,10 +38,9 @@ def _decode_split_kernel(
     q_ptrs = Q + b * stride_qb + n[:, None] * stride_qn + offs_d[None, :]
     q1 = tl.load(q_ptrs + head[:, None] * stride_qh, mask=q_ok, other=0.0)
     q2 = tl.load(q_ptrs + (H + head[:, None]) * stride_qh, mask=q_ok, other=0.0)
-    k1_base = K + b * stride_kb + g * stride_kh
-    k2_base = K + b * stride_kb + (H_KV + g) * stride_kh
-    va_base = V + b * stride_vb + g * stride_vh
-    vb_base = V + b * stride_vb + (H_KV + g) * stride_vh
+    k1_base, k2_base, va_base, vb_base = _group_bases(
+        K, V, b, 0, g, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, H_KV
+    )
     mask_ptrs = Mask + b * stride_mb + head[:, None] * stride_mh + n[:, None] * stride_mn
 
     m1 = tl.full([BLOCK_R], float("-inf"), tl.float32)

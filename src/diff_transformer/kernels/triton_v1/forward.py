@@ -5,7 +5,16 @@ the backward will need it, O2 = A2 V. Layouts and conventions: common.py."""
 import triton
 import triton.language as tl
 
-from .common import _load_rows, _lse, _masked_scores, _online_softmax_step, _seq_bounds
+from .common import (
+    _causal_key_bounds,
+    _group_bases,
+    _load_rows,
+    _lse,
+    _masked_scores,
+    _online_softmax_step,
+    _query_program,
+    _seq_bounds,
+)
 
 
 @triton.jit
@@ -57,10 +66,7 @@ def _fwd_kernel(
     DOT_PREC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    g = h // (H // H_KV)
+    b, h, g = _query_program(tl.program_id(1), H, H_KV)
     batch, start, n_q, n_k = _seq_bounds(CuSeqlens, b, N, L, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= n_q:
@@ -74,12 +80,9 @@ def _fwd_kernel(
     q_base = Q + batch * stride_qb + start * stride_qn
     q1 = _load_rows(q_base + h * stride_qh, rows, stride_qn, n_q, offs_d, True, HEAD_DIM, BLOCK_D)
     q2 = _load_rows(q_base + (H + h) * stride_qh, rows, stride_qn, n_q, offs_d, True, HEAD_DIM, BLOCK_D)
-    k_base = K + batch * stride_kb + start * stride_kn
-    v_base = V + batch * stride_vb + start * stride_vn
-    k1_base = k_base + g * stride_kh
-    k2_base = k_base + (H_KV + g) * stride_kh
-    va_base = v_base + g * stride_vh
-    vb_base = v_base + (H_KV + g) * stride_vh
+    k1_base, k2_base, va_base, vb_base = _group_bases(
+        K, V, batch, start, g, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, H_KV
+    )
     mask_ptr = Mask + batch * stride_mb + h * stride_mh + m0.to(tl.int64) * stride_mn
 
     m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -91,16 +94,7 @@ def _fwd_kernel(
     acc2a = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     acc2b = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
 
-    # The queries are the last n_q of n_k positions: row i may see keys j <= i + causal_off.
-    causal_off = n_k - n_q
-    if CAUSAL:
-        hi = tl.minimum(n_k, tl.maximum(m0 + BLOCK_M + causal_off, 0))
-        full = tl.minimum(tl.maximum(m0 + causal_off + 1, 0), n_k)  # keys every row of the tile may see
-    else:
-        hi = n_k
-        full = n_k
-    full = full // BLOCK_N * BLOCK_N
-    # Tiles before `full` need no causal/bounds test; the rest (diagonal and tail) do.
+    causal_off, full, hi = _causal_key_bounds(m0, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N)
     acc1a, acc1b, acc2a, acc2b, m1, l1, m2, l2 = _fwd_inner(
         acc1a, acc1b, acc2a, acc2b, m1, l1, m2, l2,
         q1, q2, k1_base, k2_base, va_base, vb_base, stride_kn, stride_vn,
