@@ -1,7 +1,8 @@
 """Triton kernels of Diff Transformer V1 attention, one file per role (as FlashAttention's flash_fwd, flash_bwd,
 flash_fwd_combine, mask, softmax and seqlen_info):
 
-    common.py    layouts, tile loads, masking, online softmax, sequence bounds: the @triton.jit helpers
+    common.py    layouts, the prologue (program ids, base pointers, causal tile bounds), tile loads, masking, online
+                 softmax, sequence bounds: the @triton.jit helpers
     forward.py   _fwd_kernel: FlashAttention-2 forward of both maps (prefill, training)
     decode.py    _decode_split_kernel, _decode_combine_kernel: flash-decoding, split-K over the cache
     backward.py  _bwd_preprocess_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
