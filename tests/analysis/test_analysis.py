@@ -212,17 +212,6 @@ def test_span_mass_and_metrics_on_a_hand_computed_map():
     assert negative_fraction(weights, mask).item() == pytest.approx(0.25)
 
 
-def _refused(capsys, argv, *words):
-    from diff_transformer import cli
-
-    capsys.readouterr()
-    assert cli.main([str(a) for a in argv]) == 2, argv
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err, err
-    for word in words:
-        assert str(word) in err, (word, err)
-
-
 def test_inspect_writes_png_and_json(tmp_path, capsys, diff_version):
     from diff_transformer import cli
 
@@ -249,6 +238,19 @@ def test_inspect_writes_png_and_json(tmp_path, capsys, diff_version):
     assert f"{negative} of 2 layers have λ < 0" in printed
 
 
+def test_inspect_json_alone_needs_no_figure(refused, tmp_path, capsys):
+    from diff_transformer import cli
+
+    model = tiny_model(1)
+    model.save_pretrained(tmp_path / "model")
+    maps = tmp_path / "maps.json"
+    assert cli.main(["inspect", str(tmp_path / "model"), "5 17 42 8", "--json", str(maps)]) == 0
+    entry = attention_maps(model, torch.tensor([[5, 17, 42, 8]]))[0]
+    torch.testing.assert_close(torch.tensor(json.loads(maps.read_text())["differential"]), entry.differential[0, 0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["maps.json", "model"]  # no figure written
+    refused(["inspect", tmp_path / "model", "5 17"], "name at least one")
+
+
 def test_inspect_on_the_shipped_llama(tmp_path):
     import diff_transformer
     from diff_transformer import cli
@@ -265,29 +267,29 @@ def test_inspect_on_the_shipped_llama(tmp_path):
     torch.testing.assert_close(rows, torch.ones_like(rows))
 
 
-def test_inspect_errors_are_one_line(tmp_path, capsys):
+def test_inspect_errors_are_one_line(refused, tmp_path, capsys):
     from transformers import MistralConfig, MistralForCausalLM
 
     model = tiny_model(2)
     model.save_pretrained(tmp_path / "model")
     m = tmp_path / "model"
     out = tmp_path / "fig.png"
-    _refused(capsys, ["inspect", m, "5 6", "--layer", 2, "--out", out], "--layer 2", "layers 0 to 1")
-    _refused(capsys, ["inspect", m, "5 6", "--head", 4, "--out", out], "--head 4", "heads 0 to 3")
-    _refused(capsys, ["inspect", m, "5 6", "--head", -1, "--out", out], "--head -1")
-    _refused(capsys, ["inspect", m, "hello", "--out", out], "has no tokenizer", "token ids")
-    _refused(capsys, ["inspect", m, "5 97", "--out", out], "out of range", "0 to 96")
-    _refused(capsys, ["inspect", m, "5 6", "--out", tmp_path / "fig.txt"], "--out", ".png")
-    _refused(capsys, ["inspect", m, "5 6", "--out", tmp_path / "missing" / "fig.png"], "does not exist")
-    _refused(capsys, ["inspect", m, "5 6", "--out", out, "--json", tmp_path / "maps.txt"], "--json", ".json")
-    _refused(capsys, ["inspect", tmp_path / "nothing", "5 6", "--out", out], "nothing")
-    _refused(capsys, ["inspect", m, "5 6", "--span", "1:3", "--out", out], "--span 1:3", "<= 2")
-    _refused(capsys, ["inspect", m, "5 6", "--span", "x", "--out", out], "--span x", "START:STOP")
-    _refused(capsys, ["inspect", m, "5 6", "--grid", tmp_path / "g.png", "--metric", "noise", "--out", out], "--span")
-    _refused(capsys, ["inspect", m, "5 6", "--grid", out, "--out", out], "same file")
+    refused(["inspect", m, "5 6", "--layer", 2, "--out", out], "--layer 2", "layers 0 to 1")
+    refused(["inspect", m, "5 6", "--head", 4, "--out", out], "--head 4", "heads 0 to 3")
+    refused(["inspect", m, "5 6", "--head", -1, "--out", out], "--head -1")
+    refused(["inspect", m, "hello", "--out", out], "has no tokenizer", "token ids")
+    refused(["inspect", m, "5 97", "--out", out], "out of range", "0 to 96")
+    refused(["inspect", m, "5 6", "--out", tmp_path / "fig.txt"], "--out", ".png")
+    refused(["inspect", m, "5 6", "--out", tmp_path / "missing" / "fig.png"], "does not exist")
+    refused(["inspect", m, "5 6", "--out", out, "--json", tmp_path / "maps.txt"], "--json", ".json")
+    refused(["inspect", tmp_path / "nothing", "5 6", "--out", out], "nothing")
+    refused(["inspect", m, "5 6", "--span", "1:3", "--out", out], "--span 1:3", "<= 2")
+    refused(["inspect", m, "5 6", "--span", "x", "--out", out], "--span x", "START:STOP")
+    refused(["inspect", m, "5 6", "--grid", tmp_path / "g.png", "--metric", "noise", "--out", out], "--span")
+    refused(["inspect", m, "5 6", "--grid", out, "--out", out], "same file")
     assert not out.exists()
     out.write_bytes(b"mine")
-    _refused(capsys, ["inspect", m, "5 6", "--out", out], "already exists", "--overwrite")
+    refused(["inspect", m, "5 6", "--out", out], "already exists", "--overwrite")
     assert out.read_bytes() == b"mine"  # the user's file is untouched
     config = MistralConfig(
         vocab_size=97,
@@ -298,12 +300,7 @@ def test_inspect_errors_are_one_line(tmp_path, capsys):
         num_key_value_heads=1,
     )
     MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
-    _refused(
-        capsys,
-        ["inspect", tmp_path / "mistral", "5 6", "--out", tmp_path / "m.png"],
-        "model_type='mistral'",
-        "convert",
-    )
+    refused(["inspect", tmp_path / "mistral", "5 6", "--out", tmp_path / "m.png"], "model_type='mistral'", "convert")
 
 
 def test_head_figure_and_metric_grid(diff_version):

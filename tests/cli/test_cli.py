@@ -26,6 +26,23 @@ def test_generate_command_with_token_ids(tmp_path, capsys):
     assert cli.main(["generate", str(tmp_path), "5 6 7", "--max-new-tokens", "4"]) == 0
     expected = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)[0, 3:].tolist()
     assert capsys.readouterr().out.split() == [str(t) for t in expected]
+    # sampling among the one most likely token is greedy, whatever the seed and temperature
+    argv = ["generate", str(tmp_path), "5 6 7", "--max-new-tokens", "4", "--temperature", "1.5", "--top-k", "1"]
+    assert cli.main([*argv, "--seed", "3"]) == 0 and cli.main([*argv, "--seed", "4"]) == 0
+    assert capsys.readouterr().out.split() == [str(t) for t in expected] * 2
+    # and so is a nucleus so small that it keeps only the most likely token
+    assert cli.main([*argv[:-2], "--top-p", "1e-6", "--seed", "5"]) == 0
+    assert capsys.readouterr().out.split() == [str(t) for t in expected]
+
+
+def test_python_dash_m_diff_transformer_is_the_command():
+    import subprocess
+    import sys
+
+    from diff_transformer._version import __version__
+
+    result = subprocess.run([sys.executable, "-m", "diff_transformer", "--version"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == f"diff-transformer {__version__}", result
 
 
 def _tiny_llama(path, **overrides):
@@ -80,18 +97,6 @@ def test_convert_command_v1_odd_heads_says_it_uses_the_expanded_layout(tmp_path)
 # --- one clear line instead of a traceback (exit 2, the input named, the fix given) -------------------------------
 
 
-def _refused(capsys, argv, *words):
-    from diff_transformer import cli
-
-    capsys.readouterr()
-    assert cli.main([str(a) for a in argv]) == 2, argv
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err, err
-    for word in words:
-        assert str(word) in err, (word, err)
-    return err
-
-
 @pytest.fixture
 def no_hub(monkeypatch):
     """Any attempt to reach the Hub fails the test (a mistyped path must be refused before that)."""
@@ -104,7 +109,7 @@ def no_hub(monkeypatch):
         monkeypatch.setattr(huggingface_hub, name, hub)
 
 
-def test_generate_bad_inputs_are_one_line(tmp_path, capsys, monkeypatch, no_hub):
+def test_generate_bad_inputs_are_one_line(refused, tmp_path, capsys, monkeypatch, no_hub):
     import json
 
     from tests.helpers.tiny import tiny_model
@@ -112,40 +117,40 @@ def test_generate_bad_inputs_are_one_line(tmp_path, capsys, monkeypatch, no_hub)
     model = tmp_path / "model"
     tiny_model(2).save_pretrained(model)  # no tokenizer: prompts are token ids
     monkeypatch.chdir(tmp_path)
-    _refused(capsys, ["generate", "./no-such-model", "5 6"], "'./no-such-model' is neither an existing directory")
-    _refused(capsys, ["generate", "no-such-model", "5 6"], "'no-such-model' does not exist", "hf://no-such-model")
-    _refused(capsys, ["generate", "model/typo", "5 6"], "'model/typo' does not exist", "hf://model/typo")
-    _refused(capsys, ["generate", model, "hello"], "has no tokenizer", "'hello'", "token ids")
-    _refused(capsys, ["generate", model, "5 97"], "token id 97", "from 0 to 96")
-    _refused(capsys, ["generate", model, "5 -1"], "token id -1", "from 0 to 96")
-    _refused(capsys, ["generate", model, "5 6", "--max-new-tokens", "0"], "--max-new-tokens 0", "at least 1")
-    _refused(capsys, ["generate", model, "5 6", "--temperature", "-0.5"], "--temperature -0.5", ">= 0")
-    _refused(capsys, ["generate", model, "5 6", "--temperature", "nan"], "--temperature nan")
+    refused(["generate", "./no-such-model", "5 6"], "'./no-such-model' is neither an existing directory")
+    refused(["generate", "no-such-model", "5 6"], "'no-such-model' does not exist", "hf://no-such-model")
+    refused(["generate", "model/typo", "5 6"], "'model/typo' does not exist", "hf://model/typo")
+    refused(["generate", model, "hello"], "has no tokenizer", "'hello'", "token ids")
+    refused(["generate", model, "5 97"], "token id 97", "from 0 to 96")
+    refused(["generate", model, "5 -1"], "token id -1", "from 0 to 96")
+    refused(["generate", model, "5 6", "--max-new-tokens", "0"], "--max-new-tokens 0", "at least 1")
+    refused(["generate", model, "5 6", "--temperature", "-0.5"], "--temperature -0.5", ">= 0")
+    refused(["generate", model, "5 6", "--temperature", "nan"], "--temperature nan")
+    sampled = ["generate", model, "5 6", "--temperature", "1"]
+    refused([*sampled, "--top-p", "0"], "--top-p 0.0", "(0, 1]")
+    refused([*sampled, "--top-p", "nan"], "--top-p nan")
+    refused([*sampled, "--top-k", "0"], "--top-k 0", "at least 1")
+    refused(["generate", model, "5 6", "--top-k", "5"], "add --temperature > 0")
 
     mismatched = tmp_path / "mismatched"  # V2 weights under a config edited to say V1
     tiny_model(2).save_pretrained(mismatched)
     config = json.loads((mismatched / "config.json").read_text())
     (mismatched / "config.json").write_text(json.dumps({**config, "diff_version": 1}))
-    _refused(capsys, ["generate", mismatched, "5 6"], "config.json says diff_version=1", '"diff_version": 2')
+    refused(["generate", mismatched, "5 6"], "config.json says diff_version=1", '"diff_version": 2')
 
     weights = model / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    _refused(capsys, ["generate", model, "5 6"], "model.safetensors", "corrupt or truncated", "re-download")
+    refused(["generate", model, "5 6"], "model.safetensors", "corrupt or truncated", "re-download")
 
 
-def test_convert_mistyped_path_and_nested_config(tmp_path, capsys, monkeypatch, no_hub):
+def test_convert_mistyped_path_and_nested_config(refused, tmp_path, capsys, monkeypatch, no_hub):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models").mkdir()
-    _refused(capsys, ["convert", "tiny-lama", "out"], "SRC 'tiny-lama' does not exist", "hf://tiny-lama")
-    _refused(
-        capsys,
-        ["convert", "models/tiny-lama", "out"],
-        "SRC 'models/tiny-lama' does not exist",
-        "hf://models/tiny-lama",
-    )
+    refused(["convert", "tiny-lama", "out"], "SRC 'tiny-lama' does not exist", "hf://tiny-lama")
+    refused(["convert", "models/tiny-lama", "out"], "SRC 'models/tiny-lama' does not exist", "hf://models/tiny-lama")
     _tiny_llama(tmp_path / "llama")
     (tmp_path / "llama" / "config.json").write_text("[" * 100_000 + "]" * 100_000)
-    _refused(capsys, ["convert", tmp_path / "llama", "out"], "config.json is nested too deeply")
+    refused(["convert", tmp_path / "llama", "out"], "config.json is nested too deeply")
     assert not (tmp_path / "out").exists()
 
 

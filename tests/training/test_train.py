@@ -598,42 +598,42 @@ def test_cli_errors_name_the_problem(workdir, tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # nothing written on failure
 
 
-def _refused(capsys, argv, *words):
-    capsys.readouterr()
-    assert cli.main(["train", *map(str, argv)]) == 2, argv
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err and err[-1].startswith("error: "), err
-    assert all(not line.startswith(("Traceback", "error: ")) for line in err[:-1]), err  # one error line, no traceback
-    for word in words:
-        assert str(word) in err[-1], (word, err[-1])
-    return err[-1]
-
-
-def test_bad_inputs_are_one_line_and_leave_nothing(workdir, tmp_path, capsys):
+def test_bad_inputs_are_one_line_and_leave_nothing(refused, workdir, tmp_path, capsys):
     model, text, out = workdir / "v2", workdir / "text.txt", tmp_path / "out"
     common = ["--data", text, "--output", out, "--quiet", "--report-to", "none", "--block-size", str(BLOCK)]
     (tmp_path / "latin1.txt").write_bytes("Caf\xe9 au lait, na\xefve.\n".encode("latin-1") * 20)
     (tmp_path / "blob.txt").write_bytes(b"\x00\x01\x02 binary \x00" * 50)
-    _refused(
-        capsys, [model, *common, "--data", tmp_path / "latin1.txt"], tmp_path / "latin1.txt", "not UTF-8", "byte 3"
+    refused(
+        ["train", model, *common, "--data", tmp_path / "latin1.txt"],
+        tmp_path / "latin1.txt",
+        "not UTF-8",
+        "byte 3",
+        notes=True,
     )
-    _refused(capsys, [model, *common, "--data", tmp_path / "blob.txt"], tmp_path / "blob.txt", "binary")
+    refused(["train", model, *common, "--data", tmp_path / "blob.txt"], tmp_path / "blob.txt", "binary", notes=True)
     for lr in ("-1e-4", "nan", "inf"):
-        _refused(capsys, [model, *common, f"--lr={lr}"], f"--lr {float(lr)}", ">= 0")
-    _refused(capsys, [model, *common, "--weight-decay", "-0.1"], "--weight-decay -0.1")
+        refused(["train", model, *common, f"--lr={lr}"], f"--lr {float(lr)}", ">= 0", notes=True)
+    refused(["train", model, *common, "--weight-decay", "-0.1"], "--weight-decay -0.1", notes=True)
     assert not out.exists()  # no empty output directory left behind
     (tmp_path / "a-file").write_text("mine")
-    _refused(capsys, [model, *common, "--output", tmp_path / "a-file"], "a-file is a file", "pass a directory")
+    refused(
+        ["train", model, *common, "--output", tmp_path / "a-file"],
+        "a-file is a file",
+        "pass a directory",
+        notes=True,
+    )
     assert (tmp_path / "a-file").read_text() == "mine"
 
     mismatched = tmp_path / "mismatched"
     shutil.copytree(model, mismatched)
     config = json.loads((mismatched / "config.json").read_text())
     (mismatched / "config.json").write_text(json.dumps({**config, "diff_version": 1}))
-    _refused(capsys, [mismatched, *common], "config.json says diff_version=1", '"diff_version": 2')
+    refused(["train", mismatched, *common], "config.json says diff_version=1", '"diff_version": 2', notes=True)
 
 
-def test_resume_refuses_incomplete_checkpoints_other_blocks_and_finished_runs(workdir, v2_run, tmp_path, capsys):
+def test_resume_refuses_incomplete_checkpoints_other_blocks_and_finished_runs(
+    refused, workdir, v2_run, tmp_path, capsys
+):
     argv, full = v2_run
     run = tmp_path / "run"
     run.mkdir()
@@ -642,24 +642,34 @@ def test_resume_refuses_incomplete_checkpoints_other_blocks_and_finished_runs(wo
     resume = [workdir / "v2", "--data", workdir / "repeat.txt", "--output", run, *options, "--resume"]
 
     (run / "checkpoint-9").mkdir()  # created by a run killed before it wrote anything
-    _refused(
-        capsys, resume, "checkpoint-9 is incomplete (no trainer_state.json)", f"resume from {run / 'checkpoint-6'}"
+    refused(
+        ["train", *resume],
+        "checkpoint-9 is incomplete (no trainer_state.json)",
+        f"resume from {run / 'checkpoint-6'}",
+        notes=True,
     )
     shutil.rmtree(run / "checkpoint-9")
     shutil.copytree(full / "checkpoint-6", run / "checkpoint-9")
     weights = run / "checkpoint-9" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    _refused(capsys, resume, "checkpoint-9 is incomplete (model.safetensors is truncated or corrupt)", "delete it")
+    refused(
+        ["train", *resume],
+        "checkpoint-9 is incomplete (model.safetensors is truncated or corrupt)",
+        "delete it",
+        notes=True,
+    )
     shutil.rmtree(run / "checkpoint-9")
 
     (tmp_path / "mine").mkdir()  # not a checkpoint at all: never advise deleting it
-    err = _refused(
-        capsys, [*resume[:-1], "--resume", tmp_path / "mine"], "not a Trainer checkpoint (no trainer_state.json)"
+    err = refused(
+        ["train", *resume[:-1], "--resume", tmp_path / "mine"],
+        "not a Trainer checkpoint (no trainer_state.json)",
+        notes=True,
     )
     assert "delete" not in err
-    _refused(capsys, [*resume, "--block-size", "16"], "blocks of 32 tokens, not 16", "--block-size 32")
+    refused(["train", *resume, "--block-size", "16"], "blocks of 32 tokens, not 16", "--block-size 32", notes=True)
     shutil.copytree(full / "checkpoint-12", run / "checkpoint-12")
-    _refused(capsys, resume, "already complete (12 of --max-steps 12 steps)", "raise --max-steps")
+    refused(["train", *resume], "already complete (12 of --max-steps 12 steps)", "raise --max-steps", notes=True)
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint-12", "checkpoint-6"]
 
 
@@ -777,13 +787,21 @@ def test_lambda_warmup_multiplier_leaves_weights_unchanged_and_ends_at_exactly_o
         assert torch.equal(model(ids).logits, reference(ids).logits)
 
 
-def test_lambda_warmup_is_refused_where_it_cannot_end_or_has_no_lambda(workdir, tmp_path, capsys):
+def test_lambda_warmup_is_refused_where_it_cannot_end_or_has_no_lambda(refused, workdir, tmp_path, capsys):
     model, text = workdir / "v1", workdir / "text.txt"
     common = ["--data", text, "--output", tmp_path / "out", *QUIET, "--eval-fraction", "0"]
-    _refused(capsys, [model, *common, "--max-steps", "3", "--lambda-warmup-steps", "4"], "exceeds --max-steps 3")
-    _refused(capsys, [model, *common, "--lambda-warmup-steps", "-1"], "--lambda-warmup-steps must be >= 0")
+    refused(
+        ["train", model, *common, "--max-steps", "3", "--lambda-warmup-steps", "4"],
+        "exceeds --max-steps 3",
+        notes=True,
+    )
+    refused(["train", model, *common, "--lambda-warmup-steps", "-1"], "--lambda-warmup-steps must be >= 0", notes=True)
     # no --max-steps: the run's length is known once the data is; the ramp must still end within it
-    _refused(capsys, [model, *common, "--epochs", "1", "--lambda-warmup-steps", "1000"], "longer than the run")
+    refused(
+        ["train", model, *common, "--epochs", "1", "--lambda-warmup-steps", "1000"],
+        "longer than the run",
+        notes=True,
+    )
     llama = tmp_path / "llama"
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -798,4 +816,4 @@ def test_lambda_warmup_is_refused_where_it_cannot_end_or_has_no_lambda(workdir, 
         )
     ).save_pretrained(llama)
     AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(llama)
-    _refused(capsys, [llama, *common, "--any-model", "--lambda-warmup-steps", "2"], "needs a Diff model")
+    refused(["train", llama, *common, "--any-model", "--lambda-warmup-steps", "2"], "needs a Diff model", notes=True)

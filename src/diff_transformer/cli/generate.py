@@ -13,12 +13,16 @@ def add_parser(commands) -> None:
         "model", help="model or LoRA adapter directory, or Hub id org/name (hf://name forces a Hub id)"
     )
     generate.add_argument("prompt", help="text (or space-separated token ids if the model has no tokenizer)")
-    generate.add_argument("--max-new-tokens", type=int, default=32)
+    generate.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     generate.add_argument("--chat", action="store_true", help="PROMPT is a user message: apply the chat template")
     generate.add_argument("--system", help="system message of --chat")
     generate.add_argument("--repetition-penalty", type=float, default=None, help="default: the model's (1 = none)")
     generate.add_argument("--seed", type=int, default=None, help="seed of the sampling (--temperature > 0)")
+    generate.add_argument(
+        "--top-p", type=float, default=None, help="nucleus sampling: the smallest set of tokens of this mass, (0, 1]"
+    )
+    generate.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (k >= 1)")
     generate.add_argument(
         "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="load the weights in this dtype"
     )
@@ -82,6 +86,7 @@ def run(args) -> int:
         kwargs["temperature"] = args.temperature
     if args.repetition_penalty is not None:
         kwargs["repetition_penalty"] = args.repetition_penalty
+    kwargs.update({name: getattr(args, name) for name in ("top_p", "top_k") if getattr(args, name) is not None})
     if args.seed is not None:
         from transformers import set_seed
 
@@ -101,6 +106,12 @@ def _check_generate_options(args) -> None:
         math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0
     ):
         raise UserError(f"--repetition-penalty {args.repetition_penalty} must be a number > 0 (1 = none).")
+    if args.top_p is not None and not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        raise UserError(f"--top-p {args.top_p} must be a number in (0, 1] (1 = no nucleus cut).")
+    if args.top_k is not None and args.top_k < 1:
+        raise UserError(f"--top-k {args.top_k} must be at least 1.")
+    if (args.top_p is not None or args.top_k is not None) and args.temperature == 0:
+        raise UserError("--top-p / --top-k shape sampling: add --temperature > 0 (0 is greedy, which ignores them).")
     if args.system is not None and not args.chat:
         raise UserError("--system is the system message of a chat: add --chat.")
     if args.seed is not None and not 0 <= args.seed < 2**32:

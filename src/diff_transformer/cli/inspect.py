@@ -23,7 +23,7 @@ def add_parser(commands) -> None:
     inspect.add_argument("text", help="text (or space-separated token ids if the model has no tokenizer)")
     inspect.add_argument("--layer", type=int, default=0, help="layer to plot (default 0)")
     inspect.add_argument("--head", type=int, default=0, help="differential head to plot (default 0)")
-    inspect.add_argument("--out", required=True, help="figure file (.png, .pdf, .svg, ...)")
+    inspect.add_argument("--out", help="figure file of the head's maps (.png, .pdf, .svg, ...)")
     inspect.add_argument("--json", help="also write the head's maps, λ and per-layer/head metrics as JSON")
     inspect.add_argument("--span", help="START:STOP token positions of an answer: adds the answer and noise metrics")
     inspect.add_argument("--grid", help="also write a layer x head heatmap of --metric to this figure file")
@@ -122,10 +122,12 @@ def run(args) -> int:
     from ..checkpoints import adapters
     from ..checkpoints.loading import check_diff_checkpoint
 
-    Figure, _ = _matplotlib()  # before anything loads: a missing matplotlib is one line
     _check_inspect_options(args)
-    figure_types = set(Figure().canvas.get_supported_filetypes())
-    out = _output_file(args.out, "--out", args.overwrite, suffixes=figure_types)
+    figure_types = set()
+    if args.out or args.grid:  # figures: a missing matplotlib is one line, before anything loads
+        Figure, _ = _matplotlib()
+        figure_types = set(Figure().canvas.get_supported_filetypes())
+    out = _output_file(args.out, "--out", args.overwrite, suffixes=figure_types) if args.out else None
     json_out = _output_file(args.json, "--json", args.overwrite, suffixes={"json"}) if args.json else None
     grid_out = _output_file(args.grid, "--grid", args.overwrite, suffixes=figure_types) if args.grid else None
     named = [path.resolve() for path in (out, json_out, grid_out) if path is not None]
@@ -202,9 +204,10 @@ def run(args) -> int:
 
     name = {"diff-v1": "Diff V1", "diff-v2": "Diff V2", "diffllama": "DiffLlama", "llama": "Llama"}[kind]
     title = f"{name}: {Path(str(args.model)).name}, {ids.shape[1]} tokens"
-    figure = head_figure(entries, args.layer, args.head, tokens=tokens, title=title)
-    _write_atomically(out, lambda path: figure.savefig(path, dpi=args.dpi))
-    print(f"wrote {out} ({name}, layer {args.layer}, head {args.head})")
+    if out is not None:
+        figure = head_figure(entries, args.layer, args.head, tokens=tokens, title=title)
+        _write_atomically(out, lambda path: figure.savefig(path, dpi=args.dpi))
+        print(f"wrote {out} ({name}, layer {args.layer}, head {args.head})")
     lambdas = [float(entry.lam.float().mean()) for entry in entries if entry.lam is not None]
     if lambdas:  # λ's sign: a layer with λ < 0 adds its second map instead of subtracting it
         each = "mean over tokens and heads" if kind == "diff-v2" else "one per layer"
@@ -246,6 +249,8 @@ def run(args) -> int:
 
 
 def _check_inspect_options(args) -> None:
+    if not (args.out or args.json or args.grid):
+        raise UserError("inspect writes --out (a figure), --json (the maps and metrics) or --grid: name at least one.")
     if not 1 <= args.dpi <= INSPECT_MAX_DPI:
         raise UserError(f"--dpi {args.dpi} must be between 1 and {INSPECT_MAX_DPI} (dots per inch of the figures).")
     if not (math.isfinite(args.max_memory_gb) and args.max_memory_gb > 0):
