@@ -5,7 +5,7 @@ starts with can be reduced before the first step:
 
 * λ starts where the fit puts it while still learning: λ_init = 0 and mirrored vectors (λq2 = λq1, λk2 = λk1), so
   λ = exp(λq1·λk1) − exp(λq2·λk2) = 0 and ∂λ/∂λq1 = exp(λq1·λk1) λk1 ≠ 0 (`LlamaToV1(mirrored_lambda=True)`); with
-  a `lambda_grid` each layer's λ is then chosen from it, the value whose fitted gains (below) leave the least
+  a `lambda_grid` each layer's λ is then chosen from it, the value whose fitted projection (below) leaves the least
   residual, and set by moving λq2 along λk2 (`_set_lambda`). `--v1-init calibrated` (the default) fits over
   DIFFERENTIAL_GRID (λ > 0: the layer subtracts, and `lambda_floor` keeps it so); `calibrated-additive` over
   ADDITIVE_GRID, where the fit picks λ < 0 (the second map added, not subtracted: the pair's second half is then read
@@ -21,7 +21,7 @@ starts with can be reduced before the first step:
   normalisation mixes across a head's channels on average.
 
 Layers are fitted in order: layer l is fitted on the hidden states that the already calibrated layers 0..l-1 of the
-V1 model produce, so each gain corrects what reaches it. Only one decoder layer is in memory at a time (its source
+V1 model produce, so each fit corrects what reaches it. Only one decoder layer is in memory at a time (its source
 tensors mapped by the same `TensorMap` that writes the checkpoint), plus the hidden states of the calibration blocks
 (blocks x block_size x hidden_size floats) and, once, the embedding matrix to look the tokens up.
 """
@@ -179,7 +179,7 @@ class _SourceReader:
 
 @dataclass(frozen=True)
 class CalibratedStart:
-    """What `calibrate_subln` fitted: {layer: o_proj weight (D, H'·2d)}, the relative residual of the attention
+    """What `calibrate_v1_start` fitted: {layer: o_proj weight (D, H'·2d)}, the relative residual of the attention
     output ‖o_proj(ŷ) − o_proj_src(t)‖² / ‖o_proj_src(t)‖² per layer and, when λ was fitted too, {layer: λ} and
     {layer: the λq2 vector that gives it}."""
 
@@ -196,7 +196,7 @@ DIFFERENTIAL_GRID = tuple(value for value in ADDITIVE_GRID if value >= 0.1)
 
 
 @torch.no_grad()
-def calibrate_subln(
+def calibrate_v1_start(
     source,
     config,
     geometry: Geometry,
@@ -353,7 +353,7 @@ __all__ = [
     "DIFFERENTIAL_GRID",
     "CalibratedStart",
     "CalibrationPlan",
-    "calibrate_subln",
+    "calibrate_v1_start",
     "least_squares_projection",
     "plan_calibration",
 ]

@@ -507,7 +507,7 @@ def _calibrate(
     source, config, tensor_map, calibration_data, num_blocks: int, block_size: int, seed: int, v1_init: str
 ) -> None:
     """Fit V1's sub-layer norm gains (and λ) on text (conversion/calibrate.py); record how in the provenance."""
-    from .calibrate import ADDITIVE_GRID, DIFFERENTIAL_GRID, calibrate_subln, plan_calibration
+    from .calibrate import ADDITIVE_GRID, DIFFERENTIAL_GRID, calibrate_v1_start, plan_calibration
 
     plan = plan_calibration(
         source.path,
@@ -520,7 +520,7 @@ def _calibrate(
     )
     expanded = isinstance(tensor_map, LlamaToV1Expanded)
     grid = None if expanded else {"calibrated": DIFFERENTIAL_GRID, "calibrated-additive": ADDITIVE_GRID}.get(v1_init)
-    start = calibrate_subln(source, config, tensor_map.geometry, tensor_map, plan, lambda_grid=grid)
+    start = calibrate_v1_start(source, config, tensor_map.geometry, tensor_map, plan, lambda_grid=grid)
     tensor_map.output_weights = start.output_weights
     tensor_map.lambda_q2 = start.lambda_q2 or None
     if expanded:

@@ -246,8 +246,8 @@ class LlamaToV1(TensorMap):
 
     `mirrored_lambda` draws only λq1 and λk1 and sets λq2 = λq1, λk2 = λk1, so that with λ_init = 0 the layer's
     λ = exp(λq1·λk1) − exp(λq2·λk2) is exactly 0 yet has a gradient (zeroing q2 and k2 instead would leave them at a
-    saddle with none). `output_weights` ({layer: (D, H'·2d)}, fitted by `calibrate.calibrate_subln`) replace o_proj's
-    weight (the sub-layer norm's own gain stays 1)."""
+    saddle with none). `output_weights` ({layer: (D, H'·2d)}, fitted by `calibrate.calibrate_v1_start`) replace
+    o_proj's weight (the sub-layer norm's own gain stays 1)."""
 
     def __init__(self, geometry: Geometry, lambda_std: float = 0.1, seed: int = 0, mirrored_lambda: bool = False):
         super().__init__(geometry)
