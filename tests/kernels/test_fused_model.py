@@ -117,3 +117,39 @@ def test_diff_triton_is_a_transformers_backend_name():
     model = tiny_model(1, attn_implementation="sdpa")
     model.set_attn_implementation("diff_triton")
     assert model.config._attn_implementation == "diff_triton"
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; run on a lent GPU)")
+# bf16: both sides round every product to bf16, in different orders; compared against eager in fp32 instead.
+CUDA_TOLERANCE = {torch.float32: dict(rtol=2e-3, atol=2e-3), torch.bfloat16: dict(rtol=5e-2, atol=5e-2)}
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", [(4, 2, None), (9, 3, 64)], ids=["gqa2", "odd-gqa3"])
+def test_fused_v1_on_cuda_matches_eager(strategies, dtype, heads):
+    """The real dispatch (no interpreter): forward on a padded batch, gradients, and greedy generation on a GPU."""
+    num_attention_heads, num_key_value_heads, head_dim = heads
+    model = tiny_model(
+        1, num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=head_dim
+    ).cuda()
+    twin = fused_twin(model).to("cuda", dtype)
+    ids, mask = (t.cuda() for t in padded_batch(model))
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits
+        fused = twin(ids, attention_mask=mask).logits.float()
+    assert strategies and set(strategies) == {V1Strategy.FUSED}
+    real = mask.bool()
+    torch.testing.assert_close(fused[real], expected[real], **CUDA_TOLERANCE[dtype])
+    twin.train()
+    twin(ids, attention_mask=mask, labels=ids).loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in twin.parameters() if p.requires_grad)
+    if dtype == torch.float32:
+        model.train()
+        model(ids, attention_mask=mask, labels=ids).loss.backward()
+        grads = dict(model.named_parameters())
+        for name, p in twin.named_parameters():
+            torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-2, atol=1e-4, msg=name)
+        twin.eval(), model.eval()
+        kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+        assert torch.equal(twin.generate(ids, **kwargs), model.generate(ids, **kwargs))

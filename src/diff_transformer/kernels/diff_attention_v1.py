@@ -39,13 +39,13 @@ _DECODE_MAX_ROWS = 64
 
 # Launch configurations on GPU: kernel -> {BLOCK_D: (BLOCK_M, BLOCK_N, num_warps, num_stages)}; "decode" ignores
 # BLOCK_M. A tuning knob: `benchmarks/bench_kernel.py --sweep` times candidates on a GPU, `--registers` compiles them
-# for sm_90 without one and reports registers/spills. These were chosen from that register report (few or no spills
-# at 255 registers per thread), not yet from GPU timings.
+# for sm_90 without one and reports registers/spills. head_dim 64 and 128: the fastest of the sweep on an H200 (bf16,
+# B=1, N=4096; benchmarks/results/kernel_sweep_h200.md); 256: from the register report only.
 CUDA_CONFIGS: dict[str, dict[int, tuple[int, int, int, int]]] = {
-    "fwd": {64: (128, 64, 8, 3), 128: (64, 32, 8, 2), 256: (32, 32, 8, 1)},
-    "bwd_dkdv": {64: (32, 64, 8, 2), 128: (32, 32, 8, 2), 256: (16, 32, 8, 1)},
-    "bwd_dq": {64: (128, 64, 8, 2), 128: (32, 32, 4, 2), 256: (32, 32, 8, 1)},
-    "decode": {64: (16, 64, 4, 3), 128: (16, 64, 8, 2), 256: (16, 32, 8, 1)},
+    "fwd": {64: (128, 64, 8, 3), 128: (64, 64, 8, 2), 256: (32, 32, 8, 1)},
+    "bwd_dkdv": {64: (64, 32, 8, 2), 128: (64, 32, 8, 2), 256: (16, 32, 8, 1)},
+    "bwd_dq": {64: (64, 64, 4, 2), 128: (128, 32, 8, 2), 256: (32, 32, 8, 1)},
+    "decode": {64: (16, 64, 4, 3), 128: (16, 32, 8, 3), 256: (16, 32, 8, 1)},
 }
 # fp32 (full-precision dots, a checking mode rather than a fast one): small tiles keep shared memory and compile
 # time low.
