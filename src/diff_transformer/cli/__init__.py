@@ -1,4 +1,4 @@
-"""The `diff-transformer` command: demo, convert, generate, inspect, merge, train, serve.
+"""The `diff-transformer` command: demo, convert, generate, inspect, merge, train, serve, niah.
 
 Each command is a module of this package with `add_parser(commands)` (its options, and `run(args)` as the function
 to call); the modules import nothing heavy at the top, so `--help` and `--version` do not load torch's models.
@@ -8,11 +8,11 @@ import argparse
 import logging
 import sys
 
-from diff_transformer.cli import convert, demo, generate, inspect, merge, serve, train
+from diff_transformer.cli import convert, demo, generate, inspect, merge, niah, serve, train
 from diff_transformer.errors import UserError
 
 
-COMMANDS = (demo, convert, generate, inspect, merge, train, serve)
+COMMANDS = (demo, convert, generate, inspect, merge, train, serve, niah)
 
 
 class _Notes(logging.Handler):

@@ -1,0 +1,146 @@
+"""`diff-transformer niah MODEL [MODEL ...] --out DIR`: needle-in-a-haystack accuracy on a context length x depth grid
+for each model (any causal LM transformers loads: a source Llama and its Diff conversions alike), one heatmap."""
+
+import sys
+
+from ..errors import UserError
+
+
+def add_parser(commands) -> None:
+    niah = commands.add_parser(
+        "niah",
+        help="needle-in-a-haystack: retrieval accuracy over context lengths and depths, as a heatmap",
+        description=__doc__.split("\n\n")[0].replace("`", ""),
+    )
+    niah.add_argument("models", nargs="+", metavar="MODEL", help="model or LoRA adapter directories, or Hub ids")
+    niah.add_argument("--out", required=True, help="directory for niah.json and niah.png (created; must be empty)")
+    niah.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
+    niah.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=[1024, 2048, 4096],
+        help="prompt lengths in tokens (default: %(default)s)",
+    )
+    niah.add_argument(
+        "--depths",
+        type=float,
+        nargs="+",
+        default=[0.0, 0.25, 0.5, 0.75, 1.0],
+        help="needle positions as fractions of the text, 0 = start (default: %(default)s)",
+    )
+    niah.add_argument(
+        "--needles", type=int, default=4, help="prompts per cell, each its own key and value (default 4)"
+    )
+    niah.add_argument("--seed", type=int, default=0, help="draws the keys and values (default 0)")
+    niah.add_argument(
+        "--haystack",
+        help="UTF-8 text to hide the needle in (default: the package's Jane Austen chapters, ~28k tokens)",
+    )
+    niah.add_argument(
+        "--no-chat", action="store_true", help="plain text prompts even when the tokenizer has a chat template"
+    )
+    niah.add_argument("--batch-size", type=int, default=1, help="prompts per forward (default 1)")
+    niah.add_argument("--max-new-tokens", type=int, default=16, help="tokens of each greedy answer (default 16)")
+    niah.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:1, mps... (default: cuda if available, else cpu)"
+    )
+    niah.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weights' dtype (default: the saved)"
+    )
+    niah.add_argument("--quiet", action="store_true", help="no progress lines")
+    niah.set_defaults(func=run)
+
+
+def _check_options(args) -> None:
+    from ..niah import check_grid
+
+    check_grid(args.lengths, args.depths, args.needles)
+    if not 1 <= args.batch_size <= 256:
+        raise UserError(f"--batch-size {args.batch_size} must be from 1 to 256.")
+    if not 1 <= args.max_new_tokens <= 256:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens} must be from 1 to 256.")
+    if not 0 <= args.seed < 2**63:
+        raise UserError(f"--seed {args.seed} must be in [0, 2**63).")
+
+
+def _device(text):
+    import torch
+
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {text!r} is not a device: use cpu, cuda, cuda:N or mps.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {text}: no CUDA GPU is available here: use --device cpu.")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {text}: MPS is not available here: use --device cpu.")
+    return device
+
+
+def run(args) -> int:
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from .. import niah
+    from ..checkpoints import adapters
+    from ..checkpoints.loading import check_diff_checkpoint
+    from ..safe_output import Staging, check_target
+
+    _check_options(args)
+    lengths, depths = sorted(args.lengths), sorted(args.depths)
+    haystack = niah.read_haystack(args.haystack) if args.haystack else niah.default_haystack()
+    device = _device(args.device)
+    # Every model's inputs are checked (and its prompts built) before any weights load.
+    plans = []
+    for text in args.models:
+        source = adapters.resolve(text, None)
+        if source.local is not None:
+            check_diff_checkpoint(source.local)
+        tokenizer = adapters.load_tokenizer(AutoTokenizer, source.tokenizer, source.tokenizer_local, text)
+        if tokenizer is None:
+            raise UserError(f"MODEL {text} has no tokenizer: niah writes text prompts, so save one with the model.")
+        try:
+            config = AutoConfig.from_pretrained(source.location).get_text_config()
+        except Exception as exc:
+            raise UserError(f"cannot read the config of MODEL {text} ({' '.join(str(exc).split())[:200]}).") from None
+        context = getattr(config, "max_position_embeddings", None)
+        if context is not None and lengths[-1] + args.max_new_tokens > context:
+            raise UserError(
+                f"--lengths {lengths[-1]} + --max-new-tokens {args.max_new_tokens} exceeds MODEL {text}'s context "
+                f"({context} positions): ask for lengths up to {context - args.max_new_tokens}."
+            )
+        chat = not args.no_chat and bool(getattr(tokenizer, "chat_template", None))
+        builder = niah.PromptBuilder(tokenizer, haystack, chat=chat)
+        prompts = niah.build_grid(builder, lengths, depths, args.needles, args.seed)
+        plans.append((text, source, tokenizer, chat, prompts))
+    out = check_target(args.out, name="--out", sources={f"MODEL {text}": s.local for text, s, *_ in plans if s.local})
+    staging = Staging(out, overwrite=args.overwrite, name="--out")
+    results = []
+    with staging as tmp:
+        for text, source, tokenizer, chat, prompts in plans:
+            load_kwargs = {"dtype": getattr(torch, args.dtype)} if args.dtype else {}
+            model = adapters.load(source, **load_kwargs).eval().to(device)
+
+            def progress(done, total, prompt, text=text):
+                if not args.quiet:
+                    print(f"niah {text}: {done}/{total} prompts (length {prompt.length})", file=sys.stderr, flush=True)
+
+            samples = niah.evaluate(
+                model, tokenizer, prompts, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                progress=progress,
+            )  # fmt: skip
+            results.append(niah.result_record(text, niah.cells_of(prompts, samples)))
+            del model
+        settings = {
+            "lengths": lengths, "depths": depths, "needles": args.needles, "seed": args.seed,
+            "haystack": args.haystack or "diff_transformer/assets/heldout.txt", "chat": [p[3] for p in plans],
+            "max_new_tokens": args.max_new_tokens, "device": str(device), "dtype": args.dtype,
+            "needle": niah.NEEDLE, "question": niah.QUESTION, "answer_prefix": niah.ANSWER_PREFIX,
+        }  # fmt: skip
+        niah.save(tmp, settings, results, lengths, depths)
+        staging.install()
+    print(f"wrote {out / 'niah.json'} and {out / 'niah.png'}", file=sys.stderr)
+    return 0

@@ -1,0 +1,162 @@
+"""`diff-transformer niah`: the grid (exact lengths, the needle at the asked depth and at a sentence boundary), the
+scorer (hand cases), the evaluation (greedy answers = `generate`'s, the value's log-probability = a full forward's),
+equal grids for a source and its V2 conversion, a model that retrieves (the real SmolLM2-135M-Instruct) against one
+that cannot (the same shapes, random weights), and the refusals."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from diff_transformer import cli, niah
+from diff_transformer.conversion import convert_to_diff
+from tests.helpers import REPOSITORY
+
+
+TINY = REPOSITORY / "src" / "diff_transformer" / "assets" / "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(TINY)
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "plain"])
+def test_the_grid_has_exact_lengths_and_the_needle_at_its_depth(tokenizer, chat):
+    builder = niah.PromptBuilder(tokenizer, niah.default_haystack(), chat=chat)
+    lengths, depths = [200, 333], [0.0, 0.25, 0.5, 0.75, 1.0]
+    prompts = niah.build_grid(builder, lengths, depths, 3, seed=7)
+    assert len(prompts) == 2 * 5 * 3
+    haystack, boundaries = builder.haystack, builder.boundaries
+    for p in prompts:
+        assert len(p.ids) == p.length  # exact, in tokens
+        assert (p.key, p.value) == niah.needle_for(7, p.length, p.depth, prompts.index(p) % 3)
+        needle = tokenizer.decode(p.ids[p.needle_start : p.needle_start + p.needle_length]).strip()
+        assert needle == niah.NEEDLE.format(key=p.key, value=p.value)
+        before, after = builder.frame(p.key)
+        n = p.length - len(before) - len(after) - p.needle_length  # haystack tokens in the prompt
+        offset = p.needle_start - len(before)
+        assert list(p.ids[: len(before)]) == before and list(p.ids[-len(after) :]) == after
+        assert list(p.ids[len(before) : p.needle_start]) == haystack[:offset]  # the text in order, needle cut in
+        # At a sentence boundary (or an end of the text), the one nearest the asked depth.
+        assert offset in (0, n) or offset in boundaries
+        nearest = min([b for b in boundaries if b <= n] + [n], key=lambda b: abs(b - p.depth * n))
+        assert abs(offset - p.depth * n) == abs(nearest - p.depth * n)
+        assert p.placed_depth == offset / n
+        sentence = max(b - a for a, b in zip(boundaries, boundaries[1:]) if a <= n)
+        assert abs(p.placed_depth - p.depth) * n <= sentence  # within a sentence of the asked depth
+    # Ends sit at the ends, and the question (with the answer's start) closes every prompt.
+    assert {p.placed_depth for p in prompts if p.depth == 0.0} == {0.0}
+    assert {p.placed_depth for p in prompts if p.depth == 1.0} == {1.0}
+    tail = tokenizer.decode(prompts[0].ids[-60:])
+    assert tail.rstrip().endswith(niah.ANSWER_PREFIX.format(key=prompts[0].key))
+    assert niah.QUESTION.format(key=prompts[0].key) in tail and ("assistant" in tail) == chat
+
+
+def test_the_scorer_wants_the_value_as_a_whole_number():
+    assert niah.is_correct(" 4284014.", "4284014")
+    assert niah.is_correct("It is 4284014, I think", "4284014")
+    assert not niah.is_correct(" 42840141.", "4284014")  # a longer number is another number
+    assert not niah.is_correct(" 14284014", "4284014")
+    assert not niah.is_correct(" 4,284,014", "4284014")
+    assert not niah.is_correct(" 428401", "4284014")
+    assert not niah.is_correct("", "4284014")
+
+
+def test_evaluate_answers_as_generate_does_and_scores_the_value_as_a_forward_does(tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(TINY).eval()
+    builder = niah.PromptBuilder(tokenizer, niah.default_haystack(), chat=True)
+    prompts = niah.build_grid(builder, [160], [0.0, 0.6], 2, seed=1)
+    samples = niah.evaluate(model, tokenizer, prompts, batch_size=3, max_new_tokens=6)  # batches of 3 and 1
+    for p, s in zip(prompts, samples):
+        ids = torch.tensor([p.ids])
+        generated = model.generate(ids, max_new_tokens=6, do_sample=False, repetition_penalty=1.0)[0, p.length :]
+        assert s.answer == tokenizer.decode(generated, skip_special_tokens=True)
+        full = torch.tensor([p.ids + p.value_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(full).logits[0, p.length - 1 : -1].double(), dim=-1)
+        expected = sum(logp[i, t].item() for i, t in enumerate(p.value_ids))
+        assert s.value_logprob == pytest.approx(expected, abs=1e-4)
+        assert s.correct == niah.is_correct(s.answer, p.value)
+
+
+def test_a_source_and_its_v2_conversion_give_equal_grids(tmp_path, capsys):
+    v2 = convert_to_diff(TINY, tmp_path / "v2", diff_version=2, progress=False)
+    out = tmp_path / "niah"
+    argv = ["niah", str(TINY), str(v2), "--lengths", "150", "300", "--depths", "0", "0.5", "1", "--needles", "2"]
+    assert cli.main([*argv, "--out", str(out), "--quiet"]) == 0
+    table = capsys.readouterr().out
+    assert table.count("| 0.5 |") == 2 and "150 tokens | 300 tokens" in table
+    data = json.loads((out / "niah.json").read_text())
+    source, converted = data["results"]
+    assert [c["length"] for c in source["cells"]] == [150, 150, 150, 300, 300, 300]
+    for a, b in zip(source["cells"], converted["cells"]):
+        assert (a["length"], a["depth"], a["accuracy"], a["n"]) == (b["length"], b["depth"], b["accuracy"], b["n"])
+        assert a["mean_value_logprob"] == pytest.approx(b["mean_value_logprob"], abs=1e-3)
+        assert [s["answer"] for s in a["samples"]] == [s["answer"] for s in b["samples"]]
+    assert (out / "niah.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in out.iterdir()) == ["niah.json", "niah.png"]
+
+
+@pytest.mark.slow
+def test_a_model_that_retrieves_scores_high_and_an_untrained_one_does_not(tmp_path):
+    """SmolLM2-135M-Instruct finds the number (measured 1.00 at 512 and 1024 tokens, every depth); the same shapes
+    with random weights find nothing."""
+    from tests.helpers.smollm2 import smollm2
+
+    source = smollm2()
+    random_model = tmp_path / "random"
+    config = AutoModelForCausalLM.from_pretrained(source).config
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(random_model)
+    AutoTokenizer.from_pretrained(source).save_pretrained(random_model)
+    out = tmp_path / "niah"
+    argv = ["niah", source, random_model, "--lengths", "512", "--depths", "0", "0.5", "1", "--needles", "2"]
+    assert cli.main([*map(str, argv), "--out", str(out), "--quiet"]) == 0
+    trained, untrained = json.loads((out / "niah.json").read_text())["results"]
+    assert min(c["accuracy"] for c in trained["cells"]) == 1.0
+    assert max(c["accuracy"] for c in untrained["cells"]) == 0.0
+    assert (
+        max(c["mean_value_logprob"] for c in untrained["cells"])
+        < min(c["mean_value_logprob"] for c in trained["cells"]) - 10
+    )
+
+
+def test_niah_refuses_bad_grids_in_one_line(refused, tmp_path):
+    model, out = str(TINY), str(tmp_path / "out")
+    refused(["niah", model, "--out", out, "--lengths", "1024"], "exceeds MODEL", "context (512 positions)")
+    refused(["niah", model, "--out", out, "--lengths", "50"], "--lengths 50 is too short")
+    refused(["niah", model, "--out", out, "--lengths", "200", "200"], "repeats a length")
+    refused(["niah", model, "--out", out, "--lengths", "200", "--depths", "1.5"], "--depths", "from 0")
+    refused(["niah", model, "--out", out, "--lengths", "200", "--depths", "nan"], "--depths")
+    refused(["niah", model, "--out", out, "--lengths", "200", "--needles", "0"], "--needles 0")
+    refused(["niah", model, "--out", out, "--lengths", "200", "--batch-size", "0"], "--batch-size 0")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    refused(["niah", model, "--out", out, "--lengths", "200", "--haystack", empty], "is empty")
+    refused(["niah", model, "--out", out, "--lengths", "200", "--haystack", tmp_path / "none.txt"], "is not a file")
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\xe9 au lait. ".encode("latin-1") * 10)
+    refused(["niah", model, "--out", out, "--lengths", "200", "--haystack", latin], "is not UTF-8")
+    short = tmp_path / "short.txt"
+    short.write_text("One sentence. Another one. " * 5)
+    refused(["niah", model, "--out", out, "--lengths", "300", "--haystack", short], "pass a longer --haystack")
+    refused(["niah", model, "--out", out, "--lengths", "200", "--device", "cuda:0"] if not torch.cuda.is_available()
+            else ["niah", model, "--out", out, "--lengths", "200", "--device", "nonsense"], "--device")  # fmt: skip
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "mine.txt").write_text("keep")
+    refused(["niah", model, "--out", busy, "--lengths", "200"], "is not empty", "--overwrite")
+    assert (busy / "mine.txt").read_text() == "keep" and not (tmp_path / "out").exists()
+
+
+def test_the_heatmap_draws_any_model_name():
+    """Names are paths a user typed: a "$" pair must not be read as matplotlib mathtext (it would fail to render)."""
+    cells = [{"length": n, "depth": d, "accuracy": 0.5, "mean_value_logprob": -3.0} for n in (10, 20) for d in (0, 1)]
+    results = [{"model": "runs/$HOME_$x^{/model", "cells": cells}, {"model": "b", "cells": cells}]
+    fig = niah.heatmap(results, [10, 20], [0, 1])
+    import io
+
+    fig.savefig(io.BytesIO(), format="png")
+    assert fig.axes[0].get_title() == r"runs/\$HOME_\$x^{/model"
