@@ -96,6 +96,7 @@ from bench_common import (  # first: it puts the checkout's src/ first on sys.pa
     same_matrices_model,
     timed,
 )
+from floors import decode_bytes, forward_macs, meta_model
 
 
 # isort: split
@@ -314,6 +315,21 @@ def fmt(x: float, unit: str) -> str:
     return f"{x:g}"
 
 
+def floor_ratios(args, size, names) -> dict:
+    """metric -> model -> the ratio to Llama that the model's work implies (benchmarks/floors.py)."""
+    models = {n: meta_model(*model_config(n, size, args.v2_heads, args.v2_kv_heads)) for n in names}
+    out = {}
+    for n_tokens in size["prefill"]:
+        ref = forward_macs(models["llama"].model, n_tokens)
+        out[f"prefill_{n_tokens}"] = {n: forward_macs(m.model, n_tokens) / ref for n, m in models.items()}
+    ref = forward_macs(models["llama"], size["train_seq"], lm_head=True)
+    out["train"] = {n: forward_macs(m, size["train_seq"], lm_head=True) / ref for n, m in models.items()}
+    context = size["prompt"] + size["new_tokens"] // 2  # the mean context of the decode steps
+    ref = decode_bytes(models["llama"], context)
+    out["decode"] = {n: ref / decode_bytes(m, context) for n, m in models.items()}  # tokens/s: inverse of bytes
+    return out
+
+
 def report(args, size, names, params, descr, summary, meta) -> tuple[str, list[tuple[str, bool]]]:
     cols = [MODEL_LABELS[n] for n in names]
     lines = ["| metric | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
@@ -329,15 +345,19 @@ def report(args, size, names, params, descr, summary, meta) -> tuple[str, list[t
         ("train", f"train step fwd+bwd {size['train_seq']} tok (lower=better)", "ms"),
     ]
     best_lines = ["| best of reps | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    floor = floor_ratios(args, size, names)
+
+    def cell(metric, name, value, ratio):
+        bound = f"; floor {floor[metric][name]:.2f}x" if metric in floor else ""
+        return f"{fmt(value, unit)} ({ratio:.2f}x{bound})"
+
     for metric, label, unit in rows:
         if metric not in summary:
             continue
-        cells = [f"{fmt(summary[metric][n]['median'], unit)} ({summary[metric][n]['ratio']:.2f}x)" for n in names]
+        cells = [cell(metric, n, summary[metric][n]["median"], summary[metric][n]["ratio"]) for n in names]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
         if metric != "memory":
-            cells = [
-                f"{fmt(summary[metric][n]['best'], unit)} ({summary[metric][n]['best_ratio']:.2f}x)" for n in names
-            ]
+            cells = [cell(metric, n, summary[metric][n]["best"], summary[metric][n]["best_ratio"]) for n in names]
             best_lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
     checks: list[tuple[str, bool]] = []
@@ -396,7 +416,9 @@ def report(args, size, names, params, descr, summary, meta) -> tuple[str, list[t
         f"fresh subprocesses per model) | wall time {meta['wall_s'] / 60:.1f} min",
         "",
         f"Size: hidden {size['hidden']}, {size['layers']} layers, intermediate {size['intermediate']}, vocab "
-        f"{size['vocab']}, untied LM head. Cells: median (median per-rep ratio to Llama).",
+        f"{size['vocab']}, untied LM head. Cells: median (median per-rep ratio to Llama; the floor, the ratio the work "
+        "alone implies: multiply-adds for prefill and training, bytes of weights + KV cache read per token for "
+        "decode, see benchmarks/floors.py).",
         "",
         *lines,
         "",
@@ -538,6 +560,7 @@ def main(argv=None):
                     "layout": descr,
                     "params": params,
                     "summary": summary,
+                    "floor": floor_ratios(args, size, names),
                     "raw": raw,
                     "detail": extra,
                     "targets": [{"target": t, "pass": ok} for t, ok in checks],

@@ -132,6 +132,7 @@ def test_niah_refuses_bad_grids_in_one_line(refused, tmp_path):
     refused(["niah", model, "--out", out, "--lengths", "200", "--depths", "nan"], "--depths")
     refused(["niah", model, "--out", out, "--lengths", "200", "--needles", "0"], "--needles 0")
     refused(["niah", model, "--out", out, "--lengths", "200", "--batch-size", "0"], "--batch-size 0")
+    refused(["niah", model, "--out", out, "--lengths", "8192", "--batch-size", "200"], "--batch-size 128 or less")
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
     refused(["niah", model, "--out", out, "--lengths", "200", "--haystack", empty], "is empty")

@@ -6,6 +6,9 @@ import sys
 from ..errors import UserError
 
 
+MAX_BATCH_TOKENS = 2**20  # tokens of one forward (batch x length): what a request may make one forward hold
+
+
 def add_parser(commands) -> None:
     niah = commands.add_parser(
         "niah",
@@ -58,6 +61,11 @@ def _check_options(args) -> None:
     check_grid(args.lengths, args.depths, args.needles)
     if not 1 <= args.batch_size <= 256:
         raise UserError(f"--batch-size {args.batch_size} must be from 1 to 256.")
+    if args.batch_size * max(args.lengths) > MAX_BATCH_TOKENS:
+        raise UserError(
+            f"--batch-size {args.batch_size} x --lengths {max(args.lengths)} is more than {MAX_BATCH_TOKENS:,} tokens "
+            f"in one forward: use --batch-size {max(1, MAX_BATCH_TOKENS // max(args.lengths))} or less."
+        )
     if not 1 <= args.max_new_tokens <= 256:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} must be from 1 to 256.")
     if not 0 <= args.seed < 2**63:
