@@ -96,6 +96,9 @@ from bench_common import (  # first: it puts the checkout's src/ first on sys.pa
     same_matrices_model,
     timed,
 )
+
+
+# isort: split
 from floors import decode_bytes, forward_macs, meta_model
 
 
@@ -416,8 +419,8 @@ def report(args, size, names, params, descr, summary, meta) -> tuple[str, list[t
         f"fresh subprocesses per model) | wall time {meta['wall_s'] / 60:.1f} min",
         "",
         f"Size: hidden {size['hidden']}, {size['layers']} layers, intermediate {size['intermediate']}, vocab "
-        f"{size['vocab']}, untied LM head. Cells: median (median per-rep ratio to Llama; the floor, the ratio the work "
-        "alone implies: multiply-adds for prefill and training, bytes of weights + KV cache read per token for "
+        f"{size['vocab']}, untied LM head. Cells: median (median per-rep ratio to Llama; the floor, the ratio the "
+        "work alone implies: multiply-adds for prefill and training, bytes of weights + KV cache read per token for "
         "decode, see benchmarks/floors.py).",
         "",
         *lines,

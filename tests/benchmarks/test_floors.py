@@ -62,7 +62,7 @@ def test_attention_costs_relative_to_llama_by_hand():
     llama, v1 = build("llama"), build("v1")
     n = 1000  # long enough for attention to dominate: the ratio tends to 1.5
     linear = floors._linear_weights(llama, lm_head=False)
-    assert floors._linear_weights(v1, lm_head=False) == linear + 0  # V1 has Llama's matrices exactly (λ is not a Linear)
+    assert floors._linear_weights(v1, lm_head=False) == linear  # Llama's matrices exactly (λ is not a Linear)
     expected = (n * linear + 2 * 192 * n * (n + 1) / 2) / (n * linear + 2 * 128 * n * (n + 1) / 2)
     assert floors.forward_macs(v1.model, n) / floors.forward_macs(llama.model, n) == pytest.approx(expected, rel=1e-12)
 
