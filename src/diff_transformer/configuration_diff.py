@@ -51,6 +51,9 @@ _TP_PLAN_QK_NORM = {
 }
 
 
+FP32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, without importing torch here
+
+
 # Mirrors transformers.models.llama.configuration_llama.LlamaConfig
 # diff with Llama: `num_attention_heads` counts differential heads and `head_dim` is a sub-head's (default
 # hidden_size // 2H); no `pretraining_tp`; the Diff fields; its own validation (`validate_values`) and λ plans
@@ -201,11 +204,20 @@ class DiffConfig(PreTrainedConfig):
                 f"hidden_act={self.hidden_act!r} is not an activation transformers knows: use a key of "
                 "transformers.activations.ACT2FN, e.g. 'silu' (Llama's), 'gelu' or 'relu'."
             )
-        # `not x > 0` (rather than `x <= 0`) also catches NaN, for which every comparison is False.
-        if not 0.0 < self.rms_norm_eps < math.inf:
+        # `not x > 0` (rather than `x <= 0`) also catches NaN, for which every comparison is False. RMSNorm adds eps
+        # in fp32, where anything below its smallest normal number (1.2e-38) is lost or denormal: 1e-300 is 0 there.
+        if not FP32_TINY <= self.rms_norm_eps < math.inf:
             raise ValueError(
-                f"rms_norm_eps={self.rms_norm_eps} must be a finite number > 0 (RMSNorm divides by "
-                "sqrt(mean(x²) + eps): with eps <= 0 an all-zero hidden state gives NaN): use e.g. 1e-6 or 1e-5."
+                f"rms_norm_eps={self.rms_norm_eps} must be a finite number >= {FP32_TINY:.3g} (RMSNorm divides by "
+                "sqrt(mean(x²) + eps) in float32: an eps that is 0 there gives NaN for an all-zero hidden state): "
+                "use e.g. 1e-6 or 1e-5."
+            )
+        theta = (self.rope_parameters or {}).get("rope_theta") if isinstance(self.rope_parameters, dict) else None
+        number = isinstance(theta, (int, float)) and not isinstance(theta, bool)
+        if theta is not None and not (number and 1.0 < theta < math.inf):
+            raise ValueError(
+                f"rope_parameters.rope_theta={theta!r} must be a finite number > 1 (RoPE's frequencies are "
+                "theta^(-2i/d): 0 gives infinities, 1 the same angle for every pair): use e.g. 10000.0, Llama's."
             )
         if not 0.0 <= self.initializer_range <= 1.0:
             raise ValueError(

@@ -17,6 +17,28 @@ def one_line(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+def library_failure(exc: BaseException) -> str | None:
+    """One line for a failure that comes from the machine or a file rather than from this package (a full disk, an
+    unreadable or corrupt file), naming the file where the exception knows it and the fix; None for anything else."""
+    import errno
+    import json
+
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f" writing {exc.filename}" if exc.filename else ""
+        return f"no space left on the device{where}: free some space or choose an output on another disk."
+    if isinstance(exc, (PermissionError, IsADirectoryError, NotADirectoryError, FileNotFoundError)) and exc.filename:
+        return f"{exc.strerror or one_line(exc)}: {exc.filename}: check the path and its permissions."
+    if type(exc).__name__ == "SafetensorError":  # safetensors' Rust error, without importing safetensors here
+        return f"a safetensors file is corrupt, truncated or unwritable ({one_line(exc)}): restore or re-download it."
+    if isinstance(exc, json.JSONDecodeError):
+        return f"a JSON file is not valid JSON ({one_line(exc)}): fix or restore it."
+    if isinstance(exc, UnicodeDecodeError):
+        return f"a text file is not UTF-8 ({one_line(exc)}): convert it to UTF-8."
+    if isinstance(exc, MemoryError):
+        return "out of memory: use a smaller model, batch or length, or a machine with more memory."
+    return None
+
+
 def install_command(extra: str) -> str:
     """How to get EXTRA: from a source checkout (the package is not on a public index yet), and from an index."""
     source, index = f'pip install -e ".[{extra}]"', f'pip install "diff-transformer[{extra}]"'

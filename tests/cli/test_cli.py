@@ -162,3 +162,53 @@ def test_top_level_help_names_every_command(capsys):
     description = capsys.readouterr().out.split("\n\n")[1]  # after the usage line
     for command in ("demo", "convert", "generate", "train", "serve"):
         assert command in description, description
+
+
+@pytest.mark.parametrize(
+    "failure,code,words",
+    [
+        (OSError(28, "No space left on device", "out/model.safetensors"), 2, ["no space left", "out/model.safe"]),
+        (PermissionError(13, "Permission denied", "/x/y"), 2, ["Permission denied: /x/y", "permissions"]),
+        (json.JSONDecodeError("Expecting value", "{x", 1), 2, ["not valid JSON", "Expecting value"]),
+        (MemoryError(), 2, ["out of memory"]),
+        (RuntimeError("boom\nsecond line"), 1, ["unexpected RuntimeError: boom second line", "--traceback"]),
+    ],
+    ids=["disk-full", "permission", "json", "memory", "bug"],
+)
+def test_one_error_boundary_for_what_is_not_a_user_error(monkeypatch, capsys, failure, code, words):
+    """Known failures of the machine or a file: one line naming the file and the fix, exit 2; anything else is a bug:
+    one line and "rerun with --traceback", exit 1; `--traceback` shows the chain."""
+    from diff_transformer import cli
+    from diff_transformer.cli import inspect as inspect_command
+
+    def fail(args):
+        raise failure
+
+    monkeypatch.setattr(inspect_command, "run", fail)
+    assert cli.main(["inspect", "some-model", "hello", "--json", "maps.json"]) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    for word in words:
+        assert word in err[0]
+    with pytest.raises(type(failure)):
+        cli.main(["inspect", "some-model", "hello", "--json", "maps.json", "--traceback"])
+
+
+def test_safetensors_errors_are_one_line(tmp_path, refused, monkeypatch):
+    """A real SafetensorError (a file cut short), reached where the package does not wrap it itself."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import diff_transformer.cli.inspect as inspect_command
+
+    path = tmp_path / "cut.safetensors"
+    save_file({"w": torch.zeros(64)}, str(path))
+    path.write_bytes(path.read_bytes()[:40])
+
+    def read(args):
+        with safe_open(str(path), "pt") as f:
+            f.keys()
+
+    monkeypatch.setattr(inspect_command, "run", read)
+    refused(["inspect", "m", "hi", "--json", "maps.json"], "a safetensors file is corrupt")

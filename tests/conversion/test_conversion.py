@@ -690,6 +690,12 @@ BAD_INPUTS = {
         {},
         r"tensor model\.layers\.2\.\S+ \(and \d+ more\) is missing",
     ),
+    "rope-theta-zero": (
+        lambda s: _edit_config(s, rope_parameters={"rope_type": "default", "rope_theta": 0}),
+        {},
+        r"rope_parameters\.rope_theta=0 must be a finite number > 1",
+    ),
+    "rms-eps-zero-in-fp32": (lambda s: _edit_config(s, rms_norm_eps=1e-300), {}, r"rms_norm_eps=1e-300 must be a"),
     "missing-tensor": (lambda s: _drop_tensor(s, "model.norm.weight"), {}, r"tensor model\.norm\.weight is missing"),
     "missing-lm-head": (lambda s: _drop_tensor(s, "lm_head.weight"), {}, r"tensor lm_head\.weight is missing"),
     "unexpected-tensor": (

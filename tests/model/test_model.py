@@ -370,6 +370,7 @@ INVALID_VALUES = [
     ("rms_norm_eps", -1e-6, 2, "use e.g. 1e-6"),
     ("rms_norm_eps", 0.0, 2, "use e.g. 1e-6"),  # an all-zero hidden state (the padding embedding) gives 0/0
     ("rms_norm_eps", math.nan, 1, "use e.g. 1e-6"),
+    ("rms_norm_eps", 1e-300, 2, "use e.g. 1e-6"),  # 0 in float32, where RMSNorm adds it: NaN as for 0
     ("max_position_embeddings", 0, 2, "positive integer"),
     ("max_position_embeddings", -8, 1, "positive integer"),
     ("intermediate_size", -4, 2, "positive integer"),
@@ -409,9 +410,16 @@ def test_value_changed_after_construction_is_refused_at_save(tmp_path, diff_vers
     config = tiny_config(diff_version)
     config.validate()
     config.rms_norm_eps = -1.0
-    with pytest.raises(StrictDataclassClassValidationError, match="rms_norm_eps=-1.0 must be a finite number > 0"):
+    with pytest.raises(StrictDataclassClassValidationError, match="rms_norm_eps=-1.0 must be a finite number >= "):
         config.save_pretrained(tmp_path)
     assert not (tmp_path / "config.json").exists()
+
+
+@pytest.mark.parametrize("theta", [0.0, 1.0, -10000.0, math.inf, math.nan, "10000"])
+def test_rope_theta_is_a_finite_number_above_one(theta):
+    """theta^(-2i/d): 0 (or below) gives inf/NaN frequencies, 1 rotates every pair by the same angle."""
+    with pytest.raises(ValueError, match=r"rope_parameters.rope_theta=.* must be a finite number > 1"):
+        tiny_config(2, rope_parameters={"rope_type": "default", "rope_theta": theta})
 
 
 def test_attention_dropout_none_means_no_dropout():

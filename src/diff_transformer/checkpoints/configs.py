@@ -8,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+from ..configuration_diff import FP32_TINY
 from . import CheckpointError
 
 
@@ -55,6 +56,10 @@ def check_model_type(raw, where: str) -> None:
         )
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def check_model_config(config, where: str, *, build: bool = True) -> None:
     """The values a model is built from, checked before any weight is read or written, each as one line naming the
     field and the fix: token ids inside the vocabulary, a RoPE type transformers knows, an attention backend that is
@@ -74,6 +79,18 @@ def check_model_config(config, where: str, *, build: bool = True) -> None:
             "id below vocab_size, or to null (no padding token), in config.json."
         )
     rope = getattr(text_config, "rope_parameters", None)
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    if theta is not None and not (_is_number(theta) and 1.0 < theta < math.inf):
+        raise CheckpointError(
+            f"{where}: rope_parameters.rope_theta={theta!r} must be a finite number > 1 (RoPE's frequencies are "
+            "theta^(-2i/d)): use the value the model was trained with, e.g. 10000.0, in config.json."
+        )
+    eps = getattr(text_config, "rms_norm_eps", None)
+    if eps is not None and not (_is_number(eps) and FP32_TINY <= eps < math.inf):
+        raise CheckpointError(
+            f"{where}: rms_norm_eps={eps!r} must be a finite number >= {FP32_TINY:.3g} (below that it is 0 in float32 "
+            "and an all-zero hidden state gives NaN): use the model's value, e.g. 1e-6, in config.json."
+        )
     rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
     if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
         known = ", ".join(["default", *ROPE_INIT_FUNCTIONS])

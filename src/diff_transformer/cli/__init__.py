@@ -9,7 +9,7 @@ import logging
 import sys
 
 from diff_transformer.cli import convert, demo, generate, inspect, merge, niah, serve, train
-from diff_transformer.errors import UserError
+from diff_transformer.errors import UserError, library_failure, one_line
 
 
 COMMANDS = (demo, convert, generate, inspect, merge, train, serve, niah)
@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(commands)
+    for subparser in commands.choices.values():
+        subparser.add_argument(
+            "--traceback", action="store_true", help="on an unexpected failure, show where it happened (for a report)"
+        )
     return parser
 
 
@@ -52,6 +56,19 @@ def main(argv=None) -> int:
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except Exception as exc:  # the one boundary: a failure of the machine or a file, or a bug (--traceback shows it)
+        if args.traceback:
+            raise
+        known = library_failure(exc)
+        if known is not None:
+            print(f"error: {known}", file=sys.stderr)
+            return 2
+        print(
+            f"error: unexpected {type(exc).__name__}: {one_line(exc)} (a bug: rerun with --traceback to see where, "
+            "and report it)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 def run_as_process(argv=None) -> int:
