@@ -68,3 +68,13 @@ def refused(capsys):
         return err[-1]
 
     return check
+
+
+try:  # Hypothesis profiles (tests/cli/test_option_values.py): short by default, `--hypothesis-profile long` for more
+    from hypothesis import settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile("default", max_examples=12, derandomize=True)
+    _hypothesis_settings.register_profile("long", max_examples=400)
+    _hypothesis_settings.load_profile("default")
+except ImportError:
+    pass
