@@ -29,7 +29,13 @@ HONOURED = (
     "lambda_floor",
     "use_qk_norm",
 )
-REFUSED_UNLESS = {"hidden_act": ("silu",)}
+REFUSED_UNLESS = {
+    "hidden_act": ("silu",),
+    # Motif's options (docs/motif.md): served with transformers for now
+    "num_noise_heads": (None,),
+    "lambda_init_depth_offset": (0,),
+    "subln_eps": (None,),
+}
 NOT_USED = (
     "initializer_range",  # initialisation
     "lambda_std",  # initialisation of V1's λ vectors
@@ -47,7 +53,8 @@ def check_config(config) -> None:
     for field, allowed in REFUSED_UNLESS.items():
         value = getattr(config, field)
         if value not in allowed:
+            supported = ", ".join(map(str, allowed))
             raise ValueError(
-                f"{field}={value!r} is not supported by diff-transformer's vLLM model (only {', '.join(allowed)}): "
+                f"{field}={value!r} is not supported by diff-transformer's vLLM model (only {supported}): "
                 "serve this checkpoint with `diff-transformer serve` (transformers) instead."
             )
