@@ -186,6 +186,9 @@ class DiffConfig(PreTrainedConfig):
         self.base_model_tp_plan = {**type(self).base_model_tp_plan, **_TP_PLAN_BY_VERSION[self.diff_version]}
         if self.use_qk_norm:
             self.base_model_tp_plan.update(_TP_PLAN_QK_NORM)
+        if self.hidden_act == POLY_NORM:  # PolyNorm normalises over the whole intermediate width: the MLP stays whole
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                self.base_model_tp_plan.pop(f"layers.*.mlp.{name}")
         # Saved models carry their code (configuration_diff.py, modeling_diff.py): point every Auto class at it, so
         # a checkpoint loads with trust_remote_code=True where diff_transformer is not installed.
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}

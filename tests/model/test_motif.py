@@ -201,3 +201,31 @@ def test_vllm_refuses_grouped_attention_in_one_line():
     config = DiffConfig(hidden_size=64, num_attention_heads=4, vocab_size=64, hidden_act="poly_norm")
     with pytest.raises(ValueError, match=r"^hidden_act='poly_norm' is not supported"):
         fields.check_config(config)
+
+
+def test_grouped_model_continuous_batching_matches_generate():
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = gda_model(attn_implementation="sdpa", eos_token_id=None)
+    prompts = [torch.randint(3, 97, (n,)).tolist() for n in (5, 11, 3)]
+    expected = [
+        model.generate(torch.tensor([p]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    batching = ContinuousBatchingConfig(page_size=16, num_blocks=16, max_batch_tokens=64)
+    results = model.generate_batch(
+        prompts, generation_config=config, continuous_batching_config=batching, progress_bar=False
+    )
+    by_prompt = {tuple(r.prompt_ids): r.generated_tokens for r in results.values()}
+    assert [by_prompt[tuple(p)] for p in prompts] == expected
+
+
+def test_poly_norm_keeps_the_mlp_whole_under_tensor_parallelism():
+    """PolyNorm's statistics span the whole intermediate width, so a colwise gate_proj would normalise each rank's
+    slice alone: the MLP is left out of the tensor-parallel plan (replicated); attention is still split
+    (tests/matrix: test_tensor_parallel_matches_the_unsharded_model[motif-*])."""
+    plan = gda_model().config.base_model_tp_plan
+    assert not any(".mlp." in key for key in plan) and plan["layers.*.self_attn.q_proj"] == "colwise"
+    assert tiny_model(1).config.base_model_tp_plan["layers.*.mlp.gate_proj"] == "colwise"
