@@ -68,7 +68,7 @@ _CONVERSION_METHODS = {
     ("motif", 1): (
         "Imported exactly from Motif's differential attention (stripe pairs; grouped differential attention with "
         "`num_noise_heads`): Motif's head layout is the V1 layout, so every weight kept its rows and columns; "
-        "PolyNorm (`hidden_act=\"poly_norm\"`), the shared noise heads, Motif's λ_init schedule "
+        'PolyNorm (`hidden_act="poly_norm"`), the shared noise heads, Motif\'s λ_init schedule '
         "(`lambda_init_depth_offset=-1`) and its subln eps (`subln_eps`) are config options."
     ),
 }
@@ -171,7 +171,7 @@ def _architecture_table(config: DiffConfig, attention: str) -> str:
     if getattr(config, "num_noise_heads", None) is not None:  # grouped differential attention (Motif-2-12.7B)
         rows.insert(5, ("noise heads (grouped differential attention)", config.num_noise_heads))
     if config.hidden_act == "poly_norm":
-        rows.insert(-4, ("MLP activation", "PolyNorm (`hidden_act=\"poly_norm\"`)"))
+        rows.insert(-4, ("MLP activation", 'PolyNorm (`hidden_act="poly_norm"`)'))
     return "\n".join(f"| {key} | {value} |" for key, value in rows)
 
 
