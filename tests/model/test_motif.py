@@ -194,12 +194,16 @@ def test_motif_options_are_checked_in_one_line(overrides, message):
         DiffConfig(**{**values, **overrides})
 
 
-def test_vllm_refuses_grouped_attention_in_one_line():
-    config = DiffConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=64, num_noise_heads=2)
-    with pytest.raises(ValueError, match=r"^num_noise_heads=2 is not supported by diff-transformer's vLLM model"):
-        fields.check_config(config)
-    config = DiffConfig(hidden_size=64, num_attention_heads=4, vocab_size=64, hidden_act="poly_norm")
-    with pytest.raises(ValueError, match=r"^hidden_act='poly_norm' is not supported"):
+def test_vllm_places_the_motif_options():
+    """vLLM computes them (tests/vllm/test_motif.py); other activations are still refused in one line."""
+    config = DiffConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=64, num_noise_heads=2,
+        hidden_act="poly_norm", lambda_init_depth_offset=-1, subln_eps=1e-5,
+    )  # fmt: skip
+    fields.check_config(config)
+    assert {"num_noise_heads", "lambda_init_depth_offset", "subln_eps"} <= set(fields.HONOURED)
+    config = DiffConfig(hidden_size=64, num_attention_heads=4, vocab_size=64, hidden_act="gelu")
+    with pytest.raises(ValueError, match=r"^hidden_act='gelu' is not supported .* \(only silu, poly_norm\)"):
         fields.check_config(config)
 
 

@@ -28,14 +28,11 @@ HONOURED = (
     "lambda_init",
     "lambda_floor",
     "use_qk_norm",
+    "num_noise_heads",
+    "lambda_init_depth_offset",
+    "subln_eps",
 )
-REFUSED_UNLESS = {
-    "hidden_act": ("silu",),
-    # Motif's options (docs/motif.md): served with transformers for now
-    "num_noise_heads": (None,),
-    "lambda_init_depth_offset": (0,),
-    "subln_eps": (None,),
-}
+REFUSED_UNLESS = {"hidden_act": ("silu", "poly_norm")}
 NOT_USED = (
     "initializer_range",  # initialisation
     "lambda_std",  # initialisation of V1's λ vectors
