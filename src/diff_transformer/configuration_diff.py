@@ -25,6 +25,10 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 
+# `hidden_act` of Motif's PolyNorm activation (a module with weights, not an ACT2FN entry: modeling_diff.DiffPolyNorm).
+POLY_NORM = "poly_norm"
+
+
 AUTO_MAP = {
     "AutoConfig": "configuration_diff.DiffConfig",
     "AutoModel": "modeling_diff.DiffModel",
@@ -88,6 +92,21 @@ class DiffConfig(PreTrainedConfig):
         attention_out_bias (bool | None):
             Whether `o_proj` has a bias. `None` (default) follows `attention_bias`; Qwen2 has q/k/v biases and none on
             `o_proj` (`attention_bias=True, attention_out_bias=False`).
+        num_noise_heads (int | None):
+            V1 only. Grouped differential attention (GDA, arXiv 2510.06949; Motif-2-12.7B): `num_attention_heads`
+            still counts the differential (signal) heads H, each with its own q1, but their second maps come from
+            `num_noise_heads` shared noise queries: noise query j serves the H / num_noise_heads signal heads
+            `j·r .. j·r + r − 1` (r = H / num_noise_heads). q_proj holds, per noise group, the r signal queries then
+            the noise query ((H + num_noise_heads)·d rows); k_proj, v_proj and o_proj (2H·d inputs) are V1's. Must
+            divide H and be a multiple of `num_key_value_heads` (a noise query attends one key/value group, the one
+            its signal heads use). `None` (default): one noise query per head, the paper's V1 (the same model as
+            `num_noise_heads=num_attention_heads`).
+        lambda_init_depth_offset (int):
+            V1 only, with `lambda_init=None`: the depth schedule reads `0.8 - 0.6 exp(-0.3 (layer_idx + offset))`.
+            0 (default): the paper's code (0-based layer index). Motif's models use -1.
+        subln_eps (float | None):
+            V1 only: the eps of the per-head RMSNorm `subln`. `None` (default) uses `rms_norm_eps`; Motif's models
+            set their own (`attn_rms_norm_eps`).
         use_qk_norm (bool):
             Qwen3's `q_norm` / `k_norm`: an RMSNorm over each d-wide query and key (sub-)head before RoPE, one weight
             of size d shared by all heads (V1: by q1, q2, k1 and k2 alike). Defaults to False.
@@ -147,6 +166,11 @@ class DiffConfig(PreTrainedConfig):
     # Llama-family variants the converter maps exactly (Qwen2, Qwen3); the defaults are Llama's.
     attention_out_bias: bool | None = None
     use_qk_norm: bool = False
+    # Motif's differential models (docs/motif.md): grouped differential attention, the λ_init depth offset and the
+    # sub-layer norm's eps; `hidden_act="poly_norm"` selects Motif's PolyNorm. The defaults are the paper's V1.
+    num_noise_heads: int | None = None
+    lambda_init_depth_offset: int = 0
+    subln_eps: float | None = None
     conversion: dict | None = None
 
     def __post_init__(self, **kwargs):
@@ -165,6 +189,9 @@ class DiffConfig(PreTrainedConfig):
         self.base_model_tp_plan = {**type(self).base_model_tp_plan, **_TP_PLAN_BY_VERSION[self.diff_version]}
         if self.use_qk_norm:
             self.base_model_tp_plan.update(_TP_PLAN_QK_NORM)
+        if self.hidden_act == POLY_NORM:  # PolyNorm normalises over the whole intermediate width: the MLP stays whole
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                self.base_model_tp_plan.pop(f"layers.*.mlp.{name}")
         # Saved models carry their code (configuration_diff.py, modeling_diff.py): point every Auto class at it, so
         # a checkpoint loads with trust_remote_code=True where diff_transformer is not installed.
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
@@ -199,10 +226,11 @@ class DiffConfig(PreTrainedConfig):
                 f"head_dim={self.head_dim} must be a positive even number (rotary embeddings rotate pairs of "
                 "dimensions): set head_dim explicitly or change hidden_size / num_attention_heads."
             )
-        if self.hidden_act not in ACT2FN:
+        if self.hidden_act not in ACT2FN and self.hidden_act != POLY_NORM:
             raise ValueError(
                 f"hidden_act={self.hidden_act!r} is not an activation transformers knows: use a key of "
-                "transformers.activations.ACT2FN, e.g. 'silu' (Llama's), 'gelu' or 'relu'."
+                f"transformers.activations.ACT2FN, e.g. 'silu' (Llama's), 'gelu' or 'relu', or {POLY_NORM!r} "
+                "(Motif's PolyNorm)."
             )
         # `not x > 0` (rather than `x <= 0`) also catches NaN, for which every comparison is False. RMSNorm adds eps
         # in fp32, where anything below its smallest normal number (1.2e-38) is lost or denormal: 1e-300 is 0 there.
@@ -252,12 +280,48 @@ class DiffConfig(PreTrainedConfig):
                 f"lambda_floor={self.lambda_floor} must lie in [0, 1) (the least λ V1 may reach): use e.g. 0.05, or "
                 "None for the paper's unbounded λ."
             )
+        self.validate_motif_options()
+
+    def validate_motif_options(self):
+        """Part of `@strict`-powered validation: grouped differential attention, λ_init's depth offset, subln's eps."""
+        noise = self.num_noise_heads
+        if noise is not None:
+            heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
+            if self.diff_version != 1:
+                raise ValueError(
+                    f"num_noise_heads={noise} (grouped differential attention) needs diff_version=1: set "
+                    "diff_version=1 or num_noise_heads=None."
+                )
+            if isinstance(noise, bool) or not isinstance(noise, int) or noise <= 0 or heads % noise:
+                raise ValueError(
+                    f"num_noise_heads={noise!r} must be a positive integer dividing num_attention_heads={heads} "
+                    "(each noise query serves num_attention_heads / num_noise_heads signal heads): pick a divisor, "
+                    "or None for one noise query per head."
+                )
+            if noise % kv_heads:
+                raise ValueError(
+                    f"num_noise_heads={noise} must be a multiple of num_key_value_heads={kv_heads}: a noise query "
+                    "attends the one key/value group of the signal heads it serves. Raise num_noise_heads or lower "
+                    "num_key_value_heads."
+                )
+        offset = self.lambda_init_depth_offset
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise ValueError(
+                f"lambda_init_depth_offset={offset!r} must be an integer (added to the layer index in λ_init's depth "
+                "schedule): use 0 (the paper's) or -1 (Motif's)."
+            )
+        if self.subln_eps is not None and not 0.0 < self.subln_eps < math.inf:
+            raise ValueError(
+                f"subln_eps={self.subln_eps} must be a finite number > 0 (subln divides by sqrt(mean(x²) + eps)): "
+                "use e.g. 1e-5, or None for rms_norm_eps."
+            )
 
     def lambda_init_for_layer(self, layer_idx: int) -> float:
-        """V1's λ_init of a (0-based) layer: the configured constant, or the paper's depth schedule."""
+        """V1's λ_init of a (0-based) layer: the configured constant, or the paper's depth schedule (shifted by
+        `lambda_init_depth_offset`: Motif's models use layer_idx - 1)."""
         if self.lambda_init is not None:
             return float(self.lambda_init)
-        return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+        return 0.8 - 0.6 * math.exp(-0.3 * (layer_idx + self.lambda_init_depth_offset))
 
 
 __all__ = ["DiffConfig"]

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
@@ -34,7 +35,6 @@ from transformers.modeling_layers import (
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
-    LlamaMLP,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
@@ -46,7 +46,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_diff import DiffConfig
+from .configuration_diff import POLY_NORM, DiffConfig
 
 
 try:
@@ -77,8 +77,45 @@ class DiffRotaryEmbedding(LlamaRotaryEmbedding):
     pass
 
 
-class DiffMLP(LlamaMLP):
-    pass
+class DiffPolyNorm(nn.Module):
+    """Motif's PolyNorm activation (arXiv 2411.03884): w0 n(x³) + w1 n(x²) + w2 n(x) + b with n(u) = u / sqrt(mean(u²)
+    + eps) over the last dimension (the whole intermediate width), computed in fp32. `hidden_act="poly_norm"`."""
+
+    def __init__(self, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.full((3,), 1.0 / 3.0))  # (w0, w1, w2) for (x³, x², x)
+        self.bias = nn.Parameter(torch.zeros(1))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32, weight, bias = x.float(), self.weight.float(), self.bias.float()
+        cubic, square = x32.pow(3), x32.pow(2)
+        out = weight[0] * self._norm(cubic) + weight[1] * self._norm(square) + weight[2] * self._norm(x32) + bias
+        return out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}"
+
+
+# Mirrors transformers.models.llama.modeling_llama.LlamaMLP
+# diff with Llama: `hidden_act="poly_norm"` (Motif's PolyNorm, a module with weights) besides transformers' ACT2FN
+class DiffMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.hidden_size = config.hidden_size
+        self.intermediate_size = config.intermediate_size
+        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=config.mlp_bias)
+        self.act_fn = DiffPolyNorm() if config.hidden_act == POLY_NORM else ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return down_proj
 
 
 class DiffLambdaV1(nn.Module):
@@ -135,7 +172,7 @@ class DiffAttention(nn.Module):
     carry over), the head geometry and the rotary scaling. `DiffAttentionV1` and `DiffAttentionV2` add the λ module
     and the forward; `DiffDecoderLayer` picks one by `config.diff_version`."""
 
-    def __init__(self, config: DiffConfig, layer_idx: int, kv_width: int, output_width: int):
+    def __init__(self, config: DiffConfig, layer_idx: int, kv_width: int, output_width: int, query_width: int):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
@@ -148,7 +185,7 @@ class DiffAttention(nn.Module):
 
         hidden, bias = config.hidden_size, config.attention_bias
         out_bias = bias if config.attention_out_bias is None else config.attention_out_bias  # Qwen2: q/k/v only
-        self.q_proj = nn.Linear(hidden, 2 * self.num_heads * self.head_dim, bias=bias)  # 2H query heads of size d
+        self.q_proj = nn.Linear(hidden, query_width, bias=bias)  # 2H query heads of size d (GDA: H + noise heads)
         self.k_proj = nn.Linear(hidden, kv_width, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_width, bias=bias)
         self.o_proj = nn.Linear(output_width, hidden, bias=out_bias)
@@ -166,7 +203,7 @@ class DiffAttentionV2(DiffAttention):
 
     def __init__(self, config: DiffConfig, layer_idx: int):
         H, H_kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        super().__init__(config, layer_idx, kv_width=H_kv * d, output_width=H * d)
+        super().__init__(config, layer_idx, kv_width=H_kv * d, output_width=H * d, query_width=2 * H * d)
         self.num_key_value_groups = 2 * H // H_kv  # 2H query heads share H_kv key/value heads
         self.diff_lambda = DiffLambdaV2(config.hidden_size, H)
 
@@ -246,6 +283,18 @@ def v1_component_major(pairs: torch.Tensor) -> torch.Tensor:
     ordinary GQA mapping pairs q_c of head h with k_c of its group."""
     B, N, h, _, d = pairs.shape
     return pairs.permute(0, 3, 2, 1, 4).reshape(B, 2 * h, N, d)  # (B, 2h, N, d)
+
+
+def gda_component_major(groups: torch.Tensor) -> torch.Tensor:
+    """Grouped differential attention's query layout (`config.num_noise_heads`), the one place that defines it.
+
+    q_proj's rows hold, per noise group, r signal queries then the group's noise query: (B, N, n, r + 1, d). Every
+    signal head h = j·r + i of group j gets that group's noise query as its q2, so attention sees V1's component-major
+    layout (B, 2H, N, d) = [all q1 | all q2], H = n·r, and every V1 backend, cache and kernel applies unchanged (the
+    noise map is computed once per signal head it serves). With r = 1 this is `v1_component_major`."""
+    signal, noise = groups[..., :-1, :], groups[..., -1:, :]  # (B, N, n, r, d), (B, N, n, 1, d)
+    pairs = torch.stack((signal, noise.expand_as(signal)), dim=-2)  # (B, N, n, r, 2, d): (q1, q2) per signal head
+    return v1_component_major(pairs.flatten(2, 3))  # (B, 2H, N, d)
 
 
 class V1Strategy(enum.Enum):
@@ -356,11 +405,15 @@ class DiffAttentionV1(DiffAttention):
 
     def __init__(self, config: DiffConfig, layer_idx: int):
         H, H_kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        super().__init__(config, layer_idx, kv_width=2 * H_kv * d, output_width=2 * H * d)
+        # GDA (`num_noise_heads`): per noise group, r = H / num_noise_heads signal queries then one noise query
+        self.num_noise_heads = config.num_noise_heads
+        query_heads = 2 * H if self.num_noise_heads is None else H + self.num_noise_heads
+        super().__init__(config, layer_idx, kv_width=2 * H_kv * d, output_width=2 * H * d, query_width=query_heads * d)
         self.num_key_value_groups = H // H_kv  # each call attends H query heads over H_kv key heads
         self.lambda_init = config.lambda_init_for_layer(layer_idx)
         self.diff_lambda = DiffLambdaV1(d, self.lambda_init, config.lambda_floor)
-        self.subln = DiffRMSNorm(2 * d, eps=config.rms_norm_eps)
+        subln_eps = config.rms_norm_eps if config.subln_eps is None else config.subln_eps
+        self.subln = DiffRMSNorm(2 * d, eps=subln_eps)
 
     # Mirrors transformers.models.llama.modeling_llama.LlamaAttention.forward
     # diff with Llama: V1's head layout (v1_component_major), a paged cache written once, v1_attention_forward in
@@ -388,7 +441,11 @@ class DiffAttentionV1(DiffAttention):
         B, N, _ = hidden_states.shape
         pair_shape = (B, N, -1, 2, self.head_dim)  # head counts from the tensors: a tensor-parallel shard's own
 
-        query = v1_component_major(self.q_norm(self.q_proj(hidden_states).view(pair_shape)))  # (B, 2H, N, d)
+        if self.num_noise_heads is None:
+            query = v1_component_major(self.q_norm(self.q_proj(hidden_states).view(pair_shape)))  # (B, 2H, N, d)
+        else:  # GDA: (B, N, n, r + 1, d), r signal queries and the noise query of each noise group
+            group_shape = (B, N, -1, self.num_heads // self.num_noise_heads + 1, self.head_dim)
+            query = gda_component_major(self.q_norm(self.q_proj(hidden_states).view(group_shape)))  # (B, 2H, N, d)
         key = v1_component_major(self.k_norm(self.k_proj(hidden_states).view(pair_shape)))  # (B, 2H_kv, N, d)
         value = v1_component_major(self.v_proj(hidden_states).view(pair_shape))  # (B, 2H_kv, N, d): v halves
 
@@ -493,11 +550,14 @@ class _PreTrainedModelHooks:
         # Guarded by tests/distributed/test_distributed.py::test_tensor_parallel_matches_unsharded_model.
         tp_size = getattr(distributed_config, "tp_size", None) or 1
         heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
-        if tp_size > 1 and (heads % tp_size or kv_heads % tp_size):
+        noise_heads = model.config.num_noise_heads or heads  # GDA: each rank takes whole noise groups
+        if tp_size > 1 and (heads % tp_size or kv_heads % tp_size or noise_heads % tp_size):
             raise ValueError(
                 f"Tensor parallelism over {tp_size} ranks needs num_attention_heads={heads} and num_key_value_heads="
-                f"{kv_heads} to be divisible by {tp_size}: each rank computes whole differential heads and their "
-                f"key/value groups. Use a tensor-parallel size that divides both."
+                f"{kv_heads}{'' if noise_heads == heads else f' and num_noise_heads={noise_heads}'} to be divisible "
+                f"by {tp_size}: each rank computes "
+                f"whole differential heads, their key/value groups and noise queries. Use a tensor-parallel size "
+                "that divides them."
             )
         return super().maybe_distribute_model(model, distributed_config, mesh_manager)
 
@@ -609,6 +669,9 @@ class DiffPreTrainedModel(_PreTrainedModelHooks, PreTrainedModel):  # hooks: see
         if isinstance(module, DiffLambdaV1):
             for param in (module.lambda_q1, module.lambda_k1, module.lambda_q2, module.lambda_k2):
                 init.normal_(param, mean=0.0, std=self.config.lambda_std)
+        elif isinstance(module, DiffPolyNorm):  # Motif's start: the three terms weighted equally, no offset
+            init.constant_(module.weight, 1.0 / 3.0)
+            init.zeros_(module.bias)
 
 
 # Mirrors transformers.models.llama.modeling_llama.LlamaModel

@@ -198,7 +198,11 @@ UNSUPPORTED = {
     ),
     "other-family": (
         _gemma,
-        ["model_type 'gemma'", "only 'llama', 'mistral', 'qwen2', 'qwen3' or 'diffllama' checkpoints convert"],
+        [
+            "model_type 'gemma'",
+            "only 'llama', 'mistral', 'qwen2', 'qwen3', 'diffllama' or Motif (architectures "
+            '["MotifForCausalLM"]) checkpoints convert',
+        ],
     ),
 }
 

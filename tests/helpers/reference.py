@@ -1,4 +1,5 @@
-"""An independent reference of both Diff variants, written straight from docs/design.md's formulas.
+"""An independent reference of both Diff variants, written straight from docs/design.md's formulas (and docs/motif.md's
+options: grouped noise queries, PolyNorm, λ_init's depth offset, subln's eps).
 
 Loops over heads, builds every mask and softmax by hand, and reads the model's weights by state-dict name only, so
 it shares no code with `modeling_diff.py` beyond the weights.
@@ -55,11 +56,20 @@ def qk_norm(sd, name, x, config):
 def attention_v1(sd, p, config, layer_idx, x, cos, sin, mask):
     H, H_kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     n = x.shape[0]
-    q = qk_norm(sd, p + "q_norm", linear(sd, p + "q_proj", x).view(n, H, 2, d), config)
+    noise = getattr(config, "num_noise_heads", None)
+    if noise is None:  # [q1 | q2] per head
+        q = qk_norm(sd, p + "q_norm", linear(sd, p + "q_proj", x).view(n, H, 2, d), config)
+        queries = [(q[:, h, 0], q[:, h, 1]) for h in range(H)]
+    else:  # per noise group: r signal queries, then the noise query every one of them uses as q2
+        r = H // noise
+        q = qk_norm(sd, p + "q_norm", linear(sd, p + "q_proj", x).view(n, noise, r + 1, d), config)
+        queries = [(q[:, h // r, h % r], q[:, h // r, r]) for h in range(H)]
     k = qk_norm(sd, p + "k_norm", linear(sd, p + "k_proj", x).view(n, H_kv, 2, d), config)
     v = linear(sd, p + "v_proj", x).view(n, H_kv, 2 * d)
     lq1, lk1, lq2, lk2 = (sd[p + f"diff_lambda.lambda_{n_}"].float() for n_ in ("q1", "k1", "q2", "k2"))
-    lambda_init = config.lambda_init if config.lambda_init is not None else 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+    depth = layer_idx + getattr(config, "lambda_init_depth_offset", 0)
+    lambda_init = config.lambda_init if config.lambda_init is not None else 0.8 - 0.6 * math.exp(-0.3 * depth)
+    subln_eps = getattr(config, "subln_eps", None) or config.rms_norm_eps
     lam = torch.exp((lq1 * lk1).sum()) - torch.exp((lq2 * lk2).sum()) + lambda_init
     floor = getattr(config, "lambda_floor", None)
     if floor is not None:  # m + (1/100) log(1 + exp(100 (λ − m))), written out (logaddexp(0, x) = log(1 + e^x))
@@ -67,12 +77,12 @@ def attention_v1(sd, p, config, layer_idx, x, cos, sin, mask):
     heads, maps = [], []
     for h in range(H):
         g = h // (H // H_kv)
-        q1, q2 = rotate(q[:, h, 0], cos, sin), rotate(q[:, h, 1], cos, sin)
+        q1, q2 = rotate(queries[h][0], cos, sin), rotate(queries[h][1], cos, sin)
         k1, k2 = rotate(k[:, g, 0], cos, sin), rotate(k[:, g, 1], cos, sin)
         a1 = softmax_rows(q1 @ k1.T * d**-0.5, mask)
         a2 = softmax_rows(q2 @ k2.T * d**-0.5, mask)
         diff = a1 - lam * a2
-        o = rms_norm(diff @ v[:, g], sd[p + "subln.weight"], config.rms_norm_eps) * (1 - lambda_init)
+        o = rms_norm(diff @ v[:, g], sd[p + "subln.weight"], subln_eps) * (1 - lambda_init)
         heads.append(o)
         maps.append(diff)
     return linear(sd, p + "o_proj", torch.cat(heads, dim=-1)), torch.stack(maps)
@@ -95,6 +105,18 @@ def attention_v2(sd, p, config, layer_idx, x, cos, sin, mask):
     heads = [a[2 * h] - lam[:, h : h + 1] * a[2 * h + 1] for h in range(H)]
     maps = [probs[2 * h] - lam[:, h : h + 1] * probs[2 * h + 1] for h in range(H)]
     return linear(sd, p + "o_proj", torch.cat(heads, dim=-1)), torch.stack(maps)
+
+
+def activation(sd, name, config, x):
+    """SiLU (Llama's), or PolyNorm: w0 n(x³) + w1 n(x²) + w2 n(x) + b, n(u) = u / sqrt(mean(u²) + 1e-6)."""
+    if config.hidden_act != "poly_norm":
+        return F.silu(x)
+    w, b = sd[name + ".weight"], sd[name + ".bias"]
+
+    def n(u):
+        return u / torch.sqrt(u.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    return w[0] * n(x**3) + w[1] * n(x**2) + w[2] * n(x) + b
 
 
 @torch.no_grad()
@@ -122,7 +144,7 @@ def reference_forward(model, input_ids, attention_mask_1d=None):
         x = x + attn
         h = rms_norm(x, sd[p + "post_attention_layernorm.weight"], config.rms_norm_eps)
         gate, up = linear(sd, p + "mlp.gate_proj", h), linear(sd, p + "mlp.up_proj", h)
-        x = x + linear(sd, p + "mlp.down_proj", F.silu(gate) * up)
+        x = x + linear(sd, p + "mlp.down_proj", activation(sd, p + "mlp.act_fn", config, gate) * up)
     x = rms_norm(x, sd["model.norm.weight"], config.rms_norm_eps)
     lm_head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
     return x @ lm_head.T, all_maps

@@ -1,5 +1,7 @@
 """The checkpoints of the integration matrix: for each family the converter reads (Llama, Mistral, Qwen2, Qwen3), a
-tiny random source model with that family's distinctive features, and its V1 and V2 conversions.
+tiny random source model with that family's distinctive features, and its V1 and V2 conversions; and the two Motif
+layouts (Motif-2.6B's stripe pairs, grouped differential attention), built in Motif's key layout and imported into V1
+(`MOTIF`, V1 only: the matrix's main suite covers them; vLLM refuses their options for now).
 
 Shared by the main suite (tests/matrix/test_matrix.py), the bare-venv custom-code tests (tests/bare/) and the vLLM
 tests (tests/vllm/), so every integration walks the same checkpoints. Sizes suit vLLM's CPU attention (head sizes 32,
@@ -26,6 +28,7 @@ from transformers import (
 
 import diff_transformer
 from diff_transformer.conversion import convert_to_diff
+from tests.helpers.motif import write_motif_checkpoint
 
 
 TINY_LLAMA = Path(diff_transformer.__file__).parent / "assets" / "tiny-llama"
@@ -92,6 +95,13 @@ FAMILIES = {
     ),
 }
 VERSIONS = (1, 2)
+# Motif's layouts (tests/helpers/motif.py), sized like the families: 8 query heads over 4 key/value heads become 4
+# differential heads over 2 groups; GDA: 10 query heads (2 groups of 4 signal + 1 noise) over 4 key/value heads.
+MOTIF = {
+    "motif-2.6b": dict(layout="motif-2.6b-gqa", tie_word_embeddings=True),
+    "motif-gda": dict(layout="motif-gda", tie_word_embeddings=False),
+}
+MOTIF_VERSIONS = (1,)
 # Task heads: a Llama and a Qwen3 (qk-norm) sequence classifier.
 HEADS = {
     "llama-seq-cls": (LlamaConfig, LlamaForSequenceClassification, FAMILIES["llama"][2]),
@@ -111,7 +121,12 @@ def randomize(model, seed=1234):
 
 
 def make_source(path: Path, name: str) -> Path:
-    """The tiny random source checkpoint `name` (a family or a head), saved with the tiny Llama's tokenizer."""
+    """The tiny random source checkpoint `name` (a family, a head or a Motif layout), saved with the tiny Llama's
+    tokenizer."""
+    if name in MOTIF:
+        write_motif_checkpoint(path, **MOTIF[name], **COMMON, hidden_size=64, head_dim=32)
+        AutoTokenizer.from_pretrained(TINY_LLAMA).save_pretrained(path)
+        return Path(path)
     config_class, model_class, layout = {**FAMILIES, **HEADS}[name]
     torch.manual_seed(0)
     overrides = {"num_labels": 3} if name in HEADS else {}
@@ -125,7 +140,7 @@ def build(root: Path, names=None, versions=VERSIONS) -> dict:
     sources, converted = {}, {}
     for name in names or FAMILIES:
         sources[name] = make_source(root / f"{name}-source", name)
-        for version in versions:
+        for version in MOTIF_VERSIONS if name in MOTIF else versions:
             converted[name, version] = convert_to_diff(
                 sources[name], root / f"{name}-v{version}", diff_version=version, progress=False
             )

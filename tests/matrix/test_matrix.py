@@ -1,6 +1,7 @@
-"""The integration matrix: every checkpoint the converter makes (Llama, Mistral, Qwen2, Qwen3 x V1, V2; task heads)
-through every integration the package claims. Elsewhere: Hub custom code in a venv with only torch and transformers
-(tests/bare/, run by .ci/run) and vLLM (tests/vllm/test_families.py, in the vLLM environment).
+"""The integration matrix: every checkpoint the converter makes (Llama, Mistral, Qwen2, Qwen3 x V1, V2; task heads;
+Motif-2.6B's and grouped differential attention's layouts x V1) through every integration the package claims.
+Elsewhere: Hub custom code in a venv with only torch and transformers (tests/bare/, run by .ci/run) and vLLM
+(tests/vllm/test_families.py, in the vLLM environment).
 
 integration: test here (reference)
 * forward: test_logits_match_the_formulas (tests/helpers/reference.py, design.md's math)
@@ -32,16 +33,17 @@ from diff_transformer.analysis import attention_maps
 from diff_transformer.integrations.vllm import fields
 from tests.helpers import REPOSITORY
 from tests.helpers.reference import reference_forward
-from tests.matrix.models import FAMILIES, HEADS, VERSIONS, build
+from tests.matrix.models import FAMILIES, HEADS, MOTIF, MOTIF_VERSIONS, VERSIONS, build
 
 
 CELLS = [(family, version) for family in FAMILIES for version in VERSIONS]
+CELLS += [(layout, version) for layout in MOTIF for version in MOTIF_VERSIONS]
 IDS = torch.tensor([[5, 17, 42, 8, 9, 30, 64, 3, 99, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]])
 
 
-def cell_params(quick):
-    """Every cell; those not in QUICK marked slow."""
-    return [pytest.param(f, v, id=f"{f}-v{v}", marks=() if (f, v) in quick else pytest.mark.slow) for f, v in CELLS]
+def cell_params(quick, cells=CELLS):
+    """Every cell (of CELLS); those not in QUICK marked slow."""
+    return [pytest.param(f, v, id=f"{f}-v{v}", marks=() if (f, v) in quick else pytest.mark.slow) for f, v in cells]
 
 
 ALL = cell_params(set(CELLS))
@@ -50,7 +52,7 @@ ALL = cell_params(set(CELLS))
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """(sources {name: dir}, converted {(name, version): dir}) for the families and the heads."""
-    return build(tmp_path_factory.mktemp("matrix"), list(FAMILIES) + list(HEADS))
+    return build(tmp_path_factory.mktemp("matrix"), list(FAMILIES) + list(HEADS) + list(MOTIF))
 
 
 def load(path, **kwargs):
@@ -176,7 +178,8 @@ def no_network(*args):
     raise OSError("network access is not allowed in this test")
 
 
-@pytest.mark.parametrize("family, version", cell_params({("qwen3", 2)}))
+# lm-eval compares with the source through transformers: Motif sources have no transformers class (remote code only)
+@pytest.mark.parametrize("family, version", cell_params({("qwen3", 2)}, [c for c in CELLS if c[0] not in MOTIF]))
 def test_lm_eval_scores_the_checkpoint(family, version, checkpoints, monkeypatch):
     """lm-eval's stock `hf` model scores each conversion: V2 with exactly the source's loglikelihoods; V1 with the
     loglikelihoods its own logits give."""

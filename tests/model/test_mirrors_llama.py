@@ -51,7 +51,7 @@ INTENDED = {
         "<class>": ["- @use_kernelized_func(apply_rotary_pos_emb)"],
         "__init__": [
             "- def __init__(self, config, layer_idx):",
-            "+ def __init__(self, config, layer_idx, kv_width, output_width):",
+            "+ def __init__(self, config, layer_idx, kv_width, output_width, query_width):",
             "- self.head_dim = getattr(config, 'head_dim', config.hidden_size // config.num_attention_heads)",
             "- self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads",
             "+ self.num_heads = config.num_attention_heads",
@@ -67,7 +67,7 @@ INTENDED = {
             "bias=config.attention_bias)",
             "+ hidden, bias = (config.hidden_size, config.attention_bias)",
             "+ out_bias = ...",
-            "+ self.q_proj = nn.Linear(hidden, 2 * self.num_heads * self.head_dim, bias=bias)",
+            "+ self.q_proj = nn.Linear(hidden, query_width, bias=bias)",
             "+ self.k_proj = nn.Linear(hidden, kv_width, bias=bias)",
             "+ self.v_proj = nn.Linear(hidden, kv_width, bias=bias)",
             "+ self.o_proj = nn.Linear(output_width, hidden, bias=out_bias)",
@@ -93,6 +93,12 @@ INTENDED = {
         "+ attn_output = ...",
     ],
     "DiffAttentionV1.forward": Own("ee9b11aafecd"),
+    "DiffMLP": {
+        "__init__": [
+            "- self.act_fn = ACT2FN[config.hidden_act]",
+            "+ self.act_fn = DiffPolyNorm() if config.hidden_act == POLY_NORM else ACT2FN[config.hidden_act]",
+        ],
+    },
     "DiffDecoderLayer": {
         "__init__": [
             "- self.self_attn = DiffAttention(config=config, layer_idx=layer_idx)",
@@ -154,11 +160,15 @@ INTENDED = {
             "+ lambda_floor: float | None = None",
             "+ attention_out_bias: bool | None = None",
             "+ use_qk_norm: bool = False",
+            "+ num_noise_heads: int | None = None",
+            "+ lambda_init_depth_offset: int = 0",
+            "+ subln_eps: float | None = None",
             "+ conversion: dict | None = None",
         ],
         "__post_init__": Own("6a8e0fe53c0b"),
         "validate_architecture": Own("69ed30ade3da"),
         "validate_values": OURS_ONLY,
+        "validate_motif_options": OURS_ONLY,
         "lambda_init_for_layer": OURS_ONLY,
     },
 }

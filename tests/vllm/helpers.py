@@ -30,8 +30,9 @@ def vllm_env(tensor_parallel_size=1):
     return env
 
 
-def run_vllm_job(models, prompts, tmp_path, max_tokens=MAX_TOKENS, tensor_parallel_size=1, timeout=600):
-    """tests/vllm/vllm_generate.py on MODELS in a child process: the finished process (exit code and output)."""
+def run_vllm_job(models, prompts, tmp_path, max_tokens=MAX_TOKENS, tensor_parallel_size=1, timeout=600, **extra):
+    """tests/vllm/vllm_generate.py on MODELS in a child process: the finished process (exit code and output).
+    EXTRA: more job keys (`enable_prefix_caching`, `repeat`)."""
     job = tmp_path / "job.json"
     models = [str(m) for m in models]
     job.write_text(
@@ -41,6 +42,7 @@ def run_vllm_job(models, prompts, tmp_path, max_tokens=MAX_TOKENS, tensor_parall
                 "prompts": prompts,
                 "max_tokens": max_tokens,
                 "tensor_parallel_size": tensor_parallel_size,
+                **extra,
             }
         )
     )
@@ -55,11 +57,15 @@ def run_vllm_job(models, prompts, tmp_path, max_tokens=MAX_TOKENS, tensor_parall
     )
 
 
-def run_vllm_generate(models, prompts, tmp_path, max_tokens=MAX_TOKENS, tensor_parallel_size=1, timeout=600):
-    """{model dir: generated token ids per prompt} from vLLM (tests/vllm/vllm_generate.py in a child process)."""
-    result = run_vllm_job(models, prompts, tmp_path, max_tokens, tensor_parallel_size, timeout)
+def run_vllm_generate(
+    models, prompts, tmp_path, max_tokens=MAX_TOKENS, tensor_parallel_size=1, timeout=600, full=False, **extra
+):
+    """{model dir: generated token ids per prompt} from vLLM (tests/vllm/vllm_generate.py in a child process); with
+    `full`, the whole report ({"tokens": ..., "repeated": ...})."""
+    result = run_vllm_job(models, prompts, tmp_path, max_tokens, tensor_parallel_size, timeout, **extra)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])["tokens"]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    return report if full else report["tokens"]
 
 
 def reference_greedy(model_dir, prompts, max_tokens=MAX_TOKENS):

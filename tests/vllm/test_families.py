@@ -56,6 +56,7 @@ def test_unsupported_activation_is_refused_in_one_line(converted, tmp_path):
     result = run_vllm_job([model], [[5, 6, 7]], tmp_path, max_tokens=2)
     assert result.returncode != 0
     # vLLM logs the worker's error (our one line, at the end of its traceback) on stdout, then fails on stderr.
-    assert "ValueError: hidden_act='gelu' is not supported by diff-transformer's vLLM model (only silu)" in (
-        result.stdout + result.stderr
+    assert (
+        "ValueError: hidden_act='gelu' is not supported by diff-transformer's vLLM model (only silu, poly_norm)"
+        in (result.stdout + result.stderr)
     )

@@ -18,7 +18,12 @@ def main(job_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
-    tokens = {}
+    tokens, repeated = {}, {}
+    # Optional: `enable_prefix_caching` passed to the engine, and `repeat`: the prompts generated a second time, once
+    # the first pass has filled the prefix cache (its tokens under "repeated").
+    caching = (
+        {} if job.get("enable_prefix_caching") is None else {"enable_prefix_caching": job["enable_prefix_caching"]}
+    )
     for model in job["models"]:
         llm = LLM(
             model,
@@ -28,12 +33,16 @@ def main(job_path: str) -> None:
             max_num_seqs=8,
             tensor_parallel_size=job.get("tensor_parallel_size", 1),
             seed=0,
+            **caching,
         )
         outputs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params, use_tqdm=False)
         tokens[model] = [list(o.outputs[0].token_ids) for o in outputs]
+        if job.get("repeat"):
+            again = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params, use_tqdm=False)
+            repeated[model] = [list(o.outputs[0].token_ids) for o in again]
         llm.llm_engine.engine_core.shutdown()  # free this model's engine and KV cache before the next one
         del llm
-    print(json.dumps({"tokens": tokens}))
+    print(json.dumps({"tokens": tokens, "repeated": repeated}))
 
 
 if __name__ == "__main__":

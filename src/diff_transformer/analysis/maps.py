@@ -12,6 +12,9 @@ Which maps are paired (docs/design.md has the layouts):
 
 * Diff V1 (`model_type="diff"`, `diff_version=1`): q_proj is laid out per head as [q1 | q2] (d each), k_proj per
   key head as [k1 | k2]: `first` = softmax(q1 k1ᵀ/√d), `second` = softmax(q2 k2ᵀ/√d); λ is one scalar per layer.
+  With grouped differential attention (`num_noise_heads`, Motif-2-12.7B) the H signal heads of one noise group share
+  one noise query: `second` holds that noise map once per signal head, so heads h and h' of the same group
+  (h // r = h' // r, r = H / num_noise_heads) have equal `second` maps.
 * Diff V2 (`diff_version=2`): 2H query heads over Llama's K; head h pairs query heads (2h, 2h+1); λ = sigmoid(W x),
   one value per token and head, shaped (B, H, N).
 * DiffLlama (`model_type="diffllama"`): H query heads; the first H/2 are A1, the last H/2 are A2 (transformers chunks
@@ -45,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ..modeling_diff import v1_component_major
+from ..modeling_diff import gda_component_major, v1_component_major
 
 
 SUPPORTED_MODEL_TYPES = ("diff", "diffllama", "llama")
@@ -147,8 +150,13 @@ def _layer_maps(kind: str, module, hidden_states, position_embeddings, allowed) 
     cos, sin = position_embeddings
     query, key = _project(module, hidden_states)  # (B, N, Hq, d), (B, N, Hk, d)
     if kind == "diff-v1":
-        H, H_kv = query.shape[2] // 2, key.shape[2] // 2
-        query = v1_component_major(query.view(B, N, H, 2, d))  # (B, 2H, N, d): [q1 | q2]
+        H_kv, noise_heads = key.shape[2] // 2, getattr(module, "num_noise_heads", None)
+        if noise_heads is None:
+            H = query.shape[2] // 2
+            query = v1_component_major(query.view(B, N, H, 2, d))  # (B, 2H, N, d): [q1 | q2]
+        else:  # GDA: per noise group, r signal queries then the noise query; q2 of each signal head is its group's
+            query = gda_component_major(query.view(B, N, -1, module.num_heads // noise_heads + 1, d))  # (B, 2H, N, d)
+            H = query.shape[1] // 2
         key = v1_component_major(key.view(B, N, H_kv, 2, d))  # (B, 2H_kv, N, d): [k1 | k2]
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         queries, keys = query.view(B, 2, H, N, d), key.view(B, 2, H_kv, N, d)  # (B, 2, H, N, d): [q1 | q2]

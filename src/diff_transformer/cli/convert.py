@@ -1,4 +1,4 @@
-"""`diff-transformer convert SRC OUT`: a Llama, Mistral, Qwen2, Qwen3 or DiffLlama checkpoint into a Diff
+"""`diff-transformer convert SRC OUT`: a Llama, Mistral, Qwen2, Qwen3, DiffLlama or Motif checkpoint into a Diff
 checkpoint (`diff_transformer.conversion`), optionally verified against its source."""
 
 import time
@@ -7,7 +7,8 @@ from pathlib import Path
 
 def add_parser(commands) -> None:
     convert = commands.add_parser(
-        "convert", help="convert a Llama, Mistral, Qwen2, Qwen3 or DiffLlama checkpoint into a Diff checkpoint"
+        "convert",
+        help="convert a Llama, Mistral, Qwen2, Qwen3, DiffLlama or Motif checkpoint into a Diff checkpoint",
     )
     convert.add_argument(
         "src", help="source checkpoint directory or Hub model id org/name (hf://name forces a Hub id)"
@@ -91,7 +92,7 @@ def run(args) -> int:
             f"gains fitted by least squares, {start}; relative residual per layer "
             f"{conversion['subln_relative_residual']}."
         )
-    if args.diff_version == 1 and conversion.get("source_model_type") != "diffllama":
+    if args.diff_version == 1 and conversion.get("source_model_type") not in ("diffllama", "motif"):
         print(
             "note: diff_version=1 is not function-preserving (--v1-init calibrated-additive starts closest, but adds "
             "its second map); continue pretraining."

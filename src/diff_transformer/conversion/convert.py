@@ -24,8 +24,9 @@ from ..integrations.hub import diff_model_card
 from ..safe_output import Staging, check_target
 from .dtypes import cast_dtype, from_safetensors_code, parse_dtype
 from .errors import ConversionError, conversion_boundary, one_line
-from .families import CAUSAL_LM, DIFFLLAMA, FAMILIES, family_of, source_geometry, task_of
+from .families import CAUSAL_LM, DIFFLLAMA, FAMILIES, MOTIF, family_of, source_geometry, task_of
 from .layout import IGNORED_SOURCE_TENSORS, Geometry, LlamaToV1Expanded, choose_v1_layout, make_tensor_map
+from .motif import is_motif, motif_config
 from .provenance import conversion_provenance
 from .source import SIDE_FILE_PATTERNS, SourceCheckpoint, check_float_dtypes, open_source, read_weights_headers
 from .writer import ShardWriter
@@ -62,7 +63,13 @@ V1_INITS = ("calibrated", "calibrated-additive", "calibrated-lambda0", "paper")
 CALIBRATED_INITS = ("calibrated", "calibrated-additive", "calibrated-lambda0")
 # The least λ of the default (differential) V1 start, kept throughout training (`DiffConfig.lambda_floor`).
 DIFFERENTIAL_LAMBDA_FLOOR = 0.05
-_SOURCE_KINDS = {**dict.fromkeys(FAMILIES, "convert_llama_to_diff"), "diffllama": "convert_diffllama_to_diff"}
+_SOURCE_KINDS = {
+    **dict.fromkeys(FAMILIES, "convert_llama_to_diff"),
+    "diffllama": "convert_diffllama_to_diff",
+    "motif": "convert_motif_to_diff",
+}
+# Sources imported exactly into V1: nothing to initialise or calibrate.
+_EXACT_V1_SOURCES = ("diffllama", "motif")
 logger = logging.getLogger(__name__)
 
 
@@ -196,6 +203,46 @@ def convert_diffllama_to_diff(
 
 
 @conversion_boundary
+def convert_motif_to_diff(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    diff_version: int = 1,
+    dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    *,
+    max_shard_size: int | str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+) -> Path:
+    """Import a Motif checkpoint (`architectures: ["MotifForCausalLM"]`: Motif-2.6B's differential attention, or
+    grouped differential attention with `num_noise_heads` as in Motif-2-12.7B) into Diff V1, exactly: the stripe
+    head layout is V1's, so every weight keeps its rows and columns; PolyNorm, the grouped noise heads, Motif's λ_init
+    schedule and subln eps become `DiffConfig` options (conversion/motif.py, docs/motif.md).
+
+    Same arguments as `convert_llama_to_diff`; only `diff_version=1` is possible.
+
+    Returns:
+        The output directory.
+
+    Raises:
+        ConversionError: any problem with the inputs or the output.
+    """
+    return _convert(
+        src,
+        out,
+        source_kind="motif",
+        diff_version=diff_version,
+        dtype=dtype,
+        overwrite=overwrite,
+        progress=progress,
+        max_shard_size=max_shard_size,
+        revision=revision,
+        token=token,
+    )
+
+
+@conversion_boundary
 def convert_to_diff(
     src: str | os.PathLike,
     out: str | os.PathLike,
@@ -206,29 +253,32 @@ def convert_to_diff(
     **kwargs,
 ) -> Path:
     """Dispatch on SRC's `model_type`: "llama", "mistral", "qwen2", "qwen3" -> `convert_llama_to_diff` (diff_version
-    defaults to 2), "diffllama" -> `convert_diffllama_to_diff` (diff_version 1)."""
+    defaults to 2), "diffllama" -> `convert_diffllama_to_diff` (diff_version 1); `architectures:
+    ["MotifForCausalLM"]` -> `convert_motif_to_diff` (diff_version 1)."""
     source = open_source(src, revision=kwargs.get("revision"), token=kwargs.get("token"))
-    model_type = source.model_type
+    model_type = "motif" if is_motif(source.config) else source.model_type
     if model_type in FAMILIES:
         version = 2 if diff_version is None else diff_version
         return convert_llama_to_diff(
             source.path if source.repo_id is None else src, out, version, dtype, overwrite, progress, **kwargs
         )
-    if model_type == "diffllama":
+    if model_type in _EXACT_V1_SOURCES:
         version = 1 if diff_version is None else diff_version
         if (
             kwargs.get("calibration_data") is not None
             or kwargs.get("v1_init") not in (None, *CALIBRATED_INITS)
             or kwargs.get("v1_layout") is not None
         ):
+            name = {"diffllama": "DiffLlama", "motif": "Motif"}[model_type]
             raise ConversionError(
-                f"{src} is a DiffLlama checkpoint, imported exactly: there is no V1 initialisation to choose or "
-                "calibrate; drop --v1-init / --calibration-data."
+                f"{src} is a {name} checkpoint, imported exactly: there is no V1 initialisation to choose or "
+                "calibrate; drop --v1-init / --v1-layout / --calibration-data."
             )
         dropped = ("lambda_std", "seed", "v1_init", "v1_layout", "calibration_data", "calibration_blocks")
         dropped += ("calibration_block_size",)
         kwargs = {k: v for k, v in kwargs.items() if k not in dropped}
-        return convert_diffllama_to_diff(
+        convert = convert_diffllama_to_diff if model_type == "diffllama" else convert_motif_to_diff
+        return convert(
             source.path if source.repo_id is None else src, out, version, dtype, overwrite, progress, **kwargs
         )
     raise _model_type_error(source, expected=None)
@@ -254,7 +304,7 @@ def parse_size(size: int | str | None) -> int | None:
 
 
 def _model_type_error(source: SourceCheckpoint, expected: str | None) -> ConversionError:
-    model_type = source.model_type
+    model_type = "motif" if is_motif(source.config) else source.model_type
     where = source.repo_id or str(source.path)
     if model_type == "diff":
         return ConversionError(
@@ -266,7 +316,10 @@ def _model_type_error(source: SourceCheckpoint, expected: str | None) -> Convers
             f"but this converter expects {expected!r}: use {_SOURCE_KINDS[model_type]}."
         )
     llama_family = ", ".join(repr(name) for name in FAMILIES)
-    accepted = {"llama": llama_family, "diffllama": "'diffllama'"}.get(expected, f"{llama_family} or 'diffllama'")
+    motif = 'Motif (architectures ["MotifForCausalLM"])'
+    accepted = {"llama": llama_family, "diffllama": "'diffllama'", "motif": motif}.get(
+        expected, f"{llama_family}, 'diffllama' or {motif}"
+    )
     return ConversionError(
         f"{where} has model_type {model_type!r}; only {accepted} checkpoints convert: pick a checkpoint of one of "
         "these families (config.json's model_type says which)."
@@ -276,8 +329,12 @@ def _model_type_error(source: SourceCheckpoint, expected: str | None) -> Convers
 def _source_config(source: SourceCheckpoint, source_kind: str):
     """SRC's parsed config, family and task. `source_kind` "llama" accepts every Llama-shaped family (`FAMILIES`)."""
     where = source.repo_id or str(source.path)
-    family = family_of(source.model_type)
-    if family is None or (family is DIFFLLAMA) != (source_kind == "diffllama"):
+    family = MOTIF if is_motif(source.config) else family_of(source.model_type)
+    if (
+        family is None
+        or (family is DIFFLLAMA) != (source_kind == "diffllama")
+        or (family is MOTIF) != (source_kind == "motif")
+    ):
         raise _model_type_error(source, expected=source_kind)
     if source.config.get("quantization_config"):
         method = (
@@ -288,6 +345,8 @@ def _source_config(source: SourceCheckpoint, source_kind: str):
         raise ConversionError(
             f"{where} is a quantized checkpoint ({method}): convert the unquantized (float) weights instead."
         )
+    if family is MOTIF:  # no transformers class: read as a LlamaConfig, Motif's fields checked (motif.py)
+        return motif_config(source.config, where), family, CAUSAL_LM
     task = task_of(family, source.config.get("architectures") or [], where)
     import transformers
 
@@ -329,7 +388,12 @@ def _diff_config(
         fields["mlp_bias"] = False
         lambda_std = getattr(source_config, "lambda_std_dev", None)
         lambda_std = 0.1 if lambda_std is None else float(lambda_std)
-    if diff_version == 2 or v1_layout == "expanded":
+    if source_kind == "motif":  # H = the signal heads; GDA's noise heads, λ_init at depth i - 1, subln's own eps
+        motif = source_config.motif
+        heads, kv_heads = geometry.num_heads - geometry.motif_groups, geometry.num_kv_heads // 2
+        fields.update(num_noise_heads=None if motif.num_noise_heads is None else motif.groups)
+        fields.update(lambda_init_depth_offset=-1, subln_eps=motif.attn_rms_norm_eps, hidden_act="poly_norm")
+    elif diff_version == 2 or v1_layout == "expanded":
         heads, kv_heads = geometry.num_heads, geometry.num_kv_heads
     else:
         heads, kv_heads = geometry.num_heads // 2, geometry.num_kv_heads // 2
@@ -616,7 +680,7 @@ def _write(source, config, tensor_map, tmp: Path, name: str, target_dtype, max_s
     """Everything OUT will hold, written into `tmp`: shards, config, custom code, side files, card."""
     from tqdm.auto import tqdm
 
-    source_kind = source.model_type
+    source_kind = "motif" if is_motif(source.config) else source.model_type
     writer = ShardWriter(tmp, max_shard_bytes, expected_tensors=2 * len(source.tensors))
     _stream(source, tensor_map, writer, target_dtype, progress, tqdm, f"{source_kind} -> diff v{config.diff_version}")
     writer.finish()
@@ -670,6 +734,7 @@ __all__ = [
     "AUTO_MAP",
     "convert_diffllama_to_diff",
     "convert_llama_to_diff",
+    "convert_motif_to_diff",
     "convert_to_diff",
     "parse_dtype",
     "parse_size",

@@ -96,6 +96,9 @@ FAMILIES = {
     )
 }
 DIFFLLAMA = Family("diffllama", "DiffLlama")
+# Motif (conversion/motif.py): recognised by `architectures: ["MotifForCausalLM"]`; transformers has no class for it
+# (its config is read as a LlamaConfig by `motif.motif_config`), causal LM only.
+MOTIF = Family("motif", "Motif")
 CAUSAL_LM = Task("ForCausalLM", "DiffForCausalLM")
 TASKS = (
     CAUSAL_LM,
@@ -107,6 +110,13 @@ TASKS = (
 
 def family_of(model_type: str | None) -> Family | None:
     return DIFFLLAMA if model_type == "diffllama" else FAMILIES.get(model_type)
+
+
+def family_of_config(config: dict) -> Family | None:
+    """The family of a raw config.json: Motif by its architecture (`motif.is_motif`), else by `model_type`."""
+    from .motif import is_motif
+
+    return MOTIF if is_motif(config) else family_of(config.get("model_type"))
 
 
 def task_of(family: Family, architectures: list, where: str) -> Task:
@@ -129,9 +139,30 @@ def source_geometry(family: Family, task: Task, config) -> Geometry:
     import transformers
 
     geometry = Geometry.from_config(config)
+    if family is MOTIF:  # `motif.motif_config` read the biases and the head groups
+        motif = config.motif
+        return dataclasses.replace(
+            geometry,
+            attention_bias=motif.qkv_bias,
+            attention_out_bias=motif.out_bias,
+            mlp_bias=motif.mlp_bias,
+            motif_groups=motif.groups,
+        )
     source_class = getattr(transformers, family.prefix + task.suffix)
     prefix = getattr(source_class, "base_model_prefix", "model") + "."  # Llama's and Qwen's QA heads: "transformer"
     return dataclasses.replace(geometry, **family.attention(config), head=task.head(geometry, config), prefix=prefix)
 
 
-__all__ = ["CAUSAL_LM", "DIFFLLAMA", "FAMILIES", "TASKS", "Family", "Task", "family_of", "source_geometry", "task_of"]
+__all__ = [
+    "CAUSAL_LM",
+    "DIFFLLAMA",
+    "FAMILIES",
+    "MOTIF",
+    "TASKS",
+    "Family",
+    "Task",
+    "family_of",
+    "family_of_config",
+    "source_geometry",
+    "task_of",
+]

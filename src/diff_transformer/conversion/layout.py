@@ -29,6 +29,7 @@ from .errors import ConversionError
 
 
 _ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$")
+# DiffLlama's and Motif's λ vectors (both store them under these names)
 _DIFFLLAMA_LAMBDA = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(lambda_q1|lambda_k1|lambda_q2|lambda_k2)$")
 # Non-persistent buffers that some old checkpoints still carry; never part of the model's state.
 IGNORED_SOURCE_TENSORS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
@@ -55,6 +56,9 @@ class Geometry:
     qk_norm: bool = False
     head: tuple[tuple[str, tuple[int, ...]], ...] | None = None
     prefix: str = "model."
+    # Motif (conversion/motif.py): the number of query-head groups, each of signal heads then one noise head
+    # (`num_noise_heads`; num_heads / 2 for Motif-2.6B's stripe pairs). None for every other family.
+    motif_groups: int | None = None
 
     @classmethod
     def from_config(cls, config) -> Geometry:
@@ -97,7 +101,7 @@ class Geometry:
             expected["lm_head.weight"] = (V, D)
             if self.tie_word_embeddings:
                 optional.add("lm_head.weight")
-        mlp_bias = self.mlp_bias and source_kind == "llama"  # DiffLlama's MLP never has biases
+        mlp_bias = self.mlp_bias and source_kind in ("llama", "motif")  # DiffLlama's MLP never has biases
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             expected[p + "input_layernorm.weight"] = (D,)
@@ -105,7 +109,8 @@ class Geometry:
             expected[p + "self_attn.q_proj.weight"] = (H * d, D)
             expected[p + "self_attn.k_proj.weight"] = (H_kv * d, D)
             expected[p + "self_attn.v_proj.weight"] = (H_kv * d, D)
-            expected[p + "self_attn.o_proj.weight"] = (D, H * d)
+            out_width = H * d if self.motif_groups is None else 2 * (H - self.motif_groups) * d
+            expected[p + "self_attn.o_proj.weight"] = (D, out_width)
             if self.attention_bias:
                 expected[p + "self_attn.q_proj.bias"] = (H * d,)
                 expected[p + "self_attn.k_proj.bias"] = (H_kv * d,)
@@ -122,9 +127,13 @@ class Geometry:
                 expected[p + "mlp.gate_proj.bias"] = (I,)
                 expected[p + "mlp.up_proj.bias"] = (I,)
                 expected[p + "mlp.down_proj.bias"] = (D,)
-            if source_kind == "diffllama":
+            if source_kind in ("diffllama", "motif"):
                 for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
                     expected[p + f"self_attn.{name}"] = (d,)
+            if source_kind == "motif":  # the per-head RMSNorm over 2d and PolyNorm's (w0, w1, w2) and b
+                expected[p + "self_attn.subln.weight"] = (2 * d,)
+                expected[p + "mlp.act_fn.weight"] = (3,)
+                expected[p + "mlp.act_fn.bias"] = (1,)
         return expected, optional
 
 
@@ -364,6 +373,21 @@ class DiffLlamaToV1(TensorMap):
             yield name, tensor
 
 
+class MotifToV1(TensorMap):
+    """Exact import of Motif (Motif-2.6B's stripe pairs and grouped differential attention) into V1: every tensor
+    keeps its rows and columns, since Motif's head layout is V1's (conversion/motif.py derives it: q blocks per
+    group [signal..., noise] = `DiffConfig.num_noise_heads`'s layout, [q1 | q2] per head for Motif-2.6B; k and v
+    blocks (2g, 2g + 1) = group g's [k1 | k2] and [v1 | v2]; o_proj's input block 2h + c = half c of head h). The
+    λ vectors move under `diff_lambda` in fp32; `subln` and PolyNorm's `mlp.act_fn` keep their names."""
+
+    def __call__(self, name, tensor):
+        match = _DIFFLLAMA_LAMBDA.match(name)
+        if match is not None:
+            yield f"model.layers.{match.group(1)}.self_attn.diff_lambda.{match.group(2)}", tensor.to(torch.float32)
+            return
+        yield name, tensor
+
+
 V1_LAYOUTS = ("paired", "expanded")
 
 
@@ -399,6 +423,13 @@ def make_tensor_map(
     v1_layout: str = "paired",
 ) -> TensorMap:
     H, H_kv = geometry.num_heads, geometry.num_kv_heads
+    if source_kind == "motif":
+        if diff_version != 1:
+            raise ConversionError(
+                f"Motif checkpoints import into diff_version=1 only (got diff_version={diff_version}): their "
+                "attention is V1's; pass diff_version=1 (or leave it out)."
+            )
+        return MotifToV1(geometry)
     if source_kind == "diffllama":
         if diff_version != 1:
             raise ConversionError(
@@ -430,6 +461,7 @@ __all__ = [
     "LlamaToV1",
     "LlamaToV1Expanded",
     "LlamaToV2",
+    "MotifToV1",
     "V1_LAYOUTS",
     "choose_v1_layout",
     "TensorMap",

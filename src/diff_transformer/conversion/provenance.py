@@ -104,7 +104,7 @@ def conversion_provenance(source: SourceCheckpoint, source_kind: str, diff_versi
     provenance = {
         "source": base_model or source.path.name,
         "source_model_type": source_kind,
-        "function_preserving": source_kind == "diffllama" or diff_version == 2,
+        "function_preserving": source_kind in ("diffllama", "motif") or diff_version == 2,
         "converter": f"diff-transformer {__version__}",
         "card_data": source_card_metadata(source),
     }

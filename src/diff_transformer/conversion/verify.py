@@ -11,7 +11,8 @@ import torch
 from ..checkpoints.weights import find_shards, read_headers
 from .dtypes import dtype_name, from_safetensors_code, parse_dtype
 from .errors import ConversionError, conversion_boundary
-from .families import CAUSAL_LM, Family, Task, family_of, task_of
+from .families import CAUSAL_LM, MOTIF, Family, Task, family_of_config, task_of
+from .motif import MotifReference, motif_config
 from .source import load_config, resolve_source
 
 
@@ -36,13 +37,17 @@ def verify_conversion(
     heldout_tokens: int = 4 * 255,
     progress: bool = False,
 ) -> dict:
-    """Load SRC (a Llama-family model or DiffLlama) and OUT (Diff), run `num_sequences` random sequences of
+    """Load SRC (a Llama-family model, DiffLlama or Motif) and OUT (Diff), run `num_sequences` random sequences of
     `seq_len` tokens through both (in `dtype`, float32 by default, on CPU) and greedily continue the first half of
     each sequence by `max_new_tokens` tokens. A task head (sequence/token classification, question answering) is
     compared on its outputs over a batch in which every sequence after the first is right-padded with
     `pad_token_id` (when the config has one), and `greedy_match` is None.
 
     Loads both models whole: meant for checkpoints that fit in memory twice.
+
+    transformers has no Motif class: a Motif source is run by `conversion.motif.MotifReference`, this package's
+    plain-torch forward written from Motif's semantics (one head at a time, no cache; slow, meant for small
+    checkpoints), and has no held-out score.
 
     When OUT stores its weights in another dtype than SRC (`convert --dtype bfloat16`), the reference is the source
     with every weight cast the way the converter cast it (then to `dtype`), so a correct conversion still agrees
@@ -81,7 +86,7 @@ def verify_conversion(
     src_path, _ = resolve_source(src, revision=revision, token=token)
     out_path = Path(out).expanduser()
     family, task, diff_version = _check_pair(src_path, out_path)
-    expected_exact = family.model_type == "diffllama" or diff_version == 2
+    expected_exact = family.model_type in ("diffllama", "motif") or diff_version == 2
     reference, converted = _load_pair(src_path, out_path, family, task, torch_dtype)
     reference_name = _cast_like_output(reference, src_path, out_path)
 
@@ -98,7 +103,7 @@ def verify_conversion(
         max_diff = _head_difference(reference, converted, input_ids, per_token)
         greedy_match, max_new_tokens = None, 0
     heldout = None
-    if heldout_text is not None and task is CAUSAL_LM:
+    if heldout_text is not None and task is CAUSAL_LM and family is not MOTIF:
         heldout = _heldout(reference, converted, src_path, heldout_text, heldout_tokens, progress)
     passed = (max_diff <= atol and greedy_match is not False) if expected_exact else None
     return {
@@ -149,7 +154,9 @@ def _check_pair(src_path: Path, out_path: Path) -> tuple[Family, Task, int]:
     out_type = out_config.get("model_type")
     if out_type != "diff":
         raise ConversionError(f"OUT {out_path} is not a Diff checkpoint (model_type {out_type!r}).")
-    family = family_of(source_type)
+    family = family_of_config(src_config)
+    if family is MOTIF:
+        return family, CAUSAL_LM, int(out_config.get("diff_version", 1))
     if family is None:
         raise ConversionError(
             f"SRC {src_path} has model_type {source_type!r}: only the families the converter reads can be verified."
@@ -165,10 +172,14 @@ def _load_pair(src_path: Path, out_path: Path, family: Family, task: Task, dtype
 
     from .. import modeling_diff
 
-    source_class = getattr(transformers, family.prefix + task.suffix)
     diff_class = getattr(modeling_diff, task.diff_class)
     try:
-        reference = source_class.from_pretrained(src_path, dtype=dtype).eval()
+        if family is MOTIF:
+            reference = MotifReference(src_path, motif_config(load_config(src_path), str(src_path)), dtype)
+        else:
+            reference = (
+                getattr(transformers, family.prefix + task.suffix).from_pretrained(src_path, dtype=dtype).eval()
+            )
         converted = diff_class.from_pretrained(out_path, dtype=dtype).eval()
     except Exception as exc:
         raise ConversionError(f"loading the checkpoints failed ({' '.join(str(exc).split())[:300]}).") from exc

@@ -65,6 +65,12 @@ _CONVERSION_METHODS = {
         "Imported from transformers' DiffLlama into the V1 (paper) layout with the head permutation that reproduces "
         "DiffLlama's logits."
     ),
+    ("motif", 1): (
+        "Imported exactly from Motif's differential attention (stripe pairs; grouped differential attention with "
+        "`num_noise_heads`): Motif's head layout is the V1 layout, so every weight kept its rows and columns; "
+        'PolyNorm (`hidden_act="poly_norm"`), the shared noise heads, Motif\'s λ_init schedule '
+        "(`lambda_init_depth_offset=-1`) and its subln eps (`subln_eps`) are config options."
+    ),
 }
 # Llama-shaped sources (mistral, qwen2, qwen3) convert with Llama's maps and get Llama's texts.
 _LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3")
@@ -123,8 +129,10 @@ def _version_texts(config: DiffConfig) -> tuple[str, str, str]:
         variant = "Diff Transformer V1, the ICLR 2025 paper (Ye et al., [arXiv:2410.05258](https://arxiv.org/abs/2410.05258))"
         attention = "O_h = RMSNorm((A1 − λ·A2) · V_g(h)) · (1 − λ_init), A_c = softmax(Q_c K_cᵀ / √d), V 2d wide"
         schedule = ", ".join(f"{config.lambda_init_for_layer(i):.3f}" for i in range(config.num_hidden_layers))
+        offset = getattr(config, "lambda_init_depth_offset", 0)
+        depth = "layer" if not offset else f"(layer {'+' if offset > 0 else '−'} {abs(offset)})"
         if config.lambda_init is None:
-            init_text = f"the paper's depth schedule λ_init = 0.8 − 0.6·exp(−0.3·layer), per layer: {schedule}"
+            init_text = f"the paper's depth schedule λ_init = 0.8 − 0.6·exp(−0.3·{depth}), per layer: {schedule}"
         else:
             init_text = f"fixed λ_init = {config.lambda_init} in every layer"
         lam = (
@@ -160,6 +168,10 @@ def _architecture_table(config: DiffConfig, attention: str) -> str:
         ("RoPE", f"{rope.get('rope_type', 'default')}, θ = {rope.get('rope_theta', '?')}"),
         ("tied embeddings", "yes" if config.tie_word_embeddings else "no"),
     ]
+    if getattr(config, "num_noise_heads", None) is not None:  # grouped differential attention (Motif-2-12.7B)
+        rows.insert(5, ("noise heads (grouped differential attention)", config.num_noise_heads))
+    if config.hidden_act == "poly_norm":
+        rows.insert(-4, ("MLP activation", 'PolyNorm (`hidden_act="poly_norm"`)'))
     return "\n".join(f"| {key} | {value} |" for key, value in rows)
 
 

@@ -28,8 +28,11 @@ HONOURED = (
     "lambda_init",
     "lambda_floor",
     "use_qk_norm",
+    "num_noise_heads",
+    "lambda_init_depth_offset",
+    "subln_eps",
 )
-REFUSED_UNLESS = {"hidden_act": ("silu",)}
+REFUSED_UNLESS = {"hidden_act": ("silu", "poly_norm")}
 NOT_USED = (
     "initializer_range",  # initialisation
     "lambda_std",  # initialisation of V1's λ vectors
@@ -47,7 +50,8 @@ def check_config(config) -> None:
     for field, allowed in REFUSED_UNLESS.items():
         value = getattr(config, field)
         if value not in allowed:
+            supported = ", ".join(map(str, allowed))
             raise ValueError(
-                f"{field}={value!r} is not supported by diff-transformer's vLLM model (only {', '.join(allowed)}): "
+                f"{field}={value!r} is not supported by diff-transformer's vLLM model (only {supported}): "
                 "serve this checkpoint with `diff-transformer serve` (transformers) instead."
             )

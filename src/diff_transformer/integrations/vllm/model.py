@@ -13,6 +13,12 @@ tensor-parallel ranks into whole differential heads:
   `A1 v` and `A2 v` with the whole 2d-wide v for both maps. Cost: half of each query is zeros, so QKᵀ does twice
   the multiply-adds of the d-wide product (AV is 2d wide for both maps whatever the design), and the backend must
   support head size 2d.
+* V1 with grouped differential attention (`num_noise_heads` = n, Motif-2-12.7B): q_proj holds, per noise group, r
+  signal queries then the noise query (d rows each); each signal head's q2 is its group's noise query, so after the
+  projection the attention is V1's. q/k/v are projected as d-wide heads (H + n query heads, 2 H_kv key/value heads),
+  so tensor parallelism splits whole noise groups and whole [k1 | k2] pairs.
+* `hidden_act="poly_norm"` (Motif's PolyNorm): under tensor parallelism each rank holds a slice of the intermediate
+  width, so the three mean squares it normalises by are summed over the ranks (one all-reduce of (T, 3) per layer).
 
 Imports vLLM: only `plugin.register` touches this module, by name, so importing `diff_transformer` never does.
 """
@@ -24,7 +30,7 @@ import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -55,13 +61,46 @@ def _check_tensor_parallel(config: DiffConfig, tp_size: int) -> None:
             f"tensor_parallel_size={tp_size} and num_key_value_heads={kv_heads}: one must divide the other so that "
             "key/value groups are split or replicated whole. Pick another tensor_parallel_size."
         )
+    noise_heads = getattr(config, "num_noise_heads", None)
+    if noise_heads is not None and (noise_heads % tp_size or kv_heads % tp_size):
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} must divide num_noise_heads={noise_heads} and num_key_value_heads="
+            f"{kv_heads}: each rank computes whole noise groups over whole key/value groups. Pick a "
+            "tensor_parallel_size that divides both."
+        )
+
+
+class DiffPolyNormAndMul(nn.Module):
+    """Motif's PolyNorm on the gate, times the up projection: (w0 n(g³) + w1 n(g²) + w2 n(g) + b) · u, n(v) =
+    v / sqrt(mean(v²) + 1e-6) over the whole intermediate width, in fp32 as in the transformers model. The mean is
+    over every rank's slice (all-reduced), so tensor parallelism computes what one device does."""
+
+    def __init__(self, intermediate_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.intermediate_size, self.eps = intermediate_size, eps
+        self.weight = nn.Parameter(torch.full((3,), 1.0 / 3.0), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.tp_size = get_tensor_model_parallel_world_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)  # (T, I_local) each
+        g = gate.float()
+        powers = torch.stack((g * g * g, g * g, g))  # (3, T, I_local): x³, x², x
+        squares = powers.pow(2).sum(-1, keepdim=True)  # (3, T, 1): this rank's part of Σ v²
+        if self.tp_size > 1:
+            squares = tensor_model_parallel_all_reduce(squares)
+        normed = powers * torch.rsqrt(squares / self.intermediate_size + self.eps)
+        out = (self.weight.float().view(3, 1, 1) * normed).sum(0) + self.bias.float()  # (T, I_local)
+        return out.to(x.dtype) * up
 
 
 class DiffMLP(nn.Module):
     def __init__(self, config: DiffConfig, quant_config, prefix: str):
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported by the vLLM model: only 'silu' is.")
+        if config.hidden_act not in ("silu", "poly_norm"):
+            raise ValueError(
+                f"hidden_act={config.hidden_act!r} is not supported by the vLLM model: only 'silu', 'poly_norm'."
+            )
         bias = config.mlp_bias
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.intermediate_size] * 2, bias=bias, quant_config=quant_config,
@@ -71,7 +110,8 @@ class DiffMLP(nn.Module):
             config.intermediate_size, config.hidden_size, bias=bias, quant_config=quant_config,
             prefix=f"{prefix}.down_proj",
         )  # fmt: skip
-        self.act_fn = SiluAndMul()
+        poly_norm = config.hidden_act == "poly_norm"
+        self.act_fn = DiffPolyNormAndMul(config.intermediate_size) if poly_norm else SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, _ = self.gate_up_proj(x)
@@ -116,9 +156,19 @@ class DiffAttention(nn.Module):
     """What both versions share: the fused q/k/v projection, `o_proj`, Qwen3's q/k norms, RoPE on every d-wide
     sub-head, and one stock `Attention` call. `head_size` is the width of one projection head (its rows are contiguous
     in the checkpoint, so tensor parallelism splits whole heads), attended and fed to `o_proj` at that width;
-    `query_heads` how many such heads q_proj holds."""
+    `query_heads` how many such heads q_proj holds. `qkv_heads` (GDA): q/k/v projected as (head size, query heads,
+    key/value heads) other than that, e.g. d-wide heads whose counts tensor parallelism splits into whole groups."""
 
-    def __init__(self, config: DiffConfig, head_size: int, query_heads: int, cache_config, quant_config, prefix: str):
+    def __init__(
+        self,
+        config: DiffConfig,
+        head_size: int,
+        query_heads: int,
+        cache_config,
+        quant_config,
+        prefix: str,
+        qkv_heads: tuple[int, int, int] | None = None,
+    ):
         super().__init__()
         tp_size = get_tensor_model_parallel_world_size()
         _check_tensor_parallel(config, tp_size)
@@ -128,11 +178,13 @@ class DiffAttention(nn.Module):
         self.num_kv_heads = max(1, H_kv // tp_size)
         out_bias = config.attention_bias if config.attention_out_bias is None else config.attention_out_bias
 
+        qkv_size, qkv_query_heads, qkv_kv_heads = qkv_heads or (head_size, query_heads, H_kv)
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, head_size, query_heads, H_kv, bias=config.attention_bias, quant_config=quant_config,
-            prefix=f"{prefix}.qkv_proj",
+            config.hidden_size, qkv_size, qkv_query_heads, qkv_kv_heads, bias=config.attention_bias,
+            quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
         )  # fmt: skip
-        self.q_size = self.num_heads * 2 * d  # both versions: 2 d-wide query sub-heads per differential head
+        # both versions: 2 d-wide query sub-heads per differential head; GDA: r signal queries and 1 noise per group
+        self.q_size = qkv_query_heads // tp_size * qkv_size
         self.kv_size = self.num_kv_heads * head_size
         self.o_proj = RowParallelLinear(
             H * head_size, config.hidden_size, bias=out_bias, quant_config=quant_config, prefix=f"{prefix}.o_proj"
@@ -189,16 +241,26 @@ class DiffAttentionV1(DiffAttention):
     [q1 | 0] and [0 | q2], so ONE stock attention call (scale 1/√d) returns `A1 v` and `A2 v`."""
 
     def __init__(self, config: DiffConfig, layer_idx: int, cache_config, quant_config, prefix: str):
-        H, d = config.num_attention_heads, config.head_dim
-        super().__init__(config, 2 * d, H, cache_config, quant_config, prefix)
+        H, H_kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.num_noise_heads = getattr(config, "num_noise_heads", None)
+        # GDA: d-wide q/k/v heads (H + n queries; [k1 | k2] and the two value halves as 2 H_kv heads)
+        qkv = None if self.num_noise_heads is None else (d, H + self.num_noise_heads, 2 * H_kv)
+        super().__init__(config, 2 * d, H, cache_config, quant_config, prefix, qkv_heads=qkv)
         self.lambda_init = config.lambda_init_for_layer(layer_idx)
         self.diff_lambda = DiffLambdaV1(d, self.lambda_init, getattr(config, "lambda_floor", None))
-        self.subln = RMSNorm(2 * d, eps=config.rms_norm_eps)
+        subln_eps = getattr(config, "subln_eps", None)
+        self.subln = RMSNorm(2 * d, eps=config.rms_norm_eps if subln_eps is None else subln_eps)
+        self.group_size = None if self.num_noise_heads is None else H // self.num_noise_heads + 1
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         T, d, H = hidden_states.shape[0], self.head_dim, self.num_heads
         q, k, v = self.project(positions, hidden_states)
-        q = q.view(T, H, 2, d)  # (T, H, 2, d): [q1 | q2] of every head
+        if self.num_noise_heads is None:
+            q = q.view(T, H, 2, d)  # (T, H, 2, d): [q1 | q2] of every head
+        else:  # GDA: (T, n, r + 1, d) -> each signal head's (q1, q2) = (its query, its group's noise query)
+            groups = q.view(T, -1, self.group_size, d)
+            signal, noise = groups[:, :, :-1], groups[:, :, -1:].expand_as(groups[:, :, :-1])
+            q = torch.stack((signal, noise), dim=3).reshape(T, H, 2, d)  # (T, H, 2, d)
         zeros = torch.zeros_like(q[:, :, 0])
         q = torch.stack(
             (torch.cat((q[:, :, 0], zeros), dim=-1), torch.cat((zeros, q[:, :, 1]), dim=-1)), dim=2
