@@ -113,7 +113,7 @@ def test_plain_install_refuses_in_one_line_and_trains_without_tensorboard(journe
         "lora": ["train", model, "--data", data, "--output", str(tmp_path / "a"), "--lora", *small],
         "tensorboard": ["train", model, "--data", data, "--output", str(tmp_path / "b"), "--report-to", "tensorboard"],
         "console": ["train", model, "--data", data, "--output", str(tmp_path / "run"), *small],
-        "serve": ["serve", "--help"],
+        "serve": ["serve", model],
         "generate": ["generate", adapter, "hello"],
         "merge": ["merge", adapter, str(tmp_path / "merged")],
         "inspect": ["inspect", model, "hello", "--out", str(tmp_path / "maps.png")],
