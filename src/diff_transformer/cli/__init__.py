@@ -47,6 +47,9 @@ def main(argv=None) -> int:
     if rest and args.command != "serve":  # every option after `serve` goes to transformers' server
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.serve_args = rest
+    import diff_transformer
+
+    diff_transformer._load()  # what `import diff_transformer` does outside the command (the Auto classes)
     try:
         return args.func(args)
     except UserError as error:
@@ -59,6 +62,8 @@ def run_as_process(argv=None) -> int:
     are joined before the interpreter exits (otherwise a rank could abort at exit now and then: "terminate called
     without an active exception"). `main` itself leaves the process group alone, for scripts that call it."""
     status = main(argv)
+    if "torch" not in sys.modules:  # --version, --help: torch was never imported
+        return status
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
