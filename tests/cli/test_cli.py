@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -199,3 +200,69 @@ def test_top_level_help_names_every_command(capsys):
     description = capsys.readouterr().out.split("\n\n")[1]  # after the usage line
     for command in ("demo", "convert", "generate", "train", "serve"):
         assert command in description, description
+
+
+def _run_command(argv, terminal=False):
+    """`python -m diff_transformer ARGV` in a fresh process: (status, stdout, stderr), stderr a pipe or, with
+    `terminal`, a pseudo-terminal 100 columns wide (where tqdm draws its bars)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    command = [sys.executable, "-m", "diff_transformer", *map(str, argv)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if not terminal:
+        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        return result.returncode, result.stdout, result.stderr
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=slave, stdin=subprocess.DEVNULL, env=env)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    out = process.stdout.read().decode()
+    process.wait(timeout=300)
+    os.close(master)
+    return process.returncode, out, b"".join(chunks).decode(errors="replace")
+
+
+def test_every_command_has_quiet():
+    from diff_transformer import cli
+    from diff_transformer.cli.serve import help_parser
+
+    commands = next(a for a in cli.build_parser()._actions if a.dest == "command").choices
+    assert set(commands) == set(COMMANDS)
+    for name, parser in commands.items():
+        text = help_parser().format_help() if name == "serve" else parser.format_help()
+        assert "--quiet" in text, name
+
+
+def test_quiet_silences_warnings_and_bars_show_only_on_a_terminal(tmp_path):
+    """Issue 32: `convert --verify` printed loading bars, V1 conversion a tokenizer warning. Piped: no bar, the
+    warning; --quiet: nothing on stderr. On a terminal: the bars (our own and transformers' weight loading); --quiet:
+    none there either."""
+    import diff_transformer
+
+    tiny_llama = Path(diff_transformer.__file__).parent / "assets" / "tiny-llama"
+    out = tmp_path / "v1"
+    convert = ["convert", tiny_llama, out, "--diff-version", "1", "--verify"]
+    status, stdout, stderr = _run_command(convert)
+    assert status == 0 and "held-out perplexity" in stdout, stderr
+    assert "Token indices sequence length is longer" in stderr and "%|" not in stderr, stderr
+    status, stdout, stderr = _run_command([*convert, "--overwrite", "--quiet"])
+    assert status == 0 and "held-out perplexity" in stdout and stderr == "", stderr
+
+    generate = ["generate", out, "Who is Mr. Darcy?", "--max-new-tokens", "3"]
+    status, stdout, stderr = _run_command(generate, terminal=True)
+    assert status == 0 and stdout.strip(), stderr
+    assert "Loading weights: 100%|" in stderr, stderr
+    status, quiet_stdout, stderr = _run_command([*generate, "--quiet"], terminal=True)
+    assert status == 0 and quiet_stdout == stdout and stderr == "", stderr

@@ -9,6 +9,7 @@ import logging
 import sys
 
 from diff_transformer.cli import convert, demo, generate, inspect, merge, serve, train
+from diff_transformer.cli.options import output_settings
 from diff_transformer.errors import UserError
 
 
@@ -51,7 +52,8 @@ def main(argv=None) -> int:
 
     diff_transformer._load()  # what `import diff_transformer` does outside the command (the Auto classes)
     try:
-        return args.func(args)
+        with output_settings(getattr(args, "quiet", False)):
+            return args.func(args)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from ..errors import UserError
 from ..evaluation import EVAL_BLOCK_SIZE, heldout_perplexity
 from ..safe_output import OutputError, Staging, check_target, write_manifest, wrote_this
+from .options import add_quiet_option
 
 
 if TYPE_CHECKING:
@@ -361,7 +362,8 @@ def add_parser(commands) -> None:
         action="store_true",
         help="replace a non-empty --output that is not an unchanged earlier demo output",
     )
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="seed of --scratch's random models")
+    add_quiet_option(demo)
     demo.set_defaults(func=run)
 
 

@@ -4,7 +4,7 @@ checked before the weights load."""
 import math
 
 from ..errors import UserError
-from .options import add_base_option
+from .options import add_base_option, add_quiet_option
 
 
 def add_parser(commands) -> None:
@@ -27,6 +27,7 @@ def add_parser(commands) -> None:
         "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="load the weights in this dtype"
     )
     add_base_option(generate)
+    add_quiet_option(generate)
     generate.set_defaults(func=run)
 
 

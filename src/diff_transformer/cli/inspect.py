@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..checkpoints.adapters import load_tokenizer
 from ..errors import UserError
-from .options import add_base_option
+from .options import add_base_option, add_quiet_option
 
 
 INSPECT_MAX_DPI = 600
@@ -42,6 +42,7 @@ def add_parser(commands) -> None:
     )
     inspect.add_argument("--overwrite", action="store_true", help="replace an existing --out / --json file")
     add_base_option(inspect)
+    add_quiet_option(inspect)
     inspect.set_defaults(func=run)
 
 

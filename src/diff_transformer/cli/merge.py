@@ -1,7 +1,7 @@
 """`diff-transformer merge ADAPTER OUT`: a LoRA adapter (what `train --lora` writes) folded into its base model's
 weights, written as a full Diff checkpoint (`checkpoints.adapters.merge_adapter`)."""
 
-from .options import add_base_option
+from .options import add_base_option, add_quiet_option
 
 
 def add_parser(commands) -> None:
@@ -12,6 +12,7 @@ def add_parser(commands) -> None:
     merge.add_argument("out", help="output directory for the merged checkpoint")
     merge.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     add_base_option(merge)
+    add_quiet_option(merge)
     merge.set_defaults(func=run)
 
 

@@ -35,9 +35,11 @@ import functools
 import sys
 
 from ..errors import UserError, one_line, require
+from .options import output_settings
 
 
 GRACEFUL_SHUTDOWN_S = 5
+_uvicorn_log_level = None  # --quiet: "warning" (transformers' `Serve` asks uvicorn for "info": a line per request)
 
 PASSED_THROUGH = """\
 Every other option goes to transformers' server (`transformers serve`) unchanged, e.g. --host (default localhost),
@@ -54,7 +56,7 @@ def help_parser() -> argparse.ArgumentParser:
     ARGV goes to transformers, so argparse must not take a value of theirs for MODEL)."""
     parser = argparse.ArgumentParser(
         prog="diff-transformer serve",
-        usage="%(prog)s [MODEL] [--max-new-tokens-limit N] [transformers serve options]",
+        usage="%(prog)s [MODEL] [--max-new-tokens-limit N] [--quiet] [transformers serve options]",
         description="OpenAI-compatible server for Diff models: transformers' own server (transformers serve) with\n"
         "the Diff classes, every generation bounded by the model's context, and errors clients can read.",
         epilog=PASSED_THROUGH,
@@ -74,6 +76,12 @@ def help_parser() -> argparse.ArgumentParser:
         type=int,
         help="at most N new tokens per request, whatever max_tokens asks (default: none; the model's context "
         "bounds every request)",
+    )
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bars, no per-request log lines: transformers' log level error (unless --log-level), "
+        "uvicorn's warning",
     )
     parser.add_argument("--transformers-help", action="store_true", help="show transformers' own options and exit")
     parser.add_argument("-h", "--help", action="help", help="show this help and exit")
@@ -335,19 +343,25 @@ def graceful_shutdown(seconds: float = GRACEFUL_SHUTDOWN_S) -> None:
     @functools.wraps(init)
     def bounded(self, *args, **kwargs):
         kwargs.setdefault("timeout_graceful_shutdown", seconds)
+        if _uvicorn_log_level is not None:
+            kwargs["log_level"] = _uvicorn_log_level
         init(self, *args, **kwargs)
 
     bounded._diff_bounded = True
     uvicorn.Config.__init__ = bounded
 
 
-def _own_options(argv: list[str]) -> tuple[list[str], int | None]:
-    """(ARGV less our --max-new-tokens-limit N, that N), and a MODEL argument checked to exist."""
+def _own_options(argv: list[str]) -> tuple[list[str], int | None, bool]:
+    """(ARGV less our options, --max-new-tokens-limit's N, --quiet), and a MODEL argument checked to exist."""
     from ..checkpoints.names import resolve_model
 
-    rest, limit, index = [], None, 0
+    rest, limit, quiet, index = [], None, False, 0
     while index < len(argv):
         arg = argv[index]
+        if arg == "--quiet":
+            quiet = True
+            index += 1
+            continue
         if arg == "--transformers-help":
             rest.append("--help")
             index += 1
@@ -366,7 +380,9 @@ def _own_options(argv: list[str]) -> tuple[list[str], int | None]:
         _, local = resolve_model(model, name="MODEL")  # a mistyped path: one line, before the server starts
         if local is not None and not (local / "config.json").is_file():
             raise UserError(f"MODEL {model!r} is a directory without config.json: pass a saved model's directory.")
-    return rest, limit
+    if quiet and not any(arg == "--log-level" or arg.startswith("--log-level=") for arg in rest):
+        rest += ["--log-level", "error"]
+    return rest, limit, quiet
 
 
 def main(argv=None):
@@ -374,14 +390,17 @@ def main(argv=None):
     import typer
     from transformers.cli.serve import Serve
 
-    argv, limit = _own_options(sys.argv[1:] if argv is None else list(argv))
+    global _uvicorn_log_level
+    argv, limit, quiet = _own_options(sys.argv[1:] if argv is None else list(argv))
+    _uvicorn_log_level = "warning" if quiet else None
     expose_to_transformers_serve()
     client_facing()
     limit_generation(limit)
     graceful_shutdown()
     app = typer.Typer(add_completion=False)
     app.command(help=Serve.__doc__)(Serve)
-    return app(argv, prog_name="diff-transformer serve")
+    with output_settings(quiet):
+        return app(argv, prog_name="diff-transformer serve")
 
 
 if __name__ == "__main__":

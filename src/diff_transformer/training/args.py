@@ -103,7 +103,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         default=None,
         help="tensorboard (default when installed, in OUTPUT/runs), none, ... (the console always shows the logs)",
     )
-    log.add_argument("--quiet", action="store_true", help="no progress bars")
+    log.add_argument(  # the help of cli.options.add_quiet_option, which the other commands share
+        "--quiet",
+        action="store_true",
+        help="no progress bars, and no warnings from transformers, PEFT or tokenizers: results and errors only",
+    )
     log.add_argument(
         "--resume",
         nargs="?",

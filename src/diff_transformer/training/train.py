@@ -103,7 +103,7 @@ def training_arguments(args, has_eval: bool, resuming: bool) -> TrainingArgument
         save_total_limit=args.save_total_limit,
         seed=args.seed,
         report_to=report_to,
-        disable_tqdm=args.quiet,
+        disable_tqdm=args.quiet or not sys.stderr.isatty(),  # bars on a terminal only (cli.options.show_progress)
         # Frozen parameters get no gradient during --diff-only-steps, so DDP must look for them; otherwise every
         # parameter gets one and the search (an extra graph traversal per step) is wasted.
         ddp_find_unused_parameters=bool(args.diff_only_steps),
