@@ -216,6 +216,74 @@ def test_generate_seed_dtype_and_repetition_penalty(journey):
     assert run_cli(*prompt, "--dtype", "bfloat16")[1] == expected + "\n"
 
 
+def test_device_is_cuda_then_mps_then_cpu_and_checked(monkeypatch):
+    """`resolve_device` (generate, inspect, merge; niah imports it) with availability monkeypatched."""
+    from diff_transformer.cli.options import resolve_device
+    from diff_transformer.errors import UserError
+
+    def machine(cuda, mps, count=1):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count if cuda else 0)
+        monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+
+    preferred = ((True, True, "cuda"), (True, False, "cuda"), (False, True, "mps"), (False, False, "cpu"))
+    for cuda, mps, expected in preferred:
+        machine(cuda, mps)
+        assert resolve_device() == resolve_device("auto") == resolve_device(None) == expected
+    machine(True, False, count=2)
+    assert resolve_device("cuda:1") == "cuda:1" and resolve_device("CPU") == "cpu"
+    for name, words in (
+        ("cuda:2", "there are 2 CUDA device(s) here: use cuda:0 to cuda:1"),
+        ("gpu", "'gpu' is not a device: use auto, cpu, cuda, cuda:N or mps"),
+        ("mps", "torch sees no Apple MPS device here: use --device cpu"),
+    ):
+        with pytest.raises(UserError, match=re.escape(words)):
+            resolve_device(name)
+    machine(False, True)
+    with pytest.raises(UserError, match=re.escape("torch sees no CUDA GPU here (torch.cuda.is_available() is False)")):
+        resolve_device("cuda")
+
+
+def test_generate_inspect_merge_take_device_dtype_and_stream(refused, journey, tmp_path, monkeypatch):
+    """--device and --dtype on generate, inspect and merge (this machine: the CPU; a device torch does not see is
+    refused in one line before anything loads), and generate --stream prints what the plain run prints."""
+    from safetensors import safe_open
+
+    from tests.helpers.tiny import tiny_model
+
+    root, _ = journey
+    monkeypatch.chdir(root)
+    prompt = ["generate", "diff", "Elizabeth could not help smiling at", "--max-new-tokens", 16]
+    plain = run_cli(*prompt)
+    assert plain[0] == 0 and len(plain[1].split()) > 3, plain
+    assert run_cli(*prompt, "--device", "cpu", "--dtype", "float32") == plain
+    assert run_cli(*prompt, "--device", "auto", "--dtype", "auto") == plain  # auto here: no GPU in CI
+    assert run_cli(*prompt, "--stream") == plain
+    assert run_cli(*prompt, "--stream", "--chat")[1] == run_cli(*prompt, "--chat")[1]
+    bf16 = run_cli(*prompt, "--dtype", "bfloat16", "--stream")
+    assert bf16 == run_cli(*prompt, "--dtype", "bfloat16")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for command in (prompt, ["inspect", "diff", "Elizabeth", "--json", tmp_path / "x.json"], ["merge", "lora", "m"]):
+        refused([*command, "--device", "cuda"], "--device cuda: torch sees no CUDA GPU here", "--device cpu")
+    refused([*prompt, "--device", "tpu"], "--device 'tpu' is not a device")
+    tiny_model(2).save_pretrained(tmp_path / "ids-only")
+    refused(["generate", tmp_path / "ids-only", "5 6 7", "--stream"], "has no tokenizer: drop --stream")
+    assert not (tmp_path / "x.json").exists() and not (root / "m").exists()
+
+    text = "Elizabeth could not help smiling"
+    for name, options in (("default", []), ("cpu", ["--device", "cpu", "--dtype", "float32"])):
+        assert run_cli("inspect", "diff", text, "--json", tmp_path / f"{name}.json", *options)[0] == 0
+    assert (tmp_path / "default.json").read_text() == (tmp_path / "cpu.json").read_text()
+
+    status, _, err = run_cli("merge", "lora", tmp_path / "merged-bf16", "--device", "cpu", "--dtype", "bfloat16")
+    assert status == 0, err
+    with safe_open(tmp_path / "merged-bf16" / "model.safetensors", "pt") as merged:
+        dtypes = {merged.get_tensor(key).dtype for key in merged.keys()}
+    assert dtypes == {torch.bfloat16}
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "merged-bf16").dtype == torch.bfloat16
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--version"])

@@ -230,11 +230,14 @@ def write_adapter_card(directory, base: str, config, lambda_summary: str | None 
 # --- merge ---------------------------------------------------------------------------------------------------------
 
 
-def merge_adapter(adapter, out, *, base: str | None = None, overwrite: bool = False) -> Path:
+def merge_adapter(
+    adapter, out, *, base: str | None = None, overwrite: bool = False, device: str = "cpu", dtype: str = "auto"
+) -> Path:
     """Fold the PEFT adapter directory ADAPTER into its base model (`merge_and_unload`: each adapted weight becomes
     W + (alpha / r)·B·A, λ copies in `modules_to_save` replace the base's) and write a full checkpoint to OUT: weights
     in the base's dtype, the custom code, a card naming the adapter and its base, the tokenizer (the adapter's, else
-    the base's). Nothing is written unless everything loads; OUT is replaced only with `overwrite`."""
+    the base's). Nothing is written unless everything loads; OUT is replaced only with `overwrite`. The merge runs on
+    DEVICE; DTYPE ("float32", "bfloat16", "float16") converts the weights, "auto" keeps the base's."""
     from transformers import AutoTokenizer
 
     from ..integrations.hub import diff_model_card
@@ -250,7 +253,11 @@ def merge_adapter(adapter, out, *, base: str | None = None, overwrite: bool = Fa
     out_path = check_target(out, sources=sources)
     staging = Staging(out_path, overwrite=overwrite)  # refuses a non-empty OUT before anything loads
     with staging as staging_dir:
-        model = load(source, name="ADAPTER", merge=True, dtype="auto")
+        import torch
+
+        placed = {} if device == "cpu" else {"device_map": {"": device}}
+        torch_dtype = "auto" if dtype in (None, "auto") else getattr(torch, dtype)
+        model = load(source, name="ADAPTER", merge=True, dtype=torch_dtype, **placed)
         try:
             tokenizer = AutoTokenizer.from_pretrained(source.tokenizer)
         except (OSError, ValueError, TypeError):  # a model saved without a tokenizer (prompts are token ids)

@@ -54,3 +54,61 @@ def output_settings(quiet: bool = False):
                 hf_logging.enable_progress_bar()
             if hub_bars:
                 enable_progress_bars()
+
+
+# ---- --device and --dtype (generate, inspect, merge; niah imports resolve_device) ----
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def add_device_options(parser, what: str = "run the model") -> None:
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help=f"where to {what}: auto (CUDA if present, else MPS, else CPU), cpu, cuda, cuda:N or mps (default: auto)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="load the weights in this dtype; auto keeps the dtype they were saved in (default: auto)",
+    )
+
+
+def resolve_device(name: str | None = "auto", option: str = "--device") -> str:
+    """The torch device NAME names: "auto" (or None) is CUDA when torch sees a GPU, else Apple's MPS, else the CPU;
+    any other name is checked to exist here (a `UserError` of one line naming the fix otherwise)."""
+    import torch
+
+    from ..errors import UserError
+
+    name = "auto" if name is None else str(name).strip().lower()
+    mps = getattr(torch.backends, "mps", None)
+    mps_available = mps is not None and mps.is_available()
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "mps" if mps_available else "cpu"
+    kind, _, index = name.partition(":")
+    if kind not in ("cpu", "cuda", "mps") or (index and not (kind == "cuda" and index.isdigit())):
+        raise UserError(f"{option} {name!r} is not a device: use auto, cpu, cuda, cuda:N or mps.")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(
+                f"{option} {name}: torch sees no CUDA GPU here (torch.cuda.is_available() is False): use "
+                f"{option} cpu, or {option} auto to take whatever is present."
+            )
+        count = torch.cuda.device_count()
+        if index and int(index) >= count:
+            raise UserError(f"{option} {name}: there are {count} CUDA device(s) here: use cuda:0 to cuda:{count - 1}.")
+    if kind == "mps" and not mps_available:
+        raise UserError(
+            f"{option} mps: torch sees no Apple MPS device here: use {option} cpu, or {option} auto to take whatever "
+            "is present."
+        )
+    return name
+
+
+def load_kwargs(dtype: str | None) -> dict:
+    """`from_pretrained` keyword arguments of --dtype ("auto" or None: the dtype the weights were saved in)."""
+    import torch
+
+    return {"dtype": "auto" if dtype in (None, "auto") else getattr(torch, dtype)}
