@@ -266,3 +266,23 @@ def test_quiet_silences_warnings_and_bars_show_only_on_a_terminal(tmp_path):
     assert "Loading weights: 100%|" in stderr, stderr
     status, quiet_stdout, stderr = _run_command([*generate, "--quiet"], terminal=True)
     assert status == 0 and quiet_stdout == stdout and stderr == "", stderr
+
+
+def test_every_option_s_help_shows_its_default():
+    """Issue 32: help hid defaults (train's batch size, epochs, LoRA r/alpha). Every option of every command says its
+    default: the help formatter appends it, and options whose default is None say what happens without them."""
+    from diff_transformer import cli
+    from diff_transformer.cli.options import options_without_default
+    from diff_transformer.cli.serve import help_parser
+
+    commands = next(a for a in cli.build_parser()._actions if a.dest == "command").choices
+    for name, parser in commands.items():
+        assert options_without_default(help_parser() if name == "serve" else parser) == [], name
+    text = " ".join(commands["train"].format_help().split())
+    for shown in ("--batch-size BATCH_SIZE blocks per device per micro-batch (default: 8)", "(default: 1.0)"):
+        assert shown in text, shown
+    for shown in ("--epochs EPOCHS passes over --data (fractions allowed) (default: 1.0)", "LoRA rank r (default: 8)"):
+        assert shown in text, shown
+    generate = " ".join(commands["generate"].format_help().split())
+    assert "--temperature TEMPERATURE 0 = greedy (default: 0.0)" in generate
+    assert "--device DEVICE" in generate and "(default: auto)" in generate

@@ -9,7 +9,7 @@ import logging
 import sys
 
 from diff_transformer.cli import convert, demo, generate, inspect, merge, serve, train
-from diff_transformer.cli.options import output_settings
+from diff_transformer.cli.options import DefaultsHelpFormatter, output_settings
 from diff_transformer.errors import UserError
 
 
@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(commands)
+    for subparser in commands.choices.values():  # every option's help shows its default
+        subparser.formatter_class = DefaultsHelpFormatter
     return parser
 
 

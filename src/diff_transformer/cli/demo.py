@@ -355,7 +355,7 @@ def add_parser(commands) -> None:
         "demo", help="offline demo: convert the shipped tiny Llama to Diff V2, verify, generate"
     )
     demo.add_argument("--output", help="where to write the converted model (default: a temporary directory)")
-    demo.add_argument("--prompt", help="English prompt to continue")
+    demo.add_argument("--prompt", help=f"English prompt to continue (default: {DEFAULT_PROMPT!r})")
     demo.add_argument("--scratch", action="store_true", help="instead: build, save, reload random Diff V1/V2 models")
     demo.add_argument(
         "--overwrite",

@@ -16,13 +16,20 @@ def add_parser(commands) -> None:
     generate.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     generate.add_argument("--chat", action="store_true", help="PROMPT is a user message: apply the chat template")
-    generate.add_argument("--system", help="system message of --chat")
+    generate.add_argument("--system", help="system message of --chat (default: none)")
     generate.add_argument("--repetition-penalty", type=float, default=None, help="default: the model's (1 = none)")
-    generate.add_argument("--seed", type=int, default=None, help="seed of the sampling (--temperature > 0)")
     generate.add_argument(
-        "--top-p", type=float, default=None, help="nucleus sampling: the smallest set of tokens of this mass, (0, 1]"
+        "--seed", type=int, default=None, help="seed of the sampling, --temperature > 0 (default: none, a fresh draw)"
     )
-    generate.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (k >= 1)")
+    generate.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="nucleus sampling: the smallest set of tokens of this mass, (0, 1] (default: none)",
+    )
+    generate.add_argument(
+        "--top-k", type=int, default=None, help="sample among the k most likely tokens, k >= 1 (default: none)"
+    )
     generate.add_argument(
         "--stream", action="store_true", help="print the answer token by token as it is generated (needs a tokenizer)"
     )

@@ -23,10 +23,16 @@ def add_parser(commands) -> None:
     inspect.add_argument("text", help="text (or space-separated token ids if the model has no tokenizer)")
     inspect.add_argument("--layer", type=int, default=0, help="layer to plot (default 0)")
     inspect.add_argument("--head", type=int, default=0, help="differential head to plot (default 0)")
-    inspect.add_argument("--out", help="figure file of the head's maps (.png, .pdf, .svg, ...)")
-    inspect.add_argument("--json", help="also write the head's maps, λ and per-layer/head metrics as JSON")
-    inspect.add_argument("--span", help="START:STOP token positions of an answer: adds the answer and noise metrics")
-    inspect.add_argument("--grid", help="also write a layer x head heatmap of --metric to this figure file")
+    inspect.add_argument("--out", help="figure file of the head's maps: .png, .pdf, .svg, ... (default: none)")
+    inspect.add_argument(
+        "--json", help="also write the head's maps, λ and per-layer/head metrics as JSON (default: none)"
+    )
+    inspect.add_argument(
+        "--span", help="START:STOP token positions of an answer: adds the answer and noise metrics (default: none)"
+    )
+    inspect.add_argument(
+        "--grid", help="also write a layer x head heatmap of --metric to this figure file (default: none)"
+    )
     inspect.add_argument(
         "--metric",
         choices=("entropy", "negative_fraction", "lambda", "answer", "noise"),

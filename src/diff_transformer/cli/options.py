@@ -1,11 +1,44 @@
-"""Options that several commands share, and what they set up around a command's run."""
+"""Options that several commands share, what they set up around a command's run, and the help's format."""
 
+import argparse
 import contextlib
 import sys
 import warnings
 
 
 QUIET_HELP = "no progress bars, and no warnings from transformers, PEFT or tokenizers: results and errors only"
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default: "(default: X)" added where the help does not already say it. An
+    option whose default is None says in its own help what happens without it; flags (off unless given) need not."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (
+            "default" in text.lower()
+            or not action.option_strings
+            or action.required
+            or action.default in (None, argparse.SUPPRESS)
+            or action.nargs == 0  # store_true/store_false/count flags and help/version actions
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def options_without_default(parser) -> list[str]:
+    """The options of PARSER whose help says no default (what `DefaultsHelpFormatter` cannot add: a None default,
+    or no help at all, which argparse then does not format)."""
+    formatter = DefaultsHelpFormatter("x")
+    return [
+        action.option_strings[-1]
+        for action in parser._actions
+        if action.option_strings
+        and not action.required
+        and action.nargs != 0
+        and action.help is not argparse.SUPPRESS
+        and (not action.help or "default" not in formatter._get_help_string(action).lower())
+    ]
 
 
 def add_base_option(parser) -> None:
