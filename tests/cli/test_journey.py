@@ -305,10 +305,14 @@ def test_generate_with_an_adapter_is_peft_on_its_base(refused, journey, monkeypa
     base = tokenizer.decode(greedy(AutoModelForCausalLM.from_pretrained(root / "diff"), ids, 12))
     assert tuned != base  # the adapter changes the answer, so the comparison below tells them apart
 
-    # adapter_config.json names the base as the run was given it ("diff", relative): from elsewhere it is missing.
+    # adapter_config.json names the base as the run was given it ("diff", relative to where it ran); base_model.json
+    # records it relative to the adapter and absolute, with its weights' fingerprint: the same base from anywhere.
     assert json.loads((root / "lora" / "adapter_config.json").read_text())["base_model_name_or_path"] == "diff"
+    record = json.loads((root / "lora" / "base_model.json").read_text())
+    assert record["relative"] == "../diff" and record["absolute"] == str((root / "diff").resolve())
+    assert record["fingerprint"]["parameters"] == AutoModelForCausalLM.from_pretrained(root / "diff").num_parameters()
     monkeypatch.chdir(root.parent)
-    refused(["generate", root / "lora", QUESTION], "PEFT adapter for the base model 'diff'", "--base PATH")
+    assert run_cli("generate", root / "lora", QUESTION, "--chat", "--max-new-tokens", 12)[1] == tuned + "\n"
     status, out, err = run_cli(
         "generate", root / "lora", QUESTION, "--chat", "--max-new-tokens", 12, "--base", root / "diff"
     )
@@ -316,6 +320,49 @@ def test_generate_with_an_adapter_is_peft_on_its_base(refused, journey, monkeypa
     monkeypatch.chdir(root)
     assert run_cli("generate", "lora", QUESTION, "--chat", "--max-new-tokens", 12)[1] == tuned + "\n"
     refused(["generate", "diff", QUESTION, "--base", "diff"], "--base diff is for a PEFT adapter", "drop --base")
+
+
+def test_an_adapter_s_base_resolves_from_anywhere_and_other_weights_are_refused(
+    refused, journey, tmp_path, monkeypatch
+):
+    """Issue 32: an adapter recorded its base as typed ("diff") and generate/merge looked it up in the current
+    directory, so from a directory holding another "diff" they silently used the wrong base. Now base_model.json
+    finds the trained-on base (relative to the adapter, else absolute), and a base whose weights differ from the
+    recorded fingerprint is refused in one line."""
+    from safetensors.torch import save_file
+
+    root, _ = journey
+    chat = [QUESTION, "--chat", "--max-new-tokens", 12]
+    monkeypatch.chdir(root)
+    tuned = run_cli("generate", "lora", *chat)[1]
+    elsewhere = tmp_path / "elsewhere"
+    convert_to_diff(TINY_LLAMA, elsewhere / "diff", diff_version=1, progress=False)  # another "diff": other shapes
+    monkeypatch.chdir(elsewhere)
+    assert run_cli("generate", root / "lora", *chat)[1] == tuned  # the base it was trained on, not ./diff
+    refused(
+        ["generate", root / "lora", *chat, "--base", "diff"],
+        f"MODEL {root / 'lora'} was trained on another base than diff",
+        "where the adapter's base had",
+        "pass --base with the model it was trained on",
+    )
+
+    # moved together (the recorded absolute path made stale): found relative to the adapter
+    moved = tmp_path / "moved"
+    shutil.copytree(root / "diff", moved / "diff")
+    shutil.copytree(root / "lora", moved / "lora")
+    record = json.loads((moved / "lora" / "base_model.json").read_text())
+    record["absolute"] = str(tmp_path / "gone")
+    (moved / "lora" / "base_model.json").write_text(json.dumps(record))
+    assert run_cli("generate", moved / "lora", *chat)[1] == tuned
+    # the same shapes, other weights (one tensor changed): refused
+    weights = load_file(moved / "diff" / "model.safetensors")
+    name = sorted(weights)[-1]
+    weights[name] = weights[name] + 0.01
+    save_file(weights, moved / "diff" / "model.safetensors", metadata={"format": "pt"})
+    refused(["merge", moved / "lora", tmp_path / "out"], "was trained on another base than", "other weights: sha256")
+    shutil.rmtree(moved / "diff")
+    refused(["generate", moved / "lora", *chat], "whose base model is not where it was", "--base PATH")
+    assert not (tmp_path / "out").exists()
 
 
 def test_merge_writes_a_full_checkpoint_equal_to_base_plus_adapter(journey, tmp_path, monkeypatch):
@@ -378,8 +425,10 @@ def test_merge_refusals_leave_nothing(refused, journey, tmp_path, monkeypatch):
     refused(["merge", "diff", tmp_path / "out"], "ADAPTER diff is a model, not a PEFT adapter directory")
     refused(["convert", "lora", tmp_path / "out"], "is a PEFT adapter, not a model", "diff-transformer merge")
     refused(["merge", "lora", "lora/inside"], "overlaps ADAPTER")
+    # an adapter without base_model.json (PEFT's own, or older runs'): its base as named, from the current directory
+    shutil.copytree(root / "lora", tmp_path / "legacy", ignore=shutil.ignore_patterns("base_model.json"))
     monkeypatch.chdir(tmp_path)
-    refused(["merge", root / "lora", tmp_path / "out"], "'diff'", "--base PATH")
+    refused(["merge", tmp_path / "legacy", tmp_path / "out"], "'diff'", "--base PATH")
     assert not (tmp_path / "out").exists()
 
 
@@ -457,7 +506,10 @@ def test_train_an_adapter_further(refused, journey, tmp_path, monkeypatch):
     after = load_file(tmp_path / "more" / "adapter_model.safetensors")
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in after.items())
-    assert json.loads((tmp_path / "more" / "adapter_config.json").read_text())["base_model_name_or_path"] == "diff"
+    # trained further: the base is where lora's record found it, named in the card as lora's run named it
+    assert json.loads((tmp_path / "more" / "base_model.json").read_text())["absolute"] == str(
+        (root / "diff").resolve()
+    )
     assert "for the differential-attention model `diff`" in (tmp_path / "more" / "README.md").read_text()
     refused([*run[:5], tmp_path / "other", "--lora-r", "4"], "--lora-r 4", "LoRA adapter with r=8", "drop the option")
 
