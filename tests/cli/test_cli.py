@@ -1,6 +1,8 @@
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +45,42 @@ def test_python_dash_m_diff_transformer_is_the_command():
 
     result = subprocess.run([sys.executable, "-m", "diff_transformer", "--version"], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == f"diff-transformer {__version__}", result
+
+
+COMMANDS = ("demo", "convert", "generate", "inspect", "merge", "train", "serve", "niah")
+
+
+@pytest.mark.parametrize(
+    "argv", [["--version"], ["--help"], *([name, "--help"] for name in COMMANDS)], ids=lambda argv: " ".join(argv)
+)
+def test_version_and_help_import_neither_torch_nor_transformers(argv):
+    """Issue 32: `--version` took 4-6 s (torch and transformers). `-X importtime` lists every module the command
+    imports; neither is among them (measured: 0.08-0.24 s wall on 2 cores, against 7 s at load average 5)."""
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "diff_transformer", *argv], capture_output=True, text=True
+    )
+    assert result.returncode == 0 and result.stdout.strip(), result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
+    imported = {line.rsplit("|", 1)[1].strip() for line in lines}
+    assert "diff_transformer.cli" in imported  # the importtime lines were read
+    heavy = {name.split(".")[0] for name in imported} & {"torch", "transformers", "numpy", "safetensors"}
+    assert not heavy, heavy
+
+
+def test_the_command_still_registers_the_auto_classes(tmp_path):
+    """Outside `--version`/`--help`, the command loads what `import diff_transformer` loads before a subcommand runs:
+    a Diff checkpoint resolves through the Auto classes (no trust_remote_code) in a fresh `python -m` process."""
+    from tests.helpers.tiny import tiny_model
+
+    tiny_model(2).save_pretrained(tmp_path)
+    (tmp_path / "modeling_diff.py").unlink()  # no custom code to fall back on
+    result = subprocess.run(
+        [sys.executable, "-m", "diff_transformer", "generate", str(tmp_path), "5 6 7", "--max-new-tokens", "2"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0 and len(result.stdout.split()) == 2, result.stderr[-2000:]
 
 
 def _tiny_llama(path, **overrides):
@@ -212,3 +250,89 @@ def test_safetensors_errors_are_one_line(tmp_path, refused, monkeypatch):
 
     monkeypatch.setattr(inspect_command, "run", read)
     refused(["inspect", "m", "hi", "--json", "maps.json"], "a safetensors file is corrupt")
+
+
+def _run_command(argv, terminal=False):
+    """`python -m diff_transformer ARGV` in a fresh process: (status, stdout, stderr), stderr a pipe or, with
+    `terminal`, a pseudo-terminal 100 columns wide (where tqdm draws its bars)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    command = [sys.executable, "-m", "diff_transformer", *map(str, argv)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if not terminal:
+        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        return result.returncode, result.stdout, result.stderr
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=slave, stdin=subprocess.DEVNULL, env=env)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    out = process.stdout.read().decode()
+    process.wait(timeout=300)
+    os.close(master)
+    return process.returncode, out, b"".join(chunks).decode(errors="replace")
+
+
+def test_every_command_has_quiet():
+    from diff_transformer import cli
+    from diff_transformer.cli.serve import help_parser
+
+    commands = next(a for a in cli.build_parser()._actions if a.dest == "command").choices
+    assert set(commands) == set(COMMANDS)
+    for name, parser in commands.items():
+        text = help_parser().format_help() if name == "serve" else parser.format_help()
+        assert "--quiet" in text, name
+
+
+def test_quiet_silences_warnings_and_bars_show_only_on_a_terminal(tmp_path):
+    """Issue 32: `convert --verify` printed loading bars, V1 conversion a tokenizer warning. Piped: no bar, the
+    warning; --quiet: nothing on stderr. On a terminal: the bars (our own and transformers' weight loading); --quiet:
+    none there either."""
+    import diff_transformer
+
+    tiny_llama = Path(diff_transformer.__file__).parent / "assets" / "tiny-llama"
+    out = tmp_path / "v1"
+    convert = ["convert", tiny_llama, out, "--diff-version", "1", "--verify"]
+    status, stdout, stderr = _run_command(convert)
+    assert status == 0 and "held-out perplexity" in stdout, stderr
+    assert "Token indices sequence length is longer" in stderr and "%|" not in stderr, stderr
+    status, stdout, stderr = _run_command([*convert, "--overwrite", "--quiet"])
+    assert status == 0 and "held-out perplexity" in stdout and stderr == "", stderr
+
+    generate = ["generate", out, "Who is Mr. Darcy?", "--max-new-tokens", "3"]
+    status, stdout, stderr = _run_command(generate, terminal=True)
+    assert status == 0 and stdout.strip(), stderr
+    assert "Loading weights: 100%|" in stderr, stderr
+    status, quiet_stdout, stderr = _run_command([*generate, "--quiet"], terminal=True)
+    assert status == 0 and quiet_stdout == stdout and stderr == "", stderr
+
+
+def test_every_option_s_help_shows_its_default():
+    """Issue 32: help hid defaults (train's batch size, epochs, LoRA r/alpha). Every option of every command says its
+    default: the help formatter appends it, and options whose default is None say what happens without them."""
+    from diff_transformer import cli
+    from diff_transformer.cli.options import options_without_default
+    from diff_transformer.cli.serve import help_parser
+
+    commands = next(a for a in cli.build_parser()._actions if a.dest == "command").choices
+    for name, parser in commands.items():
+        assert options_without_default(help_parser() if name == "serve" else parser) == [], name
+    text = " ".join(commands["train"].format_help().split())
+    for shown in ("--batch-size BATCH_SIZE blocks per device per micro-batch (default: 8)", "(default: 1.0)"):
+        assert shown in text, shown
+    for shown in ("--epochs EPOCHS passes over --data (fractions allowed) (default: 1.0)", "LoRA rank r (default: 8)"):
+        assert shown in text, shown
+    generate = " ".join(commands["generate"].format_help().split())
+    assert "--temperature TEMPERATURE 0 = greedy (default: 0.0)" in generate
+    assert "--device DEVICE" in generate and "(default: auto)" in generate

@@ -113,7 +113,7 @@ def test_plain_install_refuses_in_one_line_and_trains_without_tensorboard(journe
         "lora": ["train", model, "--data", data, "--output", str(tmp_path / "a"), "--lora", *small],
         "tensorboard": ["train", model, "--data", data, "--output", str(tmp_path / "b"), "--report-to", "tensorboard"],
         "console": ["train", model, "--data", data, "--output", str(tmp_path / "run"), *small],
-        "serve": ["serve", "--help"],
+        "serve": ["serve", model],
         "generate": ["generate", adapter, "hello"],
         "merge": ["merge", adapter, str(tmp_path / "merged")],
         "inspect": ["inspect", model, "hello", "--out", str(tmp_path / "maps.png")],
@@ -216,6 +216,74 @@ def test_generate_seed_dtype_and_repetition_penalty(journey):
     assert run_cli(*prompt, "--dtype", "bfloat16")[1] == expected + "\n"
 
 
+def test_device_is_cuda_then_mps_then_cpu_and_checked(monkeypatch):
+    """`resolve_device` (generate, inspect, merge; niah imports it) with availability monkeypatched."""
+    from diff_transformer.cli.options import resolve_device
+    from diff_transformer.errors import UserError
+
+    def machine(cuda, mps, count=1):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count if cuda else 0)
+        monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+
+    preferred = ((True, True, "cuda"), (True, False, "cuda"), (False, True, "mps"), (False, False, "cpu"))
+    for cuda, mps, expected in preferred:
+        machine(cuda, mps)
+        assert resolve_device() == resolve_device("auto") == resolve_device(None) == expected
+    machine(True, False, count=2)
+    assert resolve_device("cuda:1") == "cuda:1" and resolve_device("CPU") == "cpu"
+    for name, words in (
+        ("cuda:2", "there are 2 CUDA device(s) here: use cuda:0 to cuda:1"),
+        ("gpu", "'gpu' is not a device: use auto, cpu, cuda, cuda:N or mps"),
+        ("mps", "torch sees no Apple MPS device here: use --device cpu"),
+    ):
+        with pytest.raises(UserError, match=re.escape(words)):
+            resolve_device(name)
+    machine(False, True)
+    with pytest.raises(UserError, match=re.escape("torch sees no CUDA GPU here (torch.cuda.is_available() is False)")):
+        resolve_device("cuda")
+
+
+def test_generate_inspect_merge_take_device_dtype_and_stream(refused, journey, tmp_path, monkeypatch):
+    """--device and --dtype on generate, inspect and merge (this machine: the CPU; a device torch does not see is
+    refused in one line before anything loads), and generate --stream prints what the plain run prints."""
+    from safetensors import safe_open
+
+    from tests.helpers.tiny import tiny_model
+
+    root, _ = journey
+    monkeypatch.chdir(root)
+    prompt = ["generate", "diff", "Elizabeth could not help smiling at", "--max-new-tokens", 16]
+    plain = run_cli(*prompt)
+    assert plain[0] == 0 and len(plain[1].split()) > 3, plain
+    assert run_cli(*prompt, "--device", "cpu", "--dtype", "float32") == plain
+    assert run_cli(*prompt, "--device", "auto", "--dtype", "auto") == plain  # auto here: no GPU in CI
+    assert run_cli(*prompt, "--stream") == plain
+    assert run_cli(*prompt, "--stream", "--chat")[1] == run_cli(*prompt, "--chat")[1]
+    bf16 = run_cli(*prompt, "--dtype", "bfloat16", "--stream")
+    assert bf16 == run_cli(*prompt, "--dtype", "bfloat16")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for command in (prompt, ["inspect", "diff", "Elizabeth", "--json", tmp_path / "x.json"], ["merge", "lora", "m"]):
+        refused([*command, "--device", "cuda"], "--device cuda: torch sees no CUDA GPU here", "--device cpu")
+    refused([*prompt, "--device", "tpu"], "--device 'tpu' is not a device")
+    tiny_model(2).save_pretrained(tmp_path / "ids-only")
+    refused(["generate", tmp_path / "ids-only", "5 6 7", "--stream"], "has no tokenizer: drop --stream")
+    assert not (tmp_path / "x.json").exists() and not (root / "m").exists()
+
+    text = "Elizabeth could not help smiling"
+    for name, options in (("default", []), ("cpu", ["--device", "cpu", "--dtype", "float32"])):
+        assert run_cli("inspect", "diff", text, "--json", tmp_path / f"{name}.json", *options)[0] == 0
+    assert (tmp_path / "default.json").read_text() == (tmp_path / "cpu.json").read_text()
+
+    status, _, err = run_cli("merge", "lora", tmp_path / "merged-bf16", "--device", "cpu", "--dtype", "bfloat16")
+    assert status == 0, err
+    with safe_open(tmp_path / "merged-bf16" / "model.safetensors", "pt") as merged:
+        dtypes = {merged.get_tensor(key).dtype for key in merged.keys()}
+    assert dtypes == {torch.bfloat16}
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "merged-bf16").dtype == torch.bfloat16
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--version"])
@@ -237,10 +305,14 @@ def test_generate_with_an_adapter_is_peft_on_its_base(refused, journey, monkeypa
     base = tokenizer.decode(greedy(AutoModelForCausalLM.from_pretrained(root / "diff"), ids, 12))
     assert tuned != base  # the adapter changes the answer, so the comparison below tells them apart
 
-    # adapter_config.json names the base as the run was given it ("diff", relative): from elsewhere it is missing.
+    # adapter_config.json names the base as the run was given it ("diff", relative to where it ran); base_model.json
+    # records it relative to the adapter and absolute, with its weights' fingerprint: the same base from anywhere.
     assert json.loads((root / "lora" / "adapter_config.json").read_text())["base_model_name_or_path"] == "diff"
+    record = json.loads((root / "lora" / "base_model.json").read_text())
+    assert record["relative"] == "../diff" and record["absolute"] == str((root / "diff").resolve())
+    assert record["fingerprint"]["parameters"] == AutoModelForCausalLM.from_pretrained(root / "diff").num_parameters()
     monkeypatch.chdir(root.parent)
-    refused(["generate", root / "lora", QUESTION], "PEFT adapter for the base model 'diff'", "--base PATH")
+    assert run_cli("generate", root / "lora", QUESTION, "--chat", "--max-new-tokens", 12)[1] == tuned + "\n"
     status, out, err = run_cli(
         "generate", root / "lora", QUESTION, "--chat", "--max-new-tokens", 12, "--base", root / "diff"
     )
@@ -248,6 +320,49 @@ def test_generate_with_an_adapter_is_peft_on_its_base(refused, journey, monkeypa
     monkeypatch.chdir(root)
     assert run_cli("generate", "lora", QUESTION, "--chat", "--max-new-tokens", 12)[1] == tuned + "\n"
     refused(["generate", "diff", QUESTION, "--base", "diff"], "--base diff is for a PEFT adapter", "drop --base")
+
+
+def test_an_adapter_s_base_resolves_from_anywhere_and_other_weights_are_refused(
+    refused, journey, tmp_path, monkeypatch
+):
+    """Issue 32: an adapter recorded its base as typed ("diff") and generate/merge looked it up in the current
+    directory, so from a directory holding another "diff" they silently used the wrong base. Now base_model.json
+    finds the trained-on base (relative to the adapter, else absolute), and a base whose weights differ from the
+    recorded fingerprint is refused in one line."""
+    from safetensors.torch import save_file
+
+    root, _ = journey
+    chat = [QUESTION, "--chat", "--max-new-tokens", 12]
+    monkeypatch.chdir(root)
+    tuned = run_cli("generate", "lora", *chat)[1]
+    elsewhere = tmp_path / "elsewhere"
+    convert_to_diff(TINY_LLAMA, elsewhere / "diff", diff_version=1, progress=False)  # another "diff": other shapes
+    monkeypatch.chdir(elsewhere)
+    assert run_cli("generate", root / "lora", *chat)[1] == tuned  # the base it was trained on, not ./diff
+    refused(
+        ["generate", root / "lora", *chat, "--base", "diff"],
+        f"MODEL {root / 'lora'} was trained on another base than diff",
+        "where the adapter's base had",
+        "pass --base with the model it was trained on",
+    )
+
+    # moved together (the recorded absolute path made stale): found relative to the adapter
+    moved = tmp_path / "moved"
+    shutil.copytree(root / "diff", moved / "diff")
+    shutil.copytree(root / "lora", moved / "lora")
+    record = json.loads((moved / "lora" / "base_model.json").read_text())
+    record["absolute"] = str(tmp_path / "gone")
+    (moved / "lora" / "base_model.json").write_text(json.dumps(record))
+    assert run_cli("generate", moved / "lora", *chat)[1] == tuned
+    # the same shapes, other weights (one tensor changed): refused
+    weights = load_file(moved / "diff" / "model.safetensors")
+    name = sorted(weights)[-1]
+    weights[name] = weights[name] + 0.01
+    save_file(weights, moved / "diff" / "model.safetensors", metadata={"format": "pt"})
+    refused(["merge", moved / "lora", tmp_path / "out"], "was trained on another base than", "other weights: sha256")
+    shutil.rmtree(moved / "diff")
+    refused(["generate", moved / "lora", *chat], "whose base model is not where it was", "--base PATH")
+    assert not (tmp_path / "out").exists()
 
 
 def test_merge_writes_a_full_checkpoint_equal_to_base_plus_adapter(journey, tmp_path, monkeypatch):
@@ -310,8 +425,10 @@ def test_merge_refusals_leave_nothing(refused, journey, tmp_path, monkeypatch):
     refused(["merge", "diff", tmp_path / "out"], "ADAPTER diff is a model, not a PEFT adapter directory")
     refused(["convert", "lora", tmp_path / "out"], "is a PEFT adapter, not a model", "diff-transformer merge")
     refused(["merge", "lora", "lora/inside"], "overlaps ADAPTER")
+    # an adapter without base_model.json (PEFT's own, or older runs'): its base as named, from the current directory
+    shutil.copytree(root / "lora", tmp_path / "legacy", ignore=shutil.ignore_patterns("base_model.json"))
     monkeypatch.chdir(tmp_path)
-    refused(["merge", root / "lora", tmp_path / "out"], "'diff'", "--base PATH")
+    refused(["merge", tmp_path / "legacy", tmp_path / "out"], "'diff'", "--base PATH")
     assert not (tmp_path / "out").exists()
 
 
@@ -389,7 +506,10 @@ def test_train_an_adapter_further(refused, journey, tmp_path, monkeypatch):
     after = load_file(tmp_path / "more" / "adapter_model.safetensors")
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in after.items())
-    assert json.loads((tmp_path / "more" / "adapter_config.json").read_text())["base_model_name_or_path"] == "diff"
+    # trained further: the base is where lora's record found it, named in the card as lora's run named it
+    assert json.loads((tmp_path / "more" / "base_model.json").read_text())["absolute"] == str(
+        (root / "diff").resolve()
+    )
     assert "for the differential-attention model `diff`" in (tmp_path / "more" / "README.md").read_text()
     refused([*run[:5], tmp_path / "other", "--lora-r", "4"], "--lora-r 4", "LoRA adapter with r=8", "drop the option")
 

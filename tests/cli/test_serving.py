@@ -8,6 +8,7 @@ import json
 import urllib.request
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
@@ -281,3 +282,85 @@ def test_serve_refuses_a_missing_model_and_a_bad_limit(capsys):
     )
     assert cli.main(["serve", "--max-new-tokens-limit", "0"]) == 2
     assert "--max-new-tokens-limit '0' must be a whole number >= 1" in capsys.readouterr().err
+
+
+# ---- what clients see: the model list, unknown models, refused fields (issue 32) ----
+
+
+def test_models_list_unknown_models_and_refused_fields(servers, models, tmp_path):
+    """`client.models.list()` works without a Hub cache folder (transformers answered 500) and lists what was loaded;
+    a model that does not exist answers 404 at once, one that does not load 400 (transformers retried the Hub for
+    ~2 minutes, then answered 500); `n` > 1 and `stop` are refused with 400. Every error is OpenAI's
+    `{"error": {"message": ...}}` with a one-line message."""
+    import time
+
+    server = servers["plain"]
+    client = server.client()
+    listed = [m.id for m in client.models.list()]  # HF_HOME points to a folder that does not exist
+    chat(server, models["v2"], CHATS[0])
+    assert [m.id for m in client.models.list()] == [*dict.fromkeys([*listed, str(models["v2"])])]
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"model_type": "no-such-family"}')
+    cases = {
+        str(tmp_path / "missing"): (openai.NotFoundError, "neither an existing directory nor a valid Hub model id"),
+        "no-such-org/no-such-model": (openai.NotFoundError, "nor in the Hub cache, and the Hub is offline"),
+        str(tmp_path / "empty"): (openai.BadRequestError, "a directory without config.json"),
+        str(tmp_path / "broken"): (openai.BadRequestError, "cannot be loaded"),
+    }
+    for name, (error, words) in cases.items():
+        start = time.monotonic()
+        with pytest.raises(error) as caught:
+            client.chat.completions.create(model=name, messages=CHATS[0], max_tokens=4)
+        assert time.monotonic() - start < 10, name
+        message = caught.value.body["message"]
+        assert words in message and "\n" not in message, message
+        assert caught.value.body["type"] in ("not_found_error", "invalid_request_error")
+
+    for extra, words in (({"n": 2}, "n=2"), ({"stop": ["Darcy"]}, "stop sequences are not supported")):
+        with pytest.raises(openai.BadRequestError, match=words):
+            client.chat.completions.create(model=str(models["v2"]), messages=CHATS[0], max_tokens=4, **extra)
+        with pytest.raises(openai.BadRequestError, match=words):
+            client.completions.create(model=str(models["v2"]), prompt=PROMPT, max_tokens=4, **extra)
+    # n=1 and an empty stop are what the server does anyway: accepted
+    response = client.chat.completions.create(
+        model=str(models["v2"]), messages=CHATS[0], max_tokens=4, temperature=0, n=1, stop=[]
+    )
+    assert response.choices[0].message.content
+
+
+def test_a_pinned_server_lists_its_model_and_refuses_others(models, tmp_path):
+    server = Server(tmp_path / "serve.log", str(models["v1"]))
+    try:
+        server.wait_healthy()
+        client = server.client()
+        assert [m.id for m in client.models.list()] == [str(models["v1"])]
+        text, _, _ = chat(server, models["v1"], CHATS[0])
+        assert text
+        with pytest.raises(openai.BadRequestError, match="pinned"):
+            client.chat.completions.create(model=str(models["v2"]), messages=CHATS[0], max_tokens=4)
+    finally:
+        server.stop()
+
+
+def test_serve_help_is_the_package_s_own(capsys):
+    """`serve --help`: our options first, then a short note of what goes to transformers (every option the note names
+    is one of transformers' `Serve`: a canary for renames)."""
+    import inspect
+    import re
+
+    from transformers.cli.serve import Serve
+
+    from diff_transformer import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: diff-transformer serve [MODEL] [--max-new-tokens-limit N]")
+    assert out.index("--max-new-tokens-limit N") < out.index("Every other option goes to transformers' server")
+    assert "POST /v1/responses" not in out  # transformers' help listed endpoints this package does not test
+    named = set(re.findall(r"--([a-z][a-z-]+)", out.split("Every other option")[1])) - {"transformers-help"}
+    accepted = {name.replace("_", "-") for name in inspect.signature(Serve.__init__).parameters} - {"self"}
+    assert named and named <= accepted, named - accepted

@@ -239,3 +239,31 @@ def test_readme_is_short_and_its_links_resolve():
     assert len(local) > 10
     missing = [t for t in local if not (ROOT / t).exists()]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/long_description.md"])
+def test_the_quickstart_runs_in_the_environment_the_page_made(page):
+    """Issue 32: the Quickstart's bare `pip` / `diff-transformer` after a README block that used `.venv/bin/...`
+    installed into another Python (and could pull the CUDA torch). The page's first command makes `.venv`; the
+    journey activates it before anything else, and every pip in either carries the constraints (torch stays the
+    CPU build the first command installed)."""
+    text = (ROOT / page).read_text(encoding="utf-8")
+    first = next(block for block in extract(ROOT / page) if block.lang == "bash")
+    assert "python3 -m venv .venv" in first.code
+    journey = text.split("<!-- journey -->", 1)[1].split("<!-- /journey -->", 1)[0]
+    lines = [
+        shlex.split(line, comments=True) for line in journey.split("```bash", 1)[1].split("```", 1)[0].splitlines()
+    ]
+    commands = [words for words in lines if words]
+    assert commands[0] == ["source", ".venv/bin/activate"], commands[0]
+    assert {words[0] for words in commands[1:]} <= {"pip", "diff-transformer"}, commands
+    pips = [
+        words
+        for line in (first.code + journey).replace("\\\n", " ").splitlines()
+        for part in line.split("&&")
+        if (words := shlex.split(part, comments=True))[:1] in (["pip"], [".venv/bin/pip"])
+    ]
+    assert len(pips) >= 3, pips
+    for words in pips:  # torch first, pinned; everything else within the constraints
+        pinned = words[words.index("constraints.txt") - 1] == "-c" if "constraints.txt" in words else False
+        assert "torch==2.13.0" in words or pinned, words

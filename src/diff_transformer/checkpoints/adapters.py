@@ -1,7 +1,10 @@
 """PEFT adapter directories (what `diff-transformer train --lora` writes) as MODEL on the command line.
 
 An adapter directory holds `adapter_config.json` and the adapter's weights, not a model: its base model is named by
-`base_model_name_or_path` in adapter_config.json (as the training run was given it), or by `--base`. `generate`,
+`base_model_name_or_path` in adapter_config.json (as the training run was given it), or by `--base`. What this
+package's runs save also holds `base_model.json` (`record_base`): the base's directory relative to the adapter and
+absolute (or its Hub id), and a fingerprint of its weights, so that the base resolves the same from any directory and a
+base with other weights (another model under the same name) is refused in one line. `generate`,
 `inspect` and `train` load the base and put the adapter on it (PEFT's `PeftModel.from_pretrained`); `merge` folds
 it into the base weights (`merge_and_unload`) and writes a full Diff checkpoint. `adapter_card` replaces the blank
 template PEFT writes as the adapter's README.md.
@@ -10,8 +13,11 @@ template PEFT writes as the adapter's README.md.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
+import os
+import struct
 import warnings
 from pathlib import Path
 from typing import NamedTuple
@@ -24,6 +30,8 @@ from .names import HUB_PREFIX, resolve_model
 
 
 ADAPTER_CONFIG = "adapter_config.json"
+BASE_RECORD = "base_model.json"
+FINGERPRINT_SAMPLE_BYTES = 1 << 16  # per tensor: the start of its data (different training differs everywhere)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
@@ -56,13 +64,19 @@ def resolve(text, base: str | None = None, *, name: str = "MODEL") -> Source:
             )
         return Source(location, local, None, None, location, local)
     require(["peft"], "peft", f"{name} {text} (a PEFT adapter)")
-    named = base
+    record = read_json(local / BASE_RECORD) if (local / BASE_RECORD).is_file() else None
+    named = shown = base
+    if named is None and isinstance(record, dict):
+        named = _recorded_base(record, local, f"{name} {text}")
+        # shown as the training run named it (the card, merge's card): where it is now is what loads
+        shown = read_json(local / ADAPTER_CONFIG).get("base_model_name_or_path") or named
     if named is None:
         named = read_json(local / ADAPTER_CONFIG).get("base_model_name_or_path")
         if not named:
             raise CheckpointError(
                 f"{name} {text} is a PEFT adapter whose {ADAPTER_CONFIG} names no base model: pass --base MODEL."
             )
+        shown = named
     try:
         base_location, base_local = resolve_model(named, name="base model")
     except CheckpointError:
@@ -71,13 +85,112 @@ def resolve(text, base: str | None = None, *, name: str = "MODEL") -> Source:
             f"{name} {text} is a PEFT adapter for the base model {named!r} ({where}), which does not exist here: "
             f"pass --base PATH (the model it was trained on), or {HUB_PREFIX}ID for a Hub model."
         ) from None
+    if isinstance(record, dict) and base_local is not None:
+        _check_fingerprint(record, base_local, f"{name} {text}")
     if base_local is not None and is_adapter(base_local):
         raise CheckpointError(
             f"the base model {named} of {name} {text} is itself an adapter: pass --base with the model."
         )
     if has_tokenizer(local):
-        return Source(base_location, base_local, local, str(named), location, local)
-    return Source(base_location, base_local, local, str(named), base_location, base_local)
+        return Source(base_location, base_local, local, str(shown), location, local)
+    return Source(base_location, base_local, local, str(shown), base_location, base_local)
+
+
+# --- the base an adapter was trained on ------------------------------------------------------------------------------
+
+
+def weights_fingerprint(directory: Path) -> dict | None:
+    """Size, shape and a content hash of DIRECTORY's safetensors weights, read from the headers and the start of each
+    tensor's data (a few MB for any model): {"tensors", "parameters", "sha256"}; None without safetensors files."""
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        return None
+    tensors, digest = {}, hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+            header.pop("__metadata__", None)
+            for key, info in header.items():
+                handle.seek(8 + length + info["data_offsets"][0])
+                size = min(FINGERPRINT_SAMPLE_BYTES, info["data_offsets"][1] - info["data_offsets"][0])
+                tensors[key] = (info["dtype"], info["shape"], hashlib.sha256(handle.read(size)).hexdigest())
+    parameters = 0
+    for key in sorted(tensors):
+        dtype, shape, sample = tensors[key]
+        digest.update(json.dumps([key, dtype, shape, sample]).encode())
+        count = 1
+        for size in shape:
+            count *= size
+        parameters += count
+    return {"tensors": len(tensors), "parameters": parameters, "sha256": digest.hexdigest()}
+
+
+def record_base(adapter_dir, base: Path | str) -> None:
+    """Write ADAPTER_DIR/base_model.json: BASE (the local directory the adapter was trained on, or a Hub id) as a path
+    relative to the adapter directory and as an absolute one, and the fingerprint of its weights."""
+    adapter_dir = Path(adapter_dir)
+    if isinstance(base, Path):
+        absolute = base.resolve()
+        record = {
+            "relative": os.path.relpath(absolute, adapter_dir.resolve()),
+            "absolute": str(absolute),
+            "fingerprint": weights_fingerprint(absolute),
+        }
+    else:
+        record = {"hub_id": str(base)}
+    (adapter_dir / BASE_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
+def _recorded_base(record: dict, adapter: Path, shown: str) -> str | None:
+    """The base the record names: the first of (relative to the adapter, absolute) that exists and has the recorded
+    weights, else the Hub id; None for a record that names neither (the caller falls back to adapter_config.json)."""
+    if record.get("hub_id"):
+        return HUB_PREFIX + str(record["hub_id"]).removeprefix(HUB_PREFIX)
+    candidates = []
+    for key in ("relative", "absolute"):
+        if record.get(key):
+            path = (adapter / record[key]) if key == "relative" else Path(record[key])
+            if (path / "config.json").is_file() and path.resolve() not in candidates:
+                candidates.append(path.resolve())
+    if not candidates:
+        if not (record.get("relative") or record.get("absolute")):
+            return None
+        raise CheckpointError(
+            f"{shown} is a PEFT adapter whose base model is not where it was ({record.get('absolute')}, "
+            f"{record.get('relative')} from the adapter): pass --base PATH (the model it was trained on)."
+        )
+    for path in candidates:
+        if _fingerprint_problem(record, path) is None:
+            return str(path)
+    _check_fingerprint(record, candidates[0], shown)  # raises
+    return None
+
+
+def _fingerprint_problem(record: dict, base: Path) -> str | None:
+    recorded = record.get("fingerprint")
+    if not recorded:
+        return None
+    here = weights_fingerprint(base)
+    if here == recorded:
+        return None
+    if here is None:
+        return "it has no safetensors weights"
+    if (here["tensors"], here["parameters"]) != (recorded["tensors"], recorded["parameters"]):
+        return (
+            f"{here['tensors']} tensors, {here['parameters']:,} parameters where the adapter's base had "
+            f"{recorded['tensors']}, {recorded['parameters']:,}"
+        )
+    return f"other weights: sha256 {here['sha256'][:12]}, the adapter's base {recorded['sha256'][:12]}"
+
+
+def _check_fingerprint(record: dict, base: Path, shown: str) -> None:
+    problem = _fingerprint_problem(record, base)
+    if problem is not None:
+        raise CheckpointError(
+            f"{shown} was trained on another base than {base} ({problem}, {BASE_RECORD}): pass --base with the "
+            "model it was trained on."
+        )
 
 
 def load_tokenizer(auto_tokenizer, location: str, local: Path | None, shown: str):
@@ -230,11 +343,14 @@ def write_adapter_card(directory, base: str, config, lambda_summary: str | None 
 # --- merge ---------------------------------------------------------------------------------------------------------
 
 
-def merge_adapter(adapter, out, *, base: str | None = None, overwrite: bool = False) -> Path:
+def merge_adapter(
+    adapter, out, *, base: str | None = None, overwrite: bool = False, device: str = "cpu", dtype: str = "auto"
+) -> Path:
     """Fold the PEFT adapter directory ADAPTER into its base model (`merge_and_unload`: each adapted weight becomes
     W + (alpha / r)·B·A, λ copies in `modules_to_save` replace the base's) and write a full checkpoint to OUT: weights
     in the base's dtype, the custom code, a card naming the adapter and its base, the tokenizer (the adapter's, else
-    the base's). Nothing is written unless everything loads; OUT is replaced only with `overwrite`."""
+    the base's). Nothing is written unless everything loads; OUT is replaced only with `overwrite`. The merge runs on
+    DEVICE; DTYPE ("float32", "bfloat16", "float16") converts the weights, "auto" keeps the base's."""
     from transformers import AutoTokenizer
 
     from ..integrations.hub import diff_model_card
@@ -250,7 +366,11 @@ def merge_adapter(adapter, out, *, base: str | None = None, overwrite: bool = Fa
     out_path = check_target(out, sources=sources)
     staging = Staging(out_path, overwrite=overwrite)  # refuses a non-empty OUT before anything loads
     with staging as staging_dir:
-        model = load(source, name="ADAPTER", merge=True, dtype="auto")
+        import torch
+
+        placed = {} if device == "cpu" else {"device_map": {"": device}}
+        torch_dtype = "auto" if dtype in (None, "auto") else getattr(torch, dtype)
+        model = load(source, name="ADAPTER", merge=True, dtype=torch_dtype, **placed)
         try:
             tokenizer = AutoTokenizer.from_pretrained(source.tokenizer)
         except (OSError, ValueError, TypeError):  # a model saved without a tokenizer (prompts are token ids)
@@ -275,6 +395,8 @@ __all__ = [
     "load_tokenizer",
     "Source",
     "adapter_card",
+    "record_base",
+    "weights_fingerprint",
     "is_adapter",
     "load",
     "merge_adapter",

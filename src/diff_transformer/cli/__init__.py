@@ -9,6 +9,7 @@ import logging
 import sys
 
 from diff_transformer.cli import convert, demo, generate, inspect, merge, niah, serve, train
+from diff_transformer.cli.options import DefaultsHelpFormatter, output_settings
 from diff_transformer.errors import UserError, library_failure, one_line
 
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     for command in COMMANDS:
         command.add_parser(commands)
     for subparser in commands.choices.values():
+        subparser.formatter_class = DefaultsHelpFormatter  # every option's help shows its default
         subparser.add_argument(
             "--traceback", action="store_true", help="on an unexpected failure, show where it happened (for a report)"
         )
@@ -51,8 +53,12 @@ def main(argv=None) -> int:
     if rest and args.command != "serve":  # every option after `serve` goes to transformers' server
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.serve_args = rest
+    import diff_transformer
+
+    diff_transformer._load()  # what `import diff_transformer` does outside the command (the Auto classes)
     try:
-        return args.func(args)
+        with output_settings(getattr(args, "quiet", False)):
+            return args.func(args)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -76,6 +82,8 @@ def run_as_process(argv=None) -> int:
     are joined before the interpreter exits (otherwise a rank could abort at exit now and then: "terminate called
     without an active exception"). `main` itself leaves the process group alone, for scripts that call it."""
     status = main(argv)
+    if "torch" not in sys.modules:  # --version, --help: torch was never imported
+        return status
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

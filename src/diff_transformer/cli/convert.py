@@ -4,6 +4,8 @@ checkpoint (`diff_transformer.conversion`), optionally verified against its sour
 import time
 from pathlib import Path
 
+from .options import add_quiet_option, show_progress
+
 
 def add_parser(commands) -> None:
     convert = commands.add_parser(
@@ -48,7 +50,7 @@ def add_parser(commands) -> None:
         default=None,
         help="UTF-8 text to calibrate V1 on (default: a built-in public-domain English text)",
     )
-    convert.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_quiet_option(convert)
     convert.set_defaults(func=run)
 
 
@@ -63,7 +65,7 @@ def run(args) -> int:
         diff_version=args.diff_version,
         dtype=args.dtype,
         overwrite=args.overwrite,
-        progress=not args.quiet,
+        progress=show_progress(args.quiet),
         **{
             name: value
             for name, value in vars(args).items()
@@ -125,5 +127,5 @@ def _verify(args, out) -> dict:
     start = time.perf_counter()
     with shipped_assets() as (_, heldout):
         text = heldout.read_text(encoding="utf-8")
-    report = verify_conversion(args.src, out, heldout_text=text, progress=not args.quiet)
+    report = verify_conversion(args.src, out, heldout_text=text, progress=show_progress(args.quiet))
     return {**report, "seconds": time.perf_counter() - start}

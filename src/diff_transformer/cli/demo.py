@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from ..errors import UserError
 from ..evaluation import EVAL_BLOCK_SIZE, heldout_perplexity
 from ..safe_output import OutputError, Staging, check_target, write_manifest, wrote_this
+from .options import add_quiet_option
 
 
 if TYPE_CHECKING:
@@ -354,14 +355,15 @@ def add_parser(commands) -> None:
         "demo", help="offline demo: convert the shipped tiny Llama to Diff V2, verify, generate"
     )
     demo.add_argument("--output", help="where to write the converted model (default: a temporary directory)")
-    demo.add_argument("--prompt", help="English prompt to continue")
+    demo.add_argument("--prompt", help=f"English prompt to continue (default: {DEFAULT_PROMPT!r})")
     demo.add_argument("--scratch", action="store_true", help="instead: build, save, reload random Diff V1/V2 models")
     demo.add_argument(
         "--overwrite",
         action="store_true",
         help="replace a non-empty --output that is not an unchanged earlier demo output",
     )
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="seed of --scratch's random models")
+    add_quiet_option(demo)
     demo.set_defaults(func=run)
 
 

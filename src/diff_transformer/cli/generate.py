@@ -4,7 +4,7 @@ checked before the weights load."""
 import math
 
 from ..errors import UserError
-from .options import add_base_option
+from .options import add_base_option, add_device_options, add_quiet_option, load_kwargs, resolve_device
 
 
 def add_parser(commands) -> None:
@@ -16,17 +16,26 @@ def add_parser(commands) -> None:
     generate.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     generate.add_argument("--chat", action="store_true", help="PROMPT is a user message: apply the chat template")
-    generate.add_argument("--system", help="system message of --chat")
+    generate.add_argument("--system", help="system message of --chat (default: none)")
     generate.add_argument("--repetition-penalty", type=float, default=None, help="default: the model's (1 = none)")
-    generate.add_argument("--seed", type=int, default=None, help="seed of the sampling (--temperature > 0)")
     generate.add_argument(
-        "--top-p", type=float, default=None, help="nucleus sampling: the smallest set of tokens of this mass, (0, 1]"
+        "--seed", type=int, default=None, help="seed of the sampling, --temperature > 0 (default: none, a fresh draw)"
     )
-    generate.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (k >= 1)")
     generate.add_argument(
-        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="load the weights in this dtype"
+        "--top-p",
+        type=float,
+        default=None,
+        help="nucleus sampling: the smallest set of tokens of this mass, (0, 1] (default: none)",
     )
+    generate.add_argument(
+        "--top-k", type=int, default=None, help="sample among the k most likely tokens, k >= 1 (default: none)"
+    )
+    generate.add_argument(
+        "--stream", action="store_true", help="print the answer token by token as it is generated (needs a tokenizer)"
+    )
+    add_device_options(generate, "generate")
     add_base_option(generate)
+    add_quiet_option(generate)
     generate.set_defaults(func=run)
 
 
@@ -43,6 +52,7 @@ def run(args) -> int:
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UserError(f"--temperature {args.temperature} must be a number >= 0 (0 = greedy).")
     _check_generate_options(args)
+    device = resolve_device(args.device)
     # Everything about the inputs is checked before the weights load.
     source = adapters.resolve(args.model, args.base)
     if source.local is not None:
@@ -79,8 +89,10 @@ def run(args) -> int:
         raise UserError(
             f"token id {bad[0]} in PROMPT is out of range for MODEL {args.model}: use ids from 0 to {vocab - 1}."
         )
-    load_kwargs = {"dtype": getattr(torch, args.dtype)} if args.dtype else {}
-    model = adapters.load(source, **load_kwargs).eval()
+    if args.stream and tokenizer is None:
+        raise UserError(f"--stream prints text, and MODEL {args.model} has no tokenizer: drop --stream.")
+    model = adapters.load(source, **load_kwargs(args.dtype)).eval().to(device)
+    inputs = {name: value.to(device) for name, value in inputs.items()}
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
     if args.temperature > 0:
         kwargs["temperature"] = args.temperature
@@ -91,6 +103,13 @@ def run(args) -> int:
         from transformers import set_seed
 
         set_seed(args.seed)  # the sampling draws (python, numpy and torch generators)
+    if args.stream:  # TextStreamer prints each piece of text as it is decoded, and a newline at the end
+        from transformers import TextStreamer
+
+        model.generate(
+            **inputs, **kwargs, streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        )
+        return 0
     output = model.generate(**inputs, **kwargs)[0, inputs["input_ids"].shape[1] :]
     print(
         tokenizer.decode(output, skip_special_tokens=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..checkpoints.adapters import load_tokenizer
 from ..errors import UserError
-from .options import add_base_option
+from .options import add_base_option, add_device_options, add_quiet_option, load_kwargs, resolve_device
 
 
 INSPECT_MAX_DPI = 600
@@ -23,10 +23,16 @@ def add_parser(commands) -> None:
     inspect.add_argument("text", help="text (or space-separated token ids if the model has no tokenizer)")
     inspect.add_argument("--layer", type=int, default=0, help="layer to plot (default 0)")
     inspect.add_argument("--head", type=int, default=0, help="differential head to plot (default 0)")
-    inspect.add_argument("--out", help="figure file of the head's maps (.png, .pdf, .svg, ...)")
-    inspect.add_argument("--json", help="also write the head's maps, λ and per-layer/head metrics as JSON")
-    inspect.add_argument("--span", help="START:STOP token positions of an answer: adds the answer and noise metrics")
-    inspect.add_argument("--grid", help="also write a layer x head heatmap of --metric to this figure file")
+    inspect.add_argument("--out", help="figure file of the head's maps: .png, .pdf, .svg, ... (default: none)")
+    inspect.add_argument(
+        "--json", help="also write the head's maps, λ and per-layer/head metrics as JSON (default: none)"
+    )
+    inspect.add_argument(
+        "--span", help="START:STOP token positions of an answer: adds the answer and noise metrics (default: none)"
+    )
+    inspect.add_argument(
+        "--grid", help="also write a layer x head heatmap of --metric to this figure file (default: none)"
+    )
     inspect.add_argument(
         "--metric",
         choices=("entropy", "negative_fraction", "lambda", "answer", "noise"),
@@ -41,7 +47,9 @@ def add_parser(commands) -> None:
         help="refuse a TEXT whose attention maps would need more memory than this (default 4)",
     )
     inspect.add_argument("--overwrite", action="store_true", help="replace an existing --out / --json file")
+    add_device_options(inspect)
     add_base_option(inspect)
+    add_quiet_option(inspect)
     inspect.set_defaults(func=run)
 
 
@@ -123,6 +131,7 @@ def run(args) -> int:
     from ..checkpoints.loading import check_diff_checkpoint
 
     _check_inspect_options(args)
+    device = resolve_device(args.device)
     figure_types = set()
     if args.out or args.grid:  # figures: a missing matplotlib is one line, before anything loads
         Figure, _ = _matplotlib()
@@ -195,8 +204,9 @@ def run(args) -> int:
             )
     need_metrics = json_out is not None or grid_out is not None
     _check_inspect_size(args, ids.shape[1], config, kind, all_layers=need_metrics)
-    model = adapters.load(source, merge=True).eval()  # an adapter merged: the maps of the model it makes
-    entries, metrics = _inspect_maps(model, ids, args.layer, span, need_metrics)
+    model = adapters.load(source, merge=True, **load_kwargs(args.dtype))  # an adapter merged: the maps it makes
+    model = model.eval().to(device)
+    entries, metrics = _inspect_maps(model, ids.to(device), args.layer, span, need_metrics)
     if tokenizer is not None:
         tokens = [tokenizer.decode([i]) for i in ids[0].tolist()]  # readable pieces, not byte-level symbols
     else:

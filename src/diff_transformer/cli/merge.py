@@ -1,7 +1,7 @@
 """`diff-transformer merge ADAPTER OUT`: a LoRA adapter (what `train --lora` writes) folded into its base model's
 weights, written as a full Diff checkpoint (`checkpoints.adapters.merge_adapter`)."""
 
-from .options import add_base_option
+from .options import add_base_option, add_device_options, add_quiet_option, resolve_device
 
 
 def add_parser(commands) -> None:
@@ -11,7 +11,9 @@ def add_parser(commands) -> None:
     merge.add_argument("adapter", help="PEFT adapter directory (what train --lora writes)")
     merge.add_argument("out", help="output directory for the merged checkpoint")
     merge.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    add_device_options(merge, "merge (the weights are written from there)")
     add_base_option(merge)
+    add_quiet_option(merge)
     merge.set_defaults(func=run)
 
 
@@ -19,6 +21,9 @@ def run(args) -> int:
     """A PEFT adapter folded into its base model's weights: a full Diff checkpoint (custom code, card, tokenizer)."""
     from ..checkpoints.adapters import merge_adapter
 
-    out = merge_adapter(args.adapter, args.out, base=args.base, overwrite=args.overwrite)
+    device = resolve_device(args.device)
+    out = merge_adapter(
+        args.adapter, args.out, base=args.base, overwrite=args.overwrite, device=device, dtype=args.dtype
+    )
     print(f"wrote {out}")
     return 0

@@ -4,6 +4,7 @@ for each model (any causal LM transformers loads: a source Llama and its Diff co
 import sys
 
 from ..errors import UserError
+from .options import add_device_options, add_quiet_option, load_kwargs, resolve_device
 
 
 MAX_BATCH_TOKENS = 2**20  # tokens of one forward (batch x length): what a request may make one forward hold
@@ -45,13 +46,8 @@ def add_parser(commands) -> None:
     )
     niah.add_argument("--batch-size", type=int, default=1, help="prompts per forward (default 1)")
     niah.add_argument("--max-new-tokens", type=int, default=16, help="tokens of each greedy answer (default 16)")
-    niah.add_argument(
-        "--device", default=None, help="cpu, cuda, cuda:1, mps... (default: cuda if available, else cpu)"
-    )
-    niah.add_argument(
-        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weights' dtype (default: the saved)"
-    )
-    niah.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_device_options(niah, "run the models")
+    add_quiet_option(niah)
     niah.set_defaults(func=run)
 
 
@@ -72,22 +68,6 @@ def _check_options(args) -> None:
         raise UserError(f"--seed {args.seed} must be in [0, 2**63).")
 
 
-def _device(text):
-    import torch
-
-    if text is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise UserError(f"--device {text!r} is not a device: use cpu, cuda, cuda:N or mps.") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {text}: no CUDA GPU is available here: use --device cpu.")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise UserError(f"--device {text}: MPS is not available here: use --device cpu.")
-    return device
-
-
 def run(args) -> int:
     import torch
     from transformers import AutoConfig, AutoTokenizer
@@ -100,7 +80,7 @@ def run(args) -> int:
     _check_options(args)
     lengths, depths = sorted(args.lengths), sorted(args.depths)
     haystack = niah.read_haystack(args.haystack) if args.haystack else niah.default_haystack()
-    device = _device(args.device)
+    device = torch.device(resolve_device(args.device))
     # Every model's inputs are checked (and its prompts built) before any weights load.
     plans = []
     for text in args.models:
@@ -129,8 +109,7 @@ def run(args) -> int:
     results = []
     with staging as tmp:
         for text, source, tokenizer, chat, prompts in plans:
-            load_kwargs = {"dtype": getattr(torch, args.dtype)} if args.dtype else {}
-            model = adapters.load(source, **load_kwargs).eval().to(device)
+            model = adapters.load(source, **load_kwargs(args.dtype)).eval().to(device)
 
             def progress(done, total, prompt, text=text):
                 if not args.quiet:

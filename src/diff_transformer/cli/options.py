@@ -1,4 +1,44 @@
-"""Options that several commands share."""
+"""Options that several commands share, what they set up around a command's run, and the help's format."""
+
+import argparse
+import contextlib
+import sys
+import warnings
+
+
+QUIET_HELP = "no progress bars, and no warnings from transformers, PEFT or tokenizers: results and errors only"
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default: "(default: X)" added where the help does not already say it. An
+    option whose default is None says in its own help what happens without it; flags (off unless given) need not."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (
+            "default" in text.lower()
+            or not action.option_strings
+            or action.required
+            or action.default in (None, argparse.SUPPRESS)
+            or action.nargs == 0  # store_true/store_false/count flags and help/version actions
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def options_without_default(parser) -> list[str]:
+    """The options of PARSER whose help says no default (what `DefaultsHelpFormatter` cannot add: a None default,
+    or no help at all, which argparse then does not format)."""
+    formatter = DefaultsHelpFormatter("x")
+    return [
+        action.option_strings[-1]
+        for action in parser._actions
+        if action.option_strings
+        and not action.required
+        and action.nargs != 0
+        and action.help is not argparse.SUPPRESS
+        and (not action.help or "default" not in formatter._get_help_string(action).lower())
+    ]
 
 
 def add_base_option(parser) -> None:
@@ -6,3 +46,102 @@ def add_base_option(parser) -> None:
         "--base",
         help="for a PEFT adapter MODEL: its base model (default: base_model_name_or_path of adapter_config.json)",
     )
+
+
+def add_quiet_option(parser) -> None:
+    parser.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+
+
+def show_progress(quiet: bool = False) -> bool:
+    """Progress bars only on a terminal: none under --quiet, none in a piped or redirected log."""
+    return not quiet and sys.stderr.isatty()
+
+
+@contextlib.contextmanager
+def output_settings(quiet: bool = False):
+    """Around a command: transformers' and huggingface_hub's progress bars (loading weights, downloads) off unless
+    `show_progress` (the commands' own bars and Trainer's follow `show_progress` too), and under `quiet`
+    transformers' logging (`generation flags are not valid`, tokenizer lengths, ...) and Python warnings (PEFT,
+    torch). Everything is restored afterwards (the command also runs in-process, from tests and scripts)."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    progress = show_progress(quiet)
+    verbosity, bars, hub_bars = (
+        hf_logging.get_verbosity(),
+        hf_logging.is_progress_bar_enabled(),
+        not are_progress_bars_disabled(),
+    )
+    with warnings.catch_warnings():
+        if not progress:
+            hf_logging.disable_progress_bar()
+            disable_progress_bars()
+        if quiet:
+            hf_logging.set_verbosity_error()
+            warnings.simplefilter("ignore")
+        try:
+            yield progress
+        finally:
+            hf_logging.set_verbosity(verbosity)
+            if bars:
+                hf_logging.enable_progress_bar()
+            if hub_bars:
+                enable_progress_bars()
+
+
+# ---- --device and --dtype (generate, inspect, merge; niah imports resolve_device) ----
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def add_device_options(parser, what: str = "run the model") -> None:
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help=f"where to {what}: auto (CUDA if present, else MPS, else CPU), cpu, cuda, cuda:N or mps (default: auto)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="load the weights in this dtype; auto keeps the dtype they were saved in (default: auto)",
+    )
+
+
+def resolve_device(name: str | None = "auto", option: str = "--device") -> str:
+    """The torch device NAME names: "auto" (or None) is CUDA when torch sees a GPU, else Apple's MPS, else the CPU;
+    any other name is checked to exist here (a `UserError` of one line naming the fix otherwise)."""
+    import torch
+
+    from ..errors import UserError
+
+    name = "auto" if name is None else str(name).strip().lower()
+    mps = getattr(torch.backends, "mps", None)
+    mps_available = mps is not None and mps.is_available()
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "mps" if mps_available else "cpu"
+    kind, _, index = name.partition(":")
+    if kind not in ("cpu", "cuda", "mps") or (index and not (kind == "cuda" and index.isdigit())):
+        raise UserError(f"{option} {name!r} is not a device: use auto, cpu, cuda, cuda:N or mps.")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(
+                f"{option} {name}: torch sees no CUDA GPU here (torch.cuda.is_available() is False): use "
+                f"{option} cpu, or {option} auto to take whatever is present."
+            )
+        count = torch.cuda.device_count()
+        if index and int(index) >= count:
+            raise UserError(f"{option} {name}: there are {count} CUDA device(s) here: use cuda:0 to cuda:{count - 1}.")
+    if kind == "mps" and not mps_available:
+        raise UserError(
+            f"{option} mps: torch sees no Apple MPS device here: use {option} cpu, or {option} auto to take whatever "
+            "is present."
+        )
+    return name
+
+
+def load_kwargs(dtype: str | None) -> dict:
+    """`from_pretrained` keyword arguments of --dtype ("auto" or None: the dtype the weights were saved in)."""
+    import torch
+
+    return {"dtype": "auto" if dtype in (None, "auto") else getattr(torch, dtype)}

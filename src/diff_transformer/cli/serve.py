@@ -18,28 +18,249 @@ What transformers' server does not bound, this command does (`limit_generation`,
 * SIGTERM: uvicorn then waits for the requests in flight without limit; here for 5 s, after which they are cancelled
   and the process exits (the generation thread is a daemon).
 * `serve MODEL` with a MODEL that does not exist: one line, exit status 2, before the server starts.
+
+What clients rely on and transformers' server gets wrong, this command fixes (`DiffModelManager`, `check_request`,
+`openai_errors`):
+
+* `GET /v1/models` lists the pinned model (`serve MODEL`), else the loaded ones and the Hub cache's LLMs; transformers
+  answers 500 when the Hub cache folder does not exist, and never lists a Diff model.
+* A request naming a model that does not exist answers 404 at once, one that cannot be loaded 400 (transformers
+  retried the Hub for ~2 minutes, then answered a bare 500); the error body is OpenAI's `{"error": {"message": ...}}`.
+* `n` > 1 and `stop` are refused with 400 (transformers ignores `n`, and keeps the stop text in the answer).
+* `--help` is this command's own: its options, then a note of what goes to transformers (`--transformers-help`).
 """
 
+import argparse
 import functools
 import sys
 
-from ..errors import UserError, require
+from ..errors import UserError, one_line, require
+from .options import output_settings
 
 
 GRACEFUL_SHUTDOWN_S = 5
+_uvicorn_log_level = None  # --quiet: "warning" (transformers' `Serve` asks uvicorn for "info": a line per request)
+
+PASSED_THROUGH = """\
+Every other option goes to transformers' server (`transformers serve`) unchanged, e.g. --host (default localhost),
+--port (default 8000), --device (default auto), --dtype (default auto), --attn-implementation,
+--continuous-batching with --cb-block-size/--cb-num-blocks/--cb-max-batch-tokens, --compile, --quantization,
+--model-timeout, --log-level, --enable-cors, --default-seed: --transformers-help lists them all.
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. Requests with n > 1 or a
+stop sequence are refused (HTTP 400); an unknown model answers 404, one that cannot be loaded 400."""
+
+
+def help_parser() -> argparse.ArgumentParser:
+    """The options of `diff-transformer serve` as `--help` shows them (`_own_options` parses them: everything else in
+    ARGV goes to transformers, so argparse must not take a value of theirs for MODEL)."""
+    parser = argparse.ArgumentParser(
+        prog="diff-transformer serve",
+        usage="%(prog)s [MODEL] [--max-new-tokens-limit N] [--quiet] [transformers serve options]",
+        description="OpenAI-compatible server for Diff models: transformers' own server (transformers serve) with\n"
+        "the Diff classes, every generation bounded by the model's context, and errors clients can read.",
+        epilog=PASSED_THROUGH,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
+    )
+    parser.add_argument(
+        "model",
+        nargs="?",
+        metavar="MODEL",
+        help="model directory or Hub id, loaded at start and pinned: requests must name it as given here (default: "
+        "none; each request's model is loaded on first use)",
+    )
+    parser.add_argument(
+        "--max-new-tokens-limit",
+        metavar="N",
+        type=int,
+        help="at most N new tokens per request, whatever max_tokens asks (default: none; the model's context "
+        "bounds every request)",
+    )
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bars, no per-request log lines: transformers' log level error (unless --log-level), "
+        "uvicorn's warning",
+    )
+    parser.add_argument("--transformers-help", action="store_true", help="show transformers' own options and exit")
+    parser.add_argument("-h", "--help", action="help", help="show this help and exit")
+    return parser
+
+
+class _Help(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        help_parser().print_help()
+        parser.exit()
 
 
 def add_parser(commands) -> None:
-    # Every option after `serve` goes to transformers' server: `diff-transformer serve --help` lists them.
+    # Our options are parsed by `_own_options`; every other option after `serve` goes to transformers' server.
     serve = commands.add_parser(
         "serve", add_help=False, help="OpenAI-compatible server (transformers serve) for Diff models"
     )
+    serve.add_argument("-h", "--help", action=_Help, nargs=0, help=argparse.SUPPRESS)
     serve.set_defaults(func=run)
 
 
 def run(args) -> int:
     require(["fastapi", "uvicorn", "openai", "pydantic"], "serve", "diff-transformer serve")
     return main(args.serve_args)
+
+
+# ---- what clients see: the model list, unknown models, refused fields, error bodies ----
+
+HTTP_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error"}
+
+
+def _http_error(status: int, message: str):
+    from fastapi import HTTPException
+
+    return HTTPException(status_code=status, detail=" ".join(message.split()))
+
+
+def _display_name(model_id_and_revision: str) -> str:
+    model, _, revision = model_id_and_revision.partition("@")
+    return model if revision in ("", "main") else model_id_and_revision
+
+
+def check_loadable(model_id_and_revision: str) -> None:
+    """A model a request names, checked in well under a second before transformers tries to load it: 404 when it
+    does not exist (no directory, not in the Hub cache offline, not on the Hub), 400 when it is not a model."""
+    from ..checkpoints.names import resolve_model
+
+    model, _, revision = model_id_and_revision.partition("@")
+    try:
+        _, local = resolve_model(model, name="model")
+    except UserError as error:
+        raise _http_error(404, str(error)) from None
+    if local is not None:
+        if not (local / "config.json").is_file():
+            raise _http_error(
+                400, f"model {model!r} is a directory without config.json: name a saved model's directory."
+            )
+        return
+    import huggingface_hub
+    from huggingface_hub.utils import HFValidationError
+
+    try:
+        cached = huggingface_hub.try_to_load_from_cache(model, "config.json", revision=revision or None)
+    except HFValidationError:
+        cached = None
+    if isinstance(cached, str):
+        return
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        raise _http_error(
+            404,
+            f"model {model!r} is neither a local directory nor in the Hub cache, and the Hub is offline "
+            "(HF_HUB_OFFLINE): name a local model directory, or download it first.",
+        )
+    try:  # one request, no retries: transformers' download retries for ~2 minutes when the Hub is unreachable
+        huggingface_hub.HfApi().model_info(model, revision=revision or None, timeout=10)
+    except (huggingface_hub.errors.RepositoryNotFoundError, huggingface_hub.errors.RevisionNotFoundError):
+        raise _http_error(
+            404, f"model {model!r} is not a local directory and not a model on the Hub: check the name."
+        ) from None
+    except Exception as exc:
+        raise _http_error(
+            404,
+            f"model {model!r} is not a local directory, and the Hub cannot be reached to look it up "
+            f"({one_line(exc)[:120]}): name a local model directory.",
+        ) from None
+
+
+@functools.cache
+def diff_model_manager():
+    """transformers' `ModelManager` with what clients rely on: `/v1/models` lists what this server answers for, and a
+    model that does not exist or does not load is a 404/400 with one line, at once."""
+    from transformers.cli.serving.model_manager import ModelManager
+
+    class DiffModelManager(ModelManager):
+        def get_gen_models(self, cache_dir=None) -> list[dict]:
+            if self.force_model is not None:  # pinned: the one name requests may use
+                names = [self.force_model]
+            else:
+                names = [_display_name(key) for key in list(self.loaded_models)]
+            listed = [{"id": name, "object": "model", "created": 0, "owned_by": "diff-transformer"} for name in names]
+            if self.force_model is None:
+                try:  # transformers' scan of the Hub cache raises when the cache folder does not exist
+                    listed += [m for m in ModelManager.get_gen_models(cache_dir) if m["id"] not in names]
+                except Exception:
+                    pass
+            return listed
+
+        def load_model_and_processor(self, model_id_and_revision, *args, **kwargs):
+            key = model_id_and_revision if kwargs.get("gguf_file") is None else None
+            if key is not None and key not in self.loaded_models:
+                check_loadable(model_id_and_revision)
+            try:
+                return super().load_model_and_processor(model_id_and_revision, *args, **kwargs)
+            except Exception as exc:
+                if getattr(exc, "status_code", None):
+                    raise
+                raise _http_error(
+                    400, f"model {_display_name(model_id_and_revision)!r} cannot be loaded: {one_line(exc)[:300]}"
+                ) from None
+
+    return DiffModelManager
+
+
+def check_request(body: dict) -> None:
+    """Request fields transformers accepts and then ignores or gets wrong: a 400 naming the fix."""
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise _http_error(400, f"n={n!r}: this server answers one choice per request: omit n (or send 1).")
+    if body.get("stop") in ([], ""):  # no stop sequence (transformers' generate fails on an empty list)
+        del body["stop"]
+    if body.get("stop") is not None:
+        raise _http_error(
+            400,
+            "stop sequences are not supported (transformers would keep the stop text in the answer): omit stop "
+            "and cut the text on the client.",
+        )
+
+
+def openai_errors(app) -> None:
+    """Errors as OpenAI's API returns them (`{"error": {"message", "type", "code"}}`), which its clients read."""
+    from fastapi import HTTPException
+    from fastapi.responses import JSONResponse
+
+    async def handler(request, exc: HTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        error = {"message": message, "type": HTTP_ERROR_TYPES.get(exc.status_code, "error"), "code": exc.status_code}
+        return JSONResponse({"error": error}, status_code=exc.status_code, headers=exc.headers)
+
+    app.add_exception_handler(HTTPException, handler)
+
+
+def client_facing() -> None:
+    """Install `diff_model_manager`, `check_request` and `openai_errors` where transformers' `Serve` picks them up
+    (it imports `ModelManager` and `build_server` when it starts, and every handler validates through
+    `BaseHandler._validate_request`)."""
+    from transformers.cli.serving import model_manager, server, utils
+
+    model_manager.ModelManager = diff_model_manager()
+    build = server.build_server
+    if not getattr(build, "_diff_errors", False):
+
+        @functools.wraps(build)
+        def build_server(*args, **kwargs):
+            app = build(*args, **kwargs)
+            openai_errors(app)
+            return app
+
+        build_server._diff_errors = True
+        server.build_server = build_server
+    validate = utils.BaseHandler._validate_request
+    if not getattr(validate, "_diff_checked", False):
+
+        @functools.wraps(validate)
+        def validate_request(self, body: dict) -> None:
+            validate(self, body)
+            check_request(body)
+
+        validate_request._diff_checked = True
+        utils.BaseHandler._validate_request = validate_request
 
 
 def expose_to_transformers_serve() -> None:
@@ -122,19 +343,29 @@ def graceful_shutdown(seconds: float = GRACEFUL_SHUTDOWN_S) -> None:
     @functools.wraps(init)
     def bounded(self, *args, **kwargs):
         kwargs.setdefault("timeout_graceful_shutdown", seconds)
+        if _uvicorn_log_level is not None:
+            kwargs["log_level"] = _uvicorn_log_level
         init(self, *args, **kwargs)
 
     bounded._diff_bounded = True
     uvicorn.Config.__init__ = bounded
 
 
-def _own_options(argv: list[str]) -> tuple[list[str], int | None]:
-    """(ARGV less our --max-new-tokens-limit N, that N), and a MODEL argument checked to exist."""
+def _own_options(argv: list[str]) -> tuple[list[str], int | None, bool]:
+    """(ARGV less our options, --max-new-tokens-limit's N, --quiet), and a MODEL argument checked to exist."""
     from ..checkpoints.names import resolve_model
 
-    rest, limit, index = [], None, 0
+    rest, limit, quiet, index = [], None, False, 0
     while index < len(argv):
         arg = argv[index]
+        if arg == "--quiet":
+            quiet = True
+            index += 1
+            continue
+        if arg == "--transformers-help":
+            rest.append("--help")
+            index += 1
+            continue
         if arg == "--max-new-tokens-limit" or arg.startswith("--max-new-tokens-limit="):
             value = arg.partition("=")[2] if "=" in arg else (argv[index + 1] if index + 1 < len(argv) else "")
             index += 1 if "=" in arg else 2
@@ -146,8 +377,12 @@ def _own_options(argv: list[str]) -> tuple[list[str], int | None]:
         index += 1
     model = rest[0] if rest and not rest[0].startswith("-") else None
     if model is not None and ":" not in model and "@" not in model:  # GGUF "<repo>:<file>", revisions: the Hub's
-        resolve_model(model, name="MODEL")  # a mistyped path: one line, before the server starts
-    return rest, limit
+        _, local = resolve_model(model, name="MODEL")  # a mistyped path: one line, before the server starts
+        if local is not None and not (local / "config.json").is_file():
+            raise UserError(f"MODEL {model!r} is a directory without config.json: pass a saved model's directory.")
+    if quiet and not any(arg == "--log-level" or arg.startswith("--log-level=") for arg in rest):
+        rest += ["--log-level", "error"]
+    return rest, limit, quiet
 
 
 def main(argv=None):
@@ -155,13 +390,17 @@ def main(argv=None):
     import typer
     from transformers.cli.serve import Serve
 
-    argv, limit = _own_options(sys.argv[1:] if argv is None else list(argv))
+    global _uvicorn_log_level
+    argv, limit, quiet = _own_options(sys.argv[1:] if argv is None else list(argv))
+    _uvicorn_log_level = "warning" if quiet else None
     expose_to_transformers_serve()
+    client_facing()
     limit_generation(limit)
     graceful_shutdown()
     app = typer.Typer(add_completion=False)
     app.command(help=Serve.__doc__)(Serve)
-    return app(argv, prog_name="diff-transformer serve")
+    with output_settings(quiet):
+        return app(argv, prog_name="diff-transformer serve")
 
 
 if __name__ == "__main__":

@@ -46,19 +46,31 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
     opt = p.add_argument_group("optimisation")
     opt.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default: 1e-4)")
-    opt.add_argument("--lr-scheduler", choices=SCHEDULERS, default="cosine")
-    opt.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps")
     opt.add_argument(
-        "--warmup-ratio", type=float, default=None, help="warm-up as a share of all steps (instead of --warmup-steps)"
+        "--lr-scheduler", choices=SCHEDULERS, default="cosine", help="learning-rate schedule after warm-up"
     )
-    opt.add_argument("--weight-decay", type=float, default=0.0)
+    opt.add_argument(
+        "--warmup-steps", type=int, default=None, help="linear warm-up steps (default: none, 0 unless --warmup-ratio)"
+    )
+    opt.add_argument(
+        "--warmup-ratio",
+        type=float,
+        default=None,
+        help="warm-up as a share of all steps, instead of --warmup-steps (default: none)",
+    )
+    opt.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     opt.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping; 0 = off")
     opt.add_argument("--batch-size", type=int, default=8, help="blocks per device per micro-batch")
     opt.add_argument("--eval-batch-size", type=int, default=None, help="default: --batch-size")
     opt.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    opt.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
-    opt.add_argument("--epochs", type=float, default=1.0)
-    opt.add_argument("--seed", type=int, default=42)
+    opt.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="optimizer steps, overriding --epochs (default: none, --epochs decides)",
+    )
+    opt.add_argument("--epochs", type=float, default=1.0, help="passes over --data (fractions allowed)")
+    opt.add_argument("--seed", type=int, default=42, help="seed of the data order, dropout and LoRA's initialisation")
     opt.add_argument(
         "--diff-only-steps",
         type=int,
@@ -82,7 +94,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="bf16 autocast (auto: on where CUDA supports bf16)",
     )
     run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of the loaded weights")
-    run.add_argument("--gradient-checkpointing", action="store_true")
+    run.add_argument(
+        "--gradient-checkpointing", action="store_true", help="recompute activations: less memory, slower"
+    )
     run.add_argument(
         "--attn-implementation",
         default=None,
@@ -96,21 +110,28 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     log.add_argument("--logging-steps", type=int, default=10, help="log loss, lr and λ every N steps")
     log.add_argument("--save-steps", type=int, default=500, help="write a checkpoint every N steps")
-    log.add_argument("--save-total-limit", type=int, default=None, help="keep at most N checkpoints")
+    log.add_argument(
+        "--save-total-limit", type=int, default=None, help="keep at most N checkpoints (default: none, keep all)"
+    )
     log.add_argument(
         "--report-to",
         nargs="+",
         default=None,
         help="tensorboard (default when installed, in OUTPUT/runs), none, ... (the console always shows the logs)",
     )
-    log.add_argument("--quiet", action="store_true", help="no progress bars")
+    log.add_argument(  # the help of cli.options.add_quiet_option, which the other commands share
+        "--quiet",
+        action="store_true",
+        help="no progress bars, and no warnings from transformers, PEFT or tokenizers: results and errors only",
+    )
     log.add_argument(
         "--resume",
         nargs="?",
         const="auto",
         default=None,
         metavar="CHECKPOINT",
-        help="resume exactly from CHECKPOINT, or (no value / auto) from the last checkpoint in OUTPUT",
+        help="resume exactly from CHECKPOINT, or (no value / auto) from the last checkpoint in OUTPUT (default: a "
+        "fresh run)",
     )
     log.add_argument(
         "--overwrite", action="store_true", help="start over although OUTPUT holds checkpoints (they are deleted)"
@@ -123,9 +144,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     lora.add_argument(
         "--lora", action="store_true", help="train LoRA adapters instead of all weights; saves the adapter"
     )
-    lora.add_argument("--lora-r", type=int, default=8)
-    lora.add_argument("--lora-alpha", type=int, default=16)
-    lora.add_argument("--lora-dropout", type=float, default=0.05)
+    lora.add_argument("--lora-r", type=int, default=8, help="LoRA rank r")
+    lora.add_argument("--lora-alpha", type=int, default=16, help="LoRA scale alpha (the update is alpha / r x B A)")
+    lora.add_argument("--lora-dropout", type=float, default=0.05, help="dropout on the LoRA input")
     lora.add_argument(
         "--lora-target-modules", nargs="+", default=None, help="default: PEFT's default for the model type"
     )

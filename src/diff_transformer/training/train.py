@@ -103,7 +103,7 @@ def training_arguments(args, has_eval: bool, resuming: bool) -> TrainingArgument
         save_total_limit=args.save_total_limit,
         seed=args.seed,
         report_to=report_to,
-        disable_tqdm=args.quiet,
+        disable_tqdm=args.quiet or not sys.stderr.isatty(),  # bars on a terminal only (cli.options.show_progress)
         # Frozen parameters get no gradient during --diff-only-steps, so DDP must look for them; otherwise every
         # parameter gets one and the search (an extra graph traversal per step) is wasted.
         ddp_find_unused_parameters=bool(args.diff_only_steps),
@@ -153,7 +153,9 @@ def build_trainer(args) -> PreparedRun:
 
     callbacks = [RunSettingsCallback(block_size, bos=not args.no_bos)]
     callbacks += [DiffOnlyCallback(model, args.diff_only_steps)] if args.diff_only_steps else []
-    callbacks += [AdapterCardCallback(model_source(args).base or args.model, model.config)] if args.lora else []
+    if args.lora:
+        source = model_source(args)
+        callbacks.append(AdapterCardCallback(source.base or args.model, model.config, base_of(source)))
     trainer = CausalLMTrainer(
         model=model,
         args=training_args,
@@ -170,18 +172,26 @@ def build_trainer(args) -> PreparedRun:
     return PreparedRun(trainer, resume, block_size)
 
 
-class AdapterCardCallback(TrainerCallback):
-    """The adapter's card (`adapters.adapter_card`) in every checkpoint of a LoRA run, in place of the blank template
-    PEFT writes there: a checkpoint is an adapter directory too (`generate`, `merge` take it)."""
+def base_of(source) -> Path | str:
+    """What `adapters.record_base` records for a LoRA run on SOURCE: the base's directory, or its Hub id."""
+    return source.local.resolve() if source.local is not None else source.location
 
-    def __init__(self, base: str, config):
-        self.base, self.config = base, config
+
+class AdapterCardCallback(TrainerCallback):
+    """The adapter's card (`adapters.adapter_card`) and base record (`adapters.record_base`) in every checkpoint of a
+    LoRA run, in place of the blank template PEFT writes there: a checkpoint is an adapter directory too (`generate`,
+    `merge` take it)."""
+
+    def __init__(self, base: str, config, base_path: Path | str | None = None):
+        self.base, self.config, self.base_path = base, config, base_path
 
     def on_save(self, args, state, control, **kwargs):
         checkpoint = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if state.is_world_process_zero and adapters.is_adapter(checkpoint):
             summary = last_lambda_summary(state.log_history)
             adapters.write_adapter_card(checkpoint, self.base, self.config, summary)
+            if self.base_path is not None:
+                adapters.record_base(checkpoint, self.base_path)
 
 
 def run(args) -> int:
@@ -216,8 +226,10 @@ def _run(args) -> int:
     result = trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(args.output)  # model (or LoRA adapter) + tokenizer, main process only
     if main and args.lora:  # PEFT wrote its blank template as README.md: the adapter's own card replaces it
-        base = model_source(args).base or args.model
+        source = model_source(args)
+        base = source.base or args.model
         adapters.write_adapter_card(args.output, base, model.config, last_lambda_summary(trainer.state.log_history))
+        adapters.record_base(args.output, base_of(source))
     trainer.save_metrics("train", result.metrics)
     metrics = trainer.evaluate() if eval_data is not None else {}
     if metrics:
