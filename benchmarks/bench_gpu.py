@@ -103,6 +103,7 @@ from bench_common import (  # first: it puts the checkout's src/ first on sys.pa
 
 
 # isort: split
+import floors
 import torch
 import torch.nn.functional as F
 import transformers
@@ -250,8 +251,25 @@ def build(name: str, size: dict, args, device, dtype, seed: int):
         "params_lm": n_params(model),
         "attn_params_per_layer": n_params(attn),
         "kv_cache_bytes_per_token": _kv_bytes_per_token(name, config, dtype),
+        "work": floor_work(model, size, dtype),
     }
     return model, info
+
+
+def floor_work(model, size: dict, dtype) -> dict:
+    """metric -> the work its floor counts (benchmarks/floors.py): multiply-adds (attention alone, prefill, a
+    training step) or bytes read per decode step; the floor of a ratio to Llama is the ratio of these."""
+    n, b = size["attn_seq"], torch.finfo(dtype).bits // 8
+    qk, av, _ = floors._attention_widths(model.config)
+    work = {"attn_core": (qk + av) * n * (n + 1) / 2}  # one layer's attention, Llama's q/k/v shapes
+    work["train"] = work["train_compile"] = floors.forward_macs(model, size["train_seq"], lm_head=True)
+    for tokens in size["prefill"]:
+        work[f"prefill_{tokens}"] = floors.forward_macs(model.model, tokens)
+    context = size["prompt"] + size["new_tokens"] // 2
+    for batch in size["decode_batches"]:
+        for kind in ("dynamic", "static"):
+            work[f"decode_b{batch}_{kind}"] = floors.decode_bytes(model, context, batch, b) / batch
+    return work
 
 
 def _kv_bytes_per_token(name: str, c, dtype) -> int:
@@ -713,6 +731,15 @@ def _wall(run: dict) -> str:
     )
 
 
+def _floor(models: dict, name: str, metric: str, entry: dict) -> str:
+    """The ratio to Llama the work implies (time: work ratio; tokens/s: its inverse), or - where not recorded."""
+    work = models.get(name, {}).get("work", {}).get(metric)
+    ref = models.get("llama", {}).get("work", {}).get(metric)
+    if not work or not ref:
+        return "-"
+    return _r(ref / work if entry["higher_is_better"] else work / ref)
+
+
 def render(data: dict) -> str:
     summary = data.get("summary", {})
     smoke = " (SMOKE: tiny shapes on CPU, numbers meaningless)" if data["smoke"] else ""
@@ -758,9 +785,9 @@ def render(data: dict) -> str:
             "",
             f"## {metric}: {entry['description']} ({unit}, {better} is better)",
             "",
-            "| model | backend | median | x Llama same backend | x best Llama | peak MiB | peak x Llama | reps "
-            "| note |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| model | backend | median | x Llama same backend | x best Llama | floor | peak MiB | peak x Llama "
+            "| reps | note |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         rows = summary.get(metric, {})
         for c, r in entry["configs"].items():
@@ -772,12 +799,12 @@ def render(data: dict) -> str:
                 )
                 lines.append(
                     f"| {model} | {backend} | {fmt(row['median'], unit)} | {_r(row['ratio_llama_same'])} | "
-                    f"{_r(row['ratio_llama_best'])} ({row['llama_best']}) | "
+                    f"{_r(row['ratio_llama_best'])} ({row['llama_best']}) | {_floor(models, model, metric, entry)} | "
                     f"{fmt_mib(row['peak_mib'])} | "
                     f"{_r(row['peak_ratio_llama_same'])} | {row['n']} | {note} |"
                 )
             else:
-                lines.append(f"| {model} | {backend} | - | - | - | - | - | 0 | {r['status']} |")
+                lines.append(f"| {model} | {backend} | - | - | - | - | - | - | 0 | {r['status']} |")
     tgts = data.get("targets", [])
     if tgts:
         lines += [
