@@ -126,9 +126,15 @@ def _load() -> None:
 
 def _command_starting() -> bool:
     """Whether this import is the `diff-transformer` command starting: its console script, or `python -m
-    diff_transformer[.cli]` (Python's argv[0] is "-m" while it locates the module to run)."""
+    diff_transformer` / `python -m diff_transformer.cli` (while Python locates that module, argv[0] is "-m"; the
+    original command line names the module). Any other program, `python -m` of another module included, gets the
+    package as always."""
     argv0 = sys.argv[0] if sys.argv else ""
-    return argv0 == "-m" or Path(argv0).name.startswith("diff-transformer")
+    if argv0 == "-m":
+        original = list(getattr(sys, "orig_argv", []))
+        module = original[original.index("-m") + 1] if "-m" in original[:-1] else ""
+        return module in ("diff_transformer", "diff_transformer.cli")
+    return Path(argv0).name in ("diff-transformer", "diff-transformer.exe", "diff-transformer-script.py")
 
 
 def __getattr__(name: str):

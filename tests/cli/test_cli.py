@@ -83,6 +83,20 @@ def test_the_command_still_registers_the_auto_classes(tmp_path):
     assert result.returncode == 0 and len(result.stdout.split()) == 2, result.stderr[-2000:]
 
 
+def test_other_programs_get_the_registered_package(tmp_path):
+    """Only the command itself starts lazily: a module run with `python -m` that imports diff_transformer, or a
+    script whose name merely starts like the command's, gets the Auto classes registered on import, as always."""
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("import diff_transformer\n")
+    check = "from transformers import AutoConfig\nprint(AutoConfig.for_model('diff').__class__.__name__)\n"
+    (tmp_path / "mypkg" / "__main__.py").write_text(check)
+    (tmp_path / "diff-transformer-notes.py").write_text("import diff_transformer\n" + check)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    for command in ([sys.executable, "-m", "mypkg"], [sys.executable, str(tmp_path / "diff-transformer-notes.py")]):
+        result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)
+        assert result.returncode == 0 and result.stdout.strip() == "DiffConfig", result.stderr[-2000:]
+
+
 def _tiny_llama(path, **overrides):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -40,9 +40,16 @@ LORA_RUN += ["--eval-fraction", "0", "--logging-steps", "1", "--save-steps", "2"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def run_cli(*argv):
-    """`diff-transformer ARGV` in this process: (exit status, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
+class Terminal(io.StringIO):
+    """A captured stderr that says it is a terminal (progress bars are drawn on terminals only)."""
+
+    def isatty(self):
+        return True
+
+
+def run_cli(*argv, terminal=False):
+    """`diff-transformer ARGV` in this process: (exit status, stdout, stderr); `terminal`: stderr is a terminal."""
+    out, err = io.StringIO(), (Terminal() if terminal else io.StringIO())
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = cli.main([str(a) for a in argv])
     return status, out.getvalue(), err.getvalue()
@@ -571,7 +578,7 @@ def test_lora_runs_show_no_upstream_deprecation_warning(journey, tmp_path, monke
 def test_convert_verify_is_timed_and_reports_held_out_perplexity(tmp_path):
     from diff_transformer.cli.demo import heldout_perplexity
 
-    status, out, err = run_cli("convert", TINY_LLAMA, tmp_path / "diff", "--verify")
+    status, out, err = run_cli("convert", TINY_LLAMA, tmp_path / "diff", "--verify", terminal=True)
     assert status == 0, err
     assert "llama -> diff v2: 100%" in err and "38/38" in err  # the conversion's bar (tensors)
     assert re.search(r"greedy continuations match: True  \(\d+\.\d s\)", out), out
@@ -586,8 +593,10 @@ def test_convert_verify_is_timed_and_reports_held_out_perplexity(tmp_path):
     # The perplexity's bars (over 4 windows each; tqdm redraws at most every 0.1 s, and leave=False clears them, so
     # a fast run may show only their first frame).
     assert re.search(r"source: +\d+%\|.*\| \d/4 ", err) and re.search(r"converted: +\d+%\|.*\| \d/4 ", err), err
-    quiet = run_cli("convert", TINY_LLAMA, tmp_path / "quiet", "--verify", "--quiet")
+    quiet = run_cli("convert", TINY_LLAMA, tmp_path / "quiet", "--verify", "--quiet", terminal=True)
     assert quiet[0] == 0 and "tensor/s" not in quiet[2] and "window/s" not in quiet[2]
+    piped = run_cli("convert", TINY_LLAMA, tmp_path / "piped", "--verify")  # not a terminal: no bars either
+    assert piped[0] == 0 and "held-out perplexity" in piped[1] and "%|" not in piped[2], piped
 
 
 # --- packaging ------------------------------------------------------------------------------------------------------

@@ -364,3 +364,48 @@ def test_serve_help_is_the_package_s_own(capsys):
     named = set(re.findall(r"--([a-z][a-z-]+)", out.split("Every other option")[1])) - {"transformers-help"}
     accepted = {name.replace("_", "-") for name in inspect.signature(Serve.__init__).parameters} - {"self"}
     assert named and named <= accepted, named - accepted
+
+
+def test_a_model_loads_off_the_event_loop():
+    """transformers' handlers load the requested model on the event loop, so /health and every other request waited
+    for it; `load_off_the_loop` (run first by each handler) loads it in a worker thread while the loop runs on."""
+    import asyncio
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from diff_transformer.cli.serve import load_off_the_loop
+
+    loaded = []
+
+    class Manager:
+        force_model = None
+
+        def process_model_name(self, model):
+            return f"{model}@main"
+
+        def load_model_and_processor(self, key, gguf_file=None):
+            time.sleep(0.5)
+            loaded.append((key, gguf_file, threading.current_thread() is threading.main_thread()))
+
+    handler = SimpleNamespace(model_manager=Manager(), _validate_request=lambda body: None)
+
+    async def ticks_during_the_load():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        await load_off_the_loop(handler, {"model": "org/model"})
+        ticker.cancel()
+        return ticks
+
+    assert asyncio.run(ticks_during_the_load()) >= 10  # the loop ran on during the 0.5 s load
+    assert loaded == [("org/model@main", None, False)]  # in a worker thread
+    Manager.force_model = "pinned"  # loaded at start-up: nothing to do
+    asyncio.run(load_off_the_loop(handler, {"model": "org/model"}))
+    assert len(loaded) == 1

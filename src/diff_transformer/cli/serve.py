@@ -27,6 +27,8 @@ What clients rely on and transformers' server gets wrong, this command fixes (`D
 * A request naming a model that does not exist answers 404 at once, one that cannot be loaded 400 (transformers
   retried the Hub for ~2 minutes, then answered a bare 500); the error body is OpenAI's `{"error": {"message": ...}}`.
 * `n` > 1 and `stop` are refused with 400 (transformers ignores `n`, and keeps the stop text in the answer).
+* A model is loaded in a worker thread (`load_off_the_loop`): transformers loads it on the event loop, where every
+  other request, /health included, waits for it.
 * `--help` is this command's own: its options, then a note of what goes to transformers (`--transformers-help`).
 """
 
@@ -220,6 +222,23 @@ def check_request(body: dict) -> None:
         )
 
 
+async def load_off_the_loop(handler, body: dict) -> None:
+    """The model a request names, loaded in a worker thread before transformers' handler runs: the handler loads it
+    synchronously on the event loop, so every other request (another model's, /health) waited for the load. A
+    request transformers will refuse anyway (422, 400) is left to it; a pinned model is loaded at start-up."""
+    import asyncio
+
+    from transformers.cli.serving.utils import split_model_id
+
+    manager = handler.model_manager
+    requested = body.get("model")
+    if manager.force_model is not None or not isinstance(requested, str) or not requested:
+        return
+    handler._validate_request(body)
+    model, gguf_file = split_model_id(requested)
+    await asyncio.to_thread(manager.load_model_and_processor, manager.process_model_name(model), gguf_file=gguf_file)
+
+
 def openai_errors(app) -> None:
     """Errors as OpenAI's API returns them (`{"error": {"message", "type", "code"}}`), which its clients read."""
     from fastapi import HTTPException
@@ -234,9 +253,9 @@ def openai_errors(app) -> None:
 
 
 def client_facing() -> None:
-    """Install `diff_model_manager`, `check_request` and `openai_errors` where transformers' `Serve` picks them up
-    (it imports `ModelManager` and `build_server` when it starts, and every handler validates through
-    `BaseHandler._validate_request`)."""
+    """Install `diff_model_manager`, `check_request`, `load_off_the_loop` and `openai_errors` where transformers'
+    `Serve` picks them up (it imports `ModelManager` and `build_server` when it starts, every handler validates
+    through `BaseHandler._validate_request`, and each model handler's `handle_request` is wrapped)."""
     from transformers.cli.serving import model_manager, server, utils
 
     model_manager.ModelManager = diff_model_manager()
@@ -251,6 +270,28 @@ def client_facing() -> None:
 
         build_server._diff_errors = True
         server.build_server = build_server
+    from transformers.cli.serving import chat_completion, completion, response, systemone
+
+    for handler_class in (
+        chat_completion.ChatCompletionHandler,
+        completion.CompletionHandler,
+        response.ResponseHandler,
+        systemone.SystemOneHandler,
+    ):
+        handle = handler_class.handle_request
+        if getattr(handle, "_diff_off_the_loop", False):
+            continue
+
+        def make(handle):
+            @functools.wraps(handle)
+            async def handle_request(self, body: dict, *args, **kwargs):
+                await load_off_the_loop(self, body)
+                return await handle(self, body, *args, **kwargs)
+
+            handle_request._diff_off_the_loop = True
+            return handle_request
+
+        handler_class.handle_request = make(handle)
     validate = utils.BaseHandler._validate_request
     if not getattr(validate, "_diff_checked", False):
 
