@@ -87,3 +87,16 @@ def test_remote_code_from_offline_hub_cache(tmp_path, version):
     }
     report = run_isolated("someone/tiny-diff", ids, env)
     check(report, model, ids)
+
+
+def test_converted_motif_checkpoint_loads_as_remote_code(tmp_path):
+    """PolyNorm and grouped differential attention live in the checkpoint's own modeling_diff.py (docs/motif.md)."""
+    from diff_transformer import DiffForCausalLM
+    from diff_transformer.conversion import convert_to_diff
+    from tests.helpers.motif import write_motif_checkpoint
+
+    write_motif_checkpoint(tmp_path / "motif", "motif-gda")
+    out = convert_to_diff(tmp_path / "motif", tmp_path / "diff", progress=False)
+    model = DiffForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = [[5, 17, 42, 8, 9, 30]]
+    check(run_isolated(out, ids, {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}), model, ids)
