@@ -534,14 +534,81 @@ def wrote_this(directory, written_by: str) -> bool:
     return manifest.get("entries") == _file_hashes(directory)
 
 
+RUN_RECORD = ".diff-transformer-run.json"  # what a training run wrote at the top of its --output (train)
+
+
+def top_level_state(directory) -> dict[str, tuple[int, int]]:
+    """name -> (size, mtime_ns) of each entry at the top of `directory` (what a run is about to change)."""
+    state = {}
+    for entry in os.scandir(directory) if os.path.isdir(directory) else []:
+        info = entry.stat(follow_symlinks=False)
+        state[entry.name] = (info.st_size, info.st_mtime_ns)
+    return state
+
+
+def record_written(directory, before: dict[str, tuple[int, int]], *, skip=()) -> None:
+    """Record the top-level entries of `directory` that appeared or changed since `before`: regular files with their
+    hash, directories by name (RUN_RECORD; added to what an earlier record of the same directory still proves)."""
+    directory = Path(directory)
+    entries = _run_record(directory)
+    now = top_level_state(directory)
+    for name, state in now.items():
+        if name in skip or name in (RUN_RECORD, RUN_LOCK) or before.get(name) == state:
+            continue
+        path = directory / name
+        mode = os.lstat(path).st_mode
+        if stat.S_ISDIR(mode):
+            entries[name] = "directory"
+        elif stat.S_ISREG(mode) and (digest := _sha256(path)) is not None:
+            entries[name] = digest
+    (directory / RUN_RECORD).write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _run_record(directory: Path) -> dict:
+    try:
+        record = json.loads(_read_small(directory / RUN_RECORD, limit=1 << 20) or "{}")
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return (
+        {k: v for k, v in record.items() if isinstance(k, str) and isinstance(v, str)}
+        if isinstance(record, dict)
+        else {}
+    )
+
+
+def remove_recorded(directory) -> list[str]:
+    """Delete what RUN_RECORD proves an earlier run wrote and nobody changed since (a file whose hash still matches,
+    a directory it created), then the record; everything else stays (the user's). Returns what was deleted."""
+    directory = Path(directory)
+    removed = []
+    for name, digest in sorted(_run_record(directory).items()):
+        path = directory / name
+        if "/" in name or name in (".", "..") or not os.path.lexists(path):
+            continue
+        mode = os.lstat(path).st_mode
+        if digest == "directory" and stat.S_ISDIR(mode):
+            shutil.rmtree(path)
+        elif stat.S_ISREG(mode) and _sha256(path) == digest:
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    (directory / RUN_RECORD).unlink(missing_ok=True)
+    return removed
+
+
 __all__ = [
     "MANIFEST",
+    "RUN_RECORD",
     "RUN_LOCK",
     "OutputError",
     "OutputLock",
     "Staging",
     "check_target",
+    "record_written",
     "recover",
+    "remove_recorded",
+    "top_level_state",
     "write_manifest",
     "wrote_this",
 ]

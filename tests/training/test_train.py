@@ -817,3 +817,22 @@ def test_lambda_warmup_is_refused_where_it_cannot_end_or_has_no_lambda(refused, 
     ).save_pretrained(llama)
     AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(llama)
     refused(["train", llama, *common, "--any-model", "--lambda-warmup-steps", "2"], "needs a Diff model", notes=True)
+
+
+def test_overwrite_removes_what_the_old_run_wrote_and_keeps_the_users_files(workdir, tmp_path):
+    """A full-model run with --overwrite over a LoRA run: no adapter_config.json (every command would then load the
+    old adapter) and no adapter card or base record of the old run; a file of the user's stays, and so does one the
+    old run wrote but the user changed since (it is theirs now)."""
+    out = tmp_path / "run"
+    train(workdir, 2, out, "--lora", "--lora-r", "4", "--max-steps", "1", "--eval-fraction", "0")
+    assert (out / "adapter_config.json").is_file() and (out / ".diff-transformer-run.json").is_file()
+    (out / "notes.txt").write_text("mine")
+    with open(out / "adapter_model.safetensors", "ab") as f:
+        f.write(b" ")  # changed since the old run wrote it: no longer provably the run's
+    train(workdir, 2, out, "--max-steps", "1", "--eval-fraction", "0", "--overwrite")
+    left = {p.name for p in out.iterdir()}
+    assert not {"adapter_config.json", "base_model.json"} & left
+    assert {"config.json", "model.safetensors", "notes.txt", "adapter_model.safetensors"} <= left
+    assert (out / "notes.txt").read_text() == "mine"
+    assert type(AutoModelForCausalLM.from_pretrained(out)).__name__ == "DiffForCausalLM"
+    assert "README.md" in json.loads((out / ".diff-transformer-run.json").read_text())  # this run's, recorded

@@ -134,7 +134,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "fresh run)",
     )
     log.add_argument(
-        "--overwrite", action="store_true", help="start over although OUTPUT holds checkpoints (they are deleted)"
+        "--overwrite",
+        action="store_true",
+        help="start over: the old run's checkpoints and the files it recorded as its own (model, adapter, card, "
+        "logs) are deleted once the new run's model has loaded; files of yours stay",
     )
     log.add_argument(
         "--any-model", action="store_true", help="allow a non-Diff MODEL (e.g. the source Llama, as a baseline)"

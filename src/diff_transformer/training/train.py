@@ -26,7 +26,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoints import adapters
 from ..errors import UserError
-from ..safe_output import OutputLock
+from ..safe_output import OutputLock, record_written, remove_recorded, top_level_state
 from . import TrainingError
 from .args import parse_train_args
 from .callbacks import (
@@ -144,12 +144,16 @@ def build_trainer(args) -> PreparedRun:
     training_args = training_arguments(args, eval_data is not None, resume is not None)
     model = load_model(args, training_args)
     foreign = resume is not None and Path(resume).resolve().parent != Path(args.output).resolve()
-    # Only once the model has loaded: a failed start keeps the old run.
+    # Only once the model has loaded: a failed start keeps the old run. --overwrite removes Trainer's checkpoints and
+    # every file an earlier run recorded as its own and nobody changed since (a LoRA run's adapter_config.json, a V2
+    # card or a sharded model's index left beside a new run would make every later command read the old run); the
+    # user's files stay.
     if args.overwrite and (resume is None or foreign):
-        with training_args.main_process_first(desc="removing old checkpoints"):
+        with training_args.main_process_first(desc="removing the old run"):
             if training_args.process_index == 0:
                 for old in trainer_checkpoints(Path(args.output)):
                     shutil.rmtree(old)
+                remove_recorded(Path(args.output))
 
     callbacks = [RunSettingsCallback(block_size, bos=not args.no_bos)]
     callbacks += [DiffOnlyCallback(model, args.diff_only_steps)] if args.diff_only_steps else []
@@ -204,6 +208,7 @@ def run(args) -> int:
 
 def _run(args) -> int:
     trainer, resume, block_size = build_trainer(args)
+    before = top_level_state(args.output)  # after an --overwrite cleared the old run: what this run writes is new
     main = trainer.is_world_process_zero()
     model, train_data, eval_data = trainer.model, trainer.train_dataset, trainer.eval_dataset
     if main:
@@ -235,6 +240,8 @@ def _run(args) -> int:
     if metrics:
         trainer.save_metrics("eval", metrics)
     trainer.save_state()
+    if main:  # what this run wrote, so that a later --overwrite may remove it (and nothing of the user's)
+        record_written(args.output, before, skip={p.name for p in trainer_checkpoints(Path(args.output))})
     if main:
         done = result.global_step - start  # this run's steps: a resumed run starts at its checkpoint's step
         line = f"done: {done} step{'' if done == 1 else 's'}"
