@@ -182,6 +182,46 @@ def test_generate_chat_is_the_template_prompt_continued(journey):
     assert run_cli("generate", root / "diff", QUESTION, "--chat", "--max-new-tokens", 12)[1] == no_system + "\n"
 
 
+def test_generate_chat_without_prompt_is_an_interactive_chat(refused, journey, monkeypatch):
+    """Issue 32: every call reloaded the model. `generate MODEL --chat` without PROMPT reads messages from stdin and
+    streams each answer with the model loaded once: the second answer is greedy `generate` on the template of the
+    whole history, /reset starts over (the first answer again), and a history that would not leave --max-new-tokens
+    of the context loses its oldest exchange; a message that alone does not fit is refused and the chat goes on."""
+    root, _ = journey
+    tokenizer = AutoTokenizer.from_pretrained(root / "diff")
+    model = AutoModelForCausalLM.from_pretrained(root / "diff").eval()
+    first = run_cli("generate", root / "diff", QUESTION, "--chat", "--max-new-tokens", 12)[1]
+    follow = "And what of Elizabeth?"
+    history = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": first.removesuffix("\n")},
+        {"role": "user", "content": follow},
+    ]
+    ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, return_dict=True)["input_ids"]
+    second = tokenizer.decode(greedy(model, ids, 12), skip_special_tokens=True) + "\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{QUESTION}\n{follow}\n/reset\n\n{QUESTION}\n"))
+    status, out, err = run_cli("generate", root / "diff", "--chat", "--max-new-tokens", 12)
+    assert status == 0, err
+    assert out == first + second + first and first != second
+    assert err.count("> ") == 6 and "(history cleared)" in err and "/reset starts over" in err
+
+    long = (
+        "Elizabeth walked to Netherfield. " * 30
+    ).strip()  # 248 tokens templated: one exchange fits in 512, two not
+    alone = tokenizer.apply_chat_template(
+        [{"role": "user", "content": long}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    expected = tokenizer.decode(greedy(model, alone, 100), skip_special_tokens=True) + "\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{long}\n{long}\n{long * 3}\n/exit\n{QUESTION}\n"))
+    status, out, err = run_cli("generate", root / "diff", "--chat", "--max-new-tokens", 100)
+    assert status == 0, err
+    assert out == expected + expected  # the second answer saw only its own message: the first exchange was dropped
+    assert err.count("(the oldest exchange was dropped to fit the model's context)") == 1
+    assert "exceed the model's context (512 positions): send a shorter one." in err
+    assert "Mr. Darcy" not in out  # /exit ended the chat before the last line
+    refused(["generate", root / "diff"], "PROMPT is missing", "add --chat without PROMPT for an interactive chat")
+
+
 def test_generate_chat_refusals(refused, journey, tmp_path):
     root, _ = journey
     plain = tmp_path / "no-template"

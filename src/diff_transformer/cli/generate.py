@@ -12,7 +12,12 @@ def add_parser(commands) -> None:
     generate.add_argument(
         "model", help="model or LoRA adapter directory, or Hub id org/name (hf://name forces a Hub id)"
     )
-    generate.add_argument("prompt", help="text (or space-separated token ids if the model has no tokenizer)")
+    generate.add_argument(
+        "prompt",
+        nargs="?",
+        help="text (or space-separated token ids if the model has no tokenizer); left out with --chat: an interactive "
+        "chat (streamed answers, the history kept within the context, /reset, /exit)",
+    )
     generate.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     generate.add_argument("--chat", action="store_true", help="PROMPT is a user message: apply the chat template")
@@ -59,8 +64,11 @@ def run(args) -> int:
         check_diff_checkpoint(source.local)
     check_generation_config(source.location, f"MODEL {args.model}")
     tokenizer = adapters.load_tokenizer(AutoTokenizer, source.tokenizer, source.tokenizer_local, args.model)
+    session = args.prompt is None  # an interactive chat: its template checked on a first message
+    if session and not args.chat:
+        raise UserError("PROMPT is missing: pass one, or add --chat without PROMPT for an interactive chat.")
     if args.chat:
-        inputs = _chat_inputs(args, tokenizer)
+        inputs = _chat_inputs(args, tokenizer, "Hello." if session else args.prompt)
         ids = inputs["input_ids"][0].tolist()
     elif tokenizer is not None:
         inputs = tokenizer(args.prompt, return_tensors="pt")
@@ -103,6 +111,8 @@ def run(args) -> int:
         from transformers import set_seed
 
         set_seed(args.seed)  # the sampling draws (python, numpy and torch generators)
+    if session:
+        return _chat_session(args, model, tokenizer, kwargs, text_config, device)
     if args.stream:  # TextStreamer prints each piece of text as it is decoded, and a newline at the end
         from transformers import TextStreamer
 
@@ -137,7 +147,7 @@ def _check_generate_options(args) -> None:
         raise UserError(f"--seed {args.seed} must be in [0, 2**32).")
 
 
-def _chat_inputs(args, tokenizer):
+def _chat_inputs(args, tokenizer, prompt: str):
     """PROMPT (and --system) as a chat, through the tokenizer's chat template, ending with the assistant's turn."""
     if tokenizer is None:
         raise UserError(f"--chat needs a tokenizer with a chat template, and MODEL {args.model} has no tokenizer.")
@@ -147,7 +157,7 @@ def _chat_inputs(args, tokenizer):
             "or save a chat_template.jinja with the tokenizer."
         )
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    messages.append({"role": "user", "content": args.prompt})
+    messages.append({"role": "user", "content": prompt})
     try:
         return tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
@@ -157,6 +167,66 @@ def _chat_inputs(args, tokenizer):
             f"--chat: the chat template of MODEL {args.model} failed ({' '.join(str(exc).split())[:200]})"
             + (": try without --system." if args.system else ".")
         ) from None
+
+
+def _chat_session(args, model, tokenizer, kwargs: dict, config, device) -> int:
+    """`generate MODEL --chat` without PROMPT: messages read from stdin one per line, each answer streamed to stdout
+    with the model loaded once; the history (and --system) goes into each prompt, its oldest exchanges dropped when
+    it would not leave --max-new-tokens of the context; /reset clears it, /exit or end of input ends."""
+    import sys
+
+    import torch
+    from transformers import TextStreamer
+
+    def note(text: str, end: str = "\n") -> None:
+        print(text, end=end, file=sys.stderr, flush=True)
+
+    context = getattr(config, "max_position_embeddings", None)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(start)
+
+    def prompt_ids(messages):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+
+    def fits(ids) -> bool:
+        return context is None or len(ids) + args.max_new_tokens <= context
+
+    note(f"chat with {args.model}: type a message, then Enter; /reset starts over, /exit or Ctrl-D ends.")
+    while True:
+        note("> ", end="")
+        line = sys.stdin.readline()
+        text = line.strip()
+        if not line or text in ("/exit", "/quit"):
+            break
+        if text == "/reset":
+            history = list(start)
+            note("(history cleared)")
+            continue
+        if not text:
+            continue
+        message = {"role": "user", "content": text}
+        alone = prompt_ids([*start, message])
+        if not fits(alone):  # refused before the history is touched
+            note(
+                f"error: this message ({len(alone)} tokens with the template) + --max-new-tokens "
+                f"{args.max_new_tokens} exceed the model's context ({context} positions): send a shorter one."
+            )
+            continue
+        history.append(message)
+        ids = prompt_ids(history)
+        while not fits(ids):
+            del history[len(start) : len(start) + 2]  # the oldest exchange: a user message and its answer
+            note("(the oldest exchange was dropped to fit the model's context)")
+            ids = prompt_ids(history)
+        input_ids = torch.tensor([ids], device=device)
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        output = model.generate(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), streamer=streamer, **kwargs
+        )
+        history.append(
+            {"role": "assistant", "content": tokenizer.decode(output[0, len(ids) :], skip_special_tokens=True)}
+        )
+    return 0
 
 
 def _check_generation_length(args, prompt_tokens: int, config) -> None:
