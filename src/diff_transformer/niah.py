@@ -373,10 +373,10 @@ def check_grid(lengths, depths, needles: int) -> None:
         raise UserError(f"--needles {needles} must be from 1 to {MAX_NEEDLES} (prompts per cell).")
 
 
-def save(out: Path, settings: dict, results: list[dict], lengths, depths) -> None:
+def save(out: Path, settings: dict, results: list[dict], lengths, depths, *, figure: bool = True) -> None:
     (out / "niah.json").write_text(json.dumps({"schema": 1, "settings": settings, "results": results}, indent=1))
-    fig = heatmap(results, lengths, depths)
-    fig.savefig(out / "niah.png", dpi=150)
+    if figure:
+        heatmap(results, lengths, depths).savefig(out / "niah.png", dpi=150)
     print(markdown_table(results, lengths, depths), file=sys.stdout)
 
 

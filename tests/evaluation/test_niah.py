@@ -97,6 +97,8 @@ def test_a_source_and_its_v2_conversion_give_equal_grids(tmp_path, capsys):
         assert [s["answer"] for s in a["samples"]] == [s["answer"] for s in b["samples"]]
     assert (out / "niah.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in out.iterdir()) == ["niah.json", "niah.png"]
+    assert cli.main([*argv[:2], "--lengths", "150", "--depths", "0", "--out", str(tmp_path / "j"), "--no-figure"]) == 0
+    assert sorted(p.name for p in (tmp_path / "j").iterdir()) == ["niah.json"]
 
 
 @pytest.mark.slow
@@ -145,6 +147,11 @@ def test_niah_refuses_bad_grids_in_one_line(refused, tmp_path):
     refused(["niah", model, "--out", out, "--lengths", "300", "--haystack", short], "pass a longer --haystack")
     refused(["niah", model, "--out", out, "--lengths", "200", "--device", "cuda:0"] if not torch.cuda.is_available()
             else ["niah", model, "--out", out, "--lengths", "200", "--device", "nonsense"], "--device")  # fmt: skip
+    import diff_transformer.cli.niah as niah_command
+
+    with pytest.MonkeyPatch.context() as patch:  # a machine without matplotlib: told before anything runs
+        patch.setattr(niah_command, "installed", lambda name: name != "matplotlib")
+        refused(["niah", model, "--out", out, "--lengths", "200"], "needs matplotlib", "--no-figure")
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "mine.txt").write_text("keep")

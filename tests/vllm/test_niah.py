@@ -17,6 +17,7 @@ from tests.vllm.helpers import TINY_LLAMA, vllm_env  # noqa: E402
 def niah(out, backend, models):
     argv = [sys.executable, "-m", "diff_transformer", "niah", *map(str, models), "--out", str(out), "--quiet"]
     argv += ["--lengths", "150", "300", "--depths", "0", "0.5", "1", "--needles", "2", "--dtype", "float32"]
+    argv += ["--no-figure"]  # the vLLM environment has no matplotlib
     done = subprocess.run(
         [*argv, "--backend", backend], capture_output=True, text=True, env=vllm_env(), timeout=900, check=False
     )

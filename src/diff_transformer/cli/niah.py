@@ -3,7 +3,7 @@ for each model (any causal LM transformers loads: a source Llama and its Diff co
 
 import sys
 
-from ..errors import UserError, installed
+from ..errors import UserError, install_command, installed
 from .options import add_device_options, add_quiet_option, load_kwargs, resolve_device
 
 
@@ -45,6 +45,9 @@ def add_parser(commands) -> None:
         "--no-chat", action="store_true", help="plain text prompts even when the tokenizer has a chat template"
     )
     niah.add_argument(
+        "--no-figure", action="store_true", help="write niah.json and the table only (no niah.png, no matplotlib)"
+    )
+    niah.add_argument(
         "--backend",
         choices=("transformers", "vllm"),
         default="transformers",
@@ -84,6 +87,11 @@ def run(args) -> int:
     from ..safe_output import Staging, check_target
 
     _check_options(args)
+    if not args.no_figure and not installed("matplotlib"):
+        raise UserError(
+            f"niah.png needs matplotlib, which is not installed: {install_command('analysis')}, or pass --no-figure "
+            "for niah.json and the table alone."
+        )
     if args.backend == "vllm":
         if not installed("vllm"):
             raise UserError(
@@ -154,7 +162,8 @@ def run(args) -> int:
             "device": str(device) if device else "vllm's choice",
             "needle": niah.NEEDLE, "question": niah.QUESTION, "answer_prefix": niah.ANSWER_PREFIX,
         }  # fmt: skip
-        niah.save(tmp, settings, results, lengths, depths)
+        niah.save(tmp, settings, results, lengths, depths, figure=not args.no_figure)
         staging.install()
-    print(f"wrote {out / 'niah.json'} and {out / 'niah.png'}", file=sys.stderr)
+    written = f"{out / 'niah.json'}" + ("" if args.no_figure else f" and {out / 'niah.png'}")
+    print(f"wrote {written}", file=sys.stderr)
     return 0
