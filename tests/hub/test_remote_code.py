@@ -47,7 +47,7 @@ def run_isolated(source, ids, env_extra):
     return run_json(LOADER, source, json.dumps(ids), env=env_extra)
 
 
-def check(report, model, ids):
+def check(report, model, ids, atol=1e-6):
     assert report["refused_without_trust"]
     assert report["imported_diff_transformer"] is False
     assert report["model_class"] == "DiffForCausalLM"
@@ -55,7 +55,7 @@ def check(report, model, ids):
     assert report["config_module"].startswith("transformers_modules.")
     with torch.no_grad():
         expected = model(torch.tensor(ids)).logits.flatten()
-    assert torch.allclose(torch.tensor(report["logits"]), expected, atol=1e-6)
+    assert torch.allclose(torch.tensor(report["logits"]), expected, atol=atol)
     generated = model.generate(torch.tensor(ids), max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert report["generated"] == generated.tolist()
 
@@ -99,4 +99,7 @@ def test_converted_motif_checkpoint_loads_as_remote_code(tmp_path):
     out = convert_to_diff(tmp_path / "motif", tmp_path / "diff", progress=False)
     model = DiffForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
     ids = [[5, 17, 42, 8, 9, 30]]
-    check(run_isolated(out, ids, {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}), model, ids)
+    # PolyNorm's cube and its three row norms: the child's thread count changes the summation order by a few ulps
+    # more than a plain Llama layer's (CI measured 1e-6 < |Δ| on logits of about 2).
+    report = run_isolated(out, ids, {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
+    check(report, model, ids, atol=1e-5)
