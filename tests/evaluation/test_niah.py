@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from diff_transformer import cli, niah
+from diff_transformer import cli
 from diff_transformer.conversion import convert_to_diff
+from diff_transformer.evaluation import niah
 from tests.helpers import REPOSITORY
 
 

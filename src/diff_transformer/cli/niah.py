@@ -61,7 +61,7 @@ def add_parser(commands) -> None:
 
 
 def _check_options(args) -> None:
-    from ..niah import check_grid
+    from ..evaluation.niah import check_grid
 
     check_grid(args.lengths, args.depths, args.needles)
     if not 1 <= args.batch_size <= 256:
@@ -81,9 +81,9 @@ def run(args) -> int:
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
-    from .. import niah
     from ..checkpoints import adapters
     from ..checkpoints.loading import check_diff_checkpoint
+    from ..evaluation import niah
     from ..safe_output import Staging, check_target
 
     _check_options(args)

@@ -1,4 +1,5 @@
-"""Held-out perplexity as the demo, `convert --verify` and scripts/train_tiny_llama.py score it."""
+"""Evaluation: held-out perplexity as the demo, `convert --verify` and scripts/train_tiny_llama.py score it (here),
+and the needle-in-a-haystack test of `diff-transformer niah` (`niah.py`)."""
 
 import math
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 
 INSTRUCTION = "Read the text below. A special magic number is hidden in it; remember it."
@@ -332,7 +332,7 @@ def markdown_table(results: list[dict], lengths, depths) -> str:
 def heatmap(results: list[dict], lengths, depths):
     """The familiar figure: one panel per model, depth down, length across, accuracy on one colour scale (0 to 1),
     each cell annotated with its accuracy and the mean log-probability of VALUE."""
-    from .analysis.plotting import _matplotlib
+    from ..analysis.plotting import _matplotlib
 
     Figure, _ = _matplotlib()
     fig = Figure(
