@@ -125,3 +125,10 @@ def test_run_demo_refuses_foreign_output_dir(tmp_path):
     assert "error:" in buffer.getvalue()
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
     assert (tmp_path / "keep.txt").read_text() == "not a demo output"
+
+
+def test_demo_seed_out_of_range_is_one_line(refused, tmp_path):
+    """Found by tests/cli/test_option_values.py's long profile: a seed past 2**64 overflowed inside torch."""
+    refused(["demo", "--scratch", "--output", tmp_path / "d", "--seed", str(10**23)], "--seed", "[0, 2**32)")
+    refused(["demo", "--scratch", "--output", tmp_path / "d", "--seed=-1"], "--seed -1")
+    assert not (tmp_path / "d").exists()

@@ -370,6 +370,8 @@ def add_parser(commands) -> None:
 def run(args) -> int:
     """Offline main job: the shipped tiny Llama (real tokenizer, trained on Austen) -> Diff V2, verified,
     generating."""
+    if not 0 <= args.seed < 2**32:  # what torch.manual_seed takes (a larger one overflows deep inside torch)
+        raise UserError(f"--seed {args.seed} must be in [0, 2**32).")
     if args.scratch:
         return _scratch_demo(args)
     kwargs = {"prompt": args.prompt} if args.prompt else {}
