@@ -141,20 +141,19 @@ def run(args) -> int:
                 samples = niah.evaluate_vllm(
                     source.location, tokenizer, prompts, max_new_tokens=args.max_new_tokens, dtype=dtype
                 )
-                results.append(niah.result_record(text, niah.cells_of(prompts, samples)))
-                continue
-            model = adapters.load(source, **load_kwargs(args.dtype)).eval().to(device)
+            else:
+                model = adapters.load(source, **load_kwargs(args.dtype)).eval().to(device)
 
-            def progress(done, total, prompt, text=text):
-                if not args.quiet:
-                    print(f"niah {text}: {done}/{total} prompts (length {prompt.length})", file=sys.stderr, flush=True)
+                def progress(done, total, prompt, text=text):
+                    if not args.quiet:
+                        print(f"niah {text}: {done}/{total} prompts (length {prompt.length})", file=sys.stderr)
 
-            samples = niah.evaluate(
-                model, tokenizer, prompts, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                progress=progress,
-            )  # fmt: skip
+                samples = niah.evaluate(
+                    model, tokenizer, prompts, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                    progress=progress,
+                )  # fmt: skip
+                del model  # before the next model loads
             results.append(niah.result_record(text, niah.cells_of(prompts, samples)))
-            del model
         settings = {
             "lengths": lengths, "depths": depths, "needles": args.needles, "seed": args.seed,
             "haystack": args.haystack or "diff_transformer/assets/heldout.txt", "chat": [p[3] for p in plans],

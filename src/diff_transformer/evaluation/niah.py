@@ -111,11 +111,6 @@ class PromptBuilder:
             return self._encode(before), self._encode(after + answer)
         return self._encode(f"{INSTRUCTION}\n\n", special=True), self._encode(f"\n\n{question}\nAnswer: {answer}")
 
-    def overhead(self, key: str, value: str) -> int:
-        """Tokens of a prompt that are not haystack."""
-        before, after = self.frame(key)
-        return len(before) + len(after) + len(self._encode(" " + NEEDLE.format(key=key, value=value)))
-
     def build(self, length: int, depth: float, key: str, value: str) -> Prompt:
         before, after = self.frame(key)
         needle = self._encode(" " + NEEDLE.format(key=key, value=value))
@@ -170,6 +165,18 @@ class Sample:
     correct: bool
     value_logprob: float
     placed_depth: float
+
+    @classmethod
+    def of(cls, prompt: Prompt, answer: str, value_logprob: float) -> Sample:
+        """PROMPT's answer scored (whatever backend produced it)."""
+        return cls(
+            key=prompt.key,
+            value=prompt.value,
+            answer=answer,
+            correct=is_correct(answer, prompt.value),
+            value_logprob=float(value_logprob),
+            placed_depth=prompt.placed_depth,
+        )
 
 
 @dataclass
@@ -242,14 +249,7 @@ def evaluate(model, tokenizer, prompts: list[Prompt], *, batch_size: int = 1, ma
         generated = torch.stack(answers, dim=1).tolist()  # (B, T)
         for row, (index, prompt) in enumerate(zip(batch, group)):
             text = tokenizer.decode(_until_eos(generated[row], eos.tolist()), skip_special_tokens=True)
-            samples[index] = Sample(
-                key=prompt.key,
-                value=prompt.value,
-                answer=text,
-                correct=is_correct(text, prompt.value),
-                value_logprob=float(value_logprob[row]),
-                placed_depth=prompt.placed_depth,
-            )
+            samples[index] = Sample.of(prompt, text, value_logprob[row])
         done += len(batch)
         if progress is not None:
             progress(done, len(prompts), group[0])
@@ -278,16 +278,7 @@ def evaluate_vllm(location: str, tokenizer, prompts: list[Prompt], *, max_new_to
         m = len(prompt.value_ids)
         logprobs = score.prompt_logprobs[-m:]  # one {token id: Logprob} per VALUE token
         text = tokenizer.decode(answer.outputs[0].token_ids, skip_special_tokens=True)
-        samples.append(
-            Sample(
-                key=prompt.key,
-                value=prompt.value,
-                answer=text,
-                correct=is_correct(text, prompt.value),
-                value_logprob=float(sum(lp[t].logprob for lp, t in zip(logprobs, prompt.value_ids))),
-                placed_depth=prompt.placed_depth,
-            )
-        )
+        samples.append(Sample.of(prompt, text, sum(lp[t].logprob for lp, t in zip(logprobs, prompt.value_ids))))
     return samples
 
 
