@@ -548,7 +548,8 @@ def top_level_state(directory) -> dict[str, tuple[int, int]]:
 
 def record_written(directory, before: dict[str, tuple[int, int]], *, skip=()) -> None:
     """Record the top-level entries of `directory` that appeared or changed since `before`: regular files with their
-    hash, directories by name (RUN_RECORD; added to what an earlier record of the same directory still proves)."""
+    hash, directories with the hashes of everything inside (`_file_hashes`) (RUN_RECORD; added to what an earlier
+    record of the same directory still proves)."""
     directory = Path(directory)
     entries = _run_record(directory)
     now = top_level_state(directory)
@@ -557,8 +558,8 @@ def record_written(directory, before: dict[str, tuple[int, int]], *, skip=()) ->
             continue
         path = directory / name
         mode = os.lstat(path).st_mode
-        if stat.S_ISDIR(mode):
-            entries[name] = "directory"
+        if stat.S_ISDIR(mode) and (inside := _file_hashes(path)) is not None:
+            entries[name] = inside
         elif stat.S_ISREG(mode) and (digest := _sha256(path)) is not None:
             entries[name] = digest
     (directory / RUN_RECORD).write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n", encoding="utf-8")
@@ -569,16 +570,15 @@ def _run_record(directory: Path) -> dict:
         record = json.loads(_read_small(directory / RUN_RECORD, limit=1 << 20) or "{}")
     except (OSError, ValueError, RecursionError):
         return {}
-    return (
-        {k: v for k, v in record.items() if isinstance(k, str) and isinstance(v, str)}
-        if isinstance(record, dict)
-        else {}
-    )
+    if not isinstance(record, dict):
+        return {}
+    return {k: v for k, v in record.items() if isinstance(k, str) and isinstance(v, (str, dict))}
 
 
 def remove_recorded(directory) -> list[str]:
     """Delete what RUN_RECORD proves an earlier run wrote and nobody changed since (a file whose hash still matches,
-    a directory it created), then the record; everything else stays (the user's). Returns what was deleted."""
+    a directory holding exactly what was recorded inside it), then the record; everything else stays (the user's).
+    Returns what was deleted."""
     directory = Path(directory)
     removed = []
     for name, digest in sorted(_run_record(directory).items()):
@@ -586,9 +586,9 @@ def remove_recorded(directory) -> list[str]:
         if "/" in name or name in (".", "..") or not os.path.lexists(path):
             continue
         mode = os.lstat(path).st_mode
-        if digest == "directory" and stat.S_ISDIR(mode):
+        if isinstance(digest, dict) and stat.S_ISDIR(mode) and _file_hashes(path) == digest:
             shutil.rmtree(path)
-        elif stat.S_ISREG(mode) and _sha256(path) == digest:
+        elif isinstance(digest, str) and stat.S_ISREG(mode) and _sha256(path) == digest:
             path.unlink()
         else:
             continue

@@ -316,3 +316,26 @@ def test_bf16_conversion_verifies(llama, tmp_path, capsys):
     state["model.layers.0.mlp.down_proj.weight"][0, 0] += 0.5
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     assert not verify_conversion(llama, out, max_new_tokens=0)["passed"]
+
+
+def test_a_run_record_proves_only_what_is_unchanged(tmp_path):
+    """record_written / remove_recorded (train --overwrite): what appeared or changed since the snapshot is recorded;
+    removal takes a file only while its hash matches and a directory only while it holds exactly what was recorded."""
+    from diff_transformer.safe_output import RUN_RECORD, record_written, remove_recorded, top_level_state
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "users.txt").write_text("there before")
+    before = top_level_state(out)
+    for name in ("model.bin", "edited.txt"):
+        (out / name).write_text(name)
+    for name in ("logs", "logs-touched"):
+        (out / name).mkdir()
+        (out / name / "events").write_text("e")
+    record_written(out, before)
+    assert set(json.loads((out / RUN_RECORD).read_text())) == {"model.bin", "edited.txt", "logs", "logs-touched"}
+    (out / "edited.txt").write_text("changed by the user")
+    (out / "logs-touched" / "mine.txt").write_text("mine")
+    assert sorted(remove_recorded(out)) == ["logs", "model.bin"]
+    assert sorted(p.name for p in out.iterdir()) == ["edited.txt", "logs-touched", "users.txt"]
+    assert (out / "logs-touched" / "mine.txt").is_file()

@@ -824,15 +824,17 @@ def test_overwrite_removes_what_the_old_run_wrote_and_keeps_the_users_files(work
     old adapter) and no adapter card or base record of the old run; a file of the user's stays, and so does one the
     old run wrote but the user changed since (it is theirs now)."""
     out = tmp_path / "run"
-    train(workdir, 2, out, "--lora", "--lora-r", "4", "--max-steps", "1", "--eval-fraction", "0")
+    lora = ["--lora", "--lora-r", "4", "--max-steps", "1", "--eval-fraction", "0", "--report-to", "tensorboard"]
+    train(workdir, 2, out, *lora)
     assert (out / "adapter_config.json").is_file() and (out / ".diff-transformer-run.json").is_file()
     (out / "notes.txt").write_text("mine")
+    (out / "runs" / "mine.txt").write_text("mine")  # inside a directory the run made: the directory is not all its
     with open(out / "adapter_model.safetensors", "ab") as f:
         f.write(b" ")  # changed since the old run wrote it: no longer provably the run's
     train(workdir, 2, out, "--max-steps", "1", "--eval-fraction", "0", "--overwrite")
     left = {p.name for p in out.iterdir()}
     assert not {"adapter_config.json", "base_model.json"} & left
     assert {"config.json", "model.safetensors", "notes.txt", "adapter_model.safetensors"} <= left
-    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "notes.txt").read_text() == "mine" and (out / "runs" / "mine.txt").read_text() == "mine"
     assert type(AutoModelForCausalLM.from_pretrained(out)).__name__ == "DiffForCausalLM"
     assert "README.md" in json.loads((out / ".diff-transformer-run.json").read_text())  # this run's, recorded
