@@ -153,6 +153,9 @@ def test_niah_refuses_bad_grids_in_one_line(refused, tmp_path):
     with pytest.MonkeyPatch.context() as patch:  # a machine without matplotlib: told before anything runs
         patch.setattr(niah_command, "installed", lambda name: name != "matplotlib")
         refused(["niah", model, "--out", out, "--lengths", "200"], "needs matplotlib", "--no-figure")
+    refused(["niah", model, "--out", TINY / "inside", "--lengths", "200"], "overlaps MODEL", "never modified")
+    refused(["niah", model, "--out", "", "--lengths", "200"], "--out is empty")
+    assert not (TINY / "inside").exists()
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "mine.txt").write_text("keep")

@@ -131,7 +131,9 @@ def run(args) -> int:
         builder = niah.PromptBuilder(tokenizer, haystack, chat=chat)
         prompts = niah.build_grid(builder, lengths, depths, args.needles, args.seed)
         plans.append((text, source, tokenizer, chat, prompts))
-    out = check_target(args.out, name="--out", sources={f"MODEL {text}": s.local for text, s, *_ in plans if s.local})
+    out = check_target(args.out, name="--out")
+    for _, source, *_ in plans:  # one MODEL at a time, each named once in the message
+        check_target(args.out, name="--out", sources={"MODEL": source.local} if source.local else None)
     staging = Staging(out, overwrite=args.overwrite, name="--out")
     results = []
     with staging as tmp:
