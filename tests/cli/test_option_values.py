@@ -41,7 +41,18 @@ COMMANDS = {
     ),
     "niah": (
         ["niah", "{model}", "--out", "out/niah", "--lengths", "4", "--depths", "0", "--needles", "1"],
-        ["--lengths", "--depths", "--needles", "--seed", "--batch-size", "--max-new-tokens", "--device", "--dtype"],
+        [
+            "--lengths",
+            "--depths",
+            "--needles",
+            "--seed",
+            "--batch-size",
+            "--max-new-tokens",
+            "--device",
+            "--dtype",
+            "--backend",
+            "--haystack",
+        ],
     ),
     "train": (
         [
