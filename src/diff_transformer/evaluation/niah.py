@@ -50,16 +50,17 @@ def default_haystack() -> str:
 def read_haystack(path) -> str:
     """A user's haystack file: UTF-8 text, not empty, at most 64 MiB (one line each otherwise)."""
     path = Path(path)
+    shown = repr(str(path))  # quoted, so a newline or control character in the name stays on one line
     if not path.is_file():
-        raise UserError(f"--haystack {path} is not a file: pass a UTF-8 text file.")
+        raise UserError(f"--haystack {shown} is not a file: pass a UTF-8 text file.")
     if path.stat().st_size > MAX_HAYSTACK_BYTES:
-        raise UserError(f"--haystack {path} is larger than 64 MiB: pass a shorter text (a few MB make 1M tokens).")
+        raise UserError(f"--haystack {shown} is larger than 64 MiB: pass a shorter text (a few MB make 1M tokens).")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise UserError(f"--haystack {path} is not UTF-8 text: convert it (e.g. iconv -t utf-8).") from None
+        raise UserError(f"--haystack {shown} is not UTF-8 text: convert it (e.g. iconv -t utf-8).") from None
     if not text.strip():
-        raise UserError(f"--haystack {path} is empty: pass a text with some sentences.")
+        raise UserError(f"--haystack {shown} is empty: pass a text with some sentences.")
     return text
 
 
