@@ -44,9 +44,14 @@ from diff_transformer import cli
 from diff_transformer.conversion import convert_to_diff
 
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure import DEPTHS, NEEDLES, measure, second_text_name  # noqa: E402
+
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 LLAMA = REPO / "src" / "diff_transformer" / "assets" / "tiny-llama"
+SOURCES = {"tiny-llama": "tiny Llama", "smollm2": "SmolLM2-135M-Instruct", None: "tiny Llama"}
 # The page's figures go in this folder beside it (docs/experiments/continued_pretraining/ by default).
 FIGURES = "continued_pretraining"
 NAMES = {
@@ -130,6 +135,11 @@ def parse_args(argv=None):
         "--merge", type=Path, nargs="+", default=None, help="combine the runs of several .json files (same settings)"
     )
     p.add_argument("--note", default=None, help="a remark on the machine for the .md (e.g. its load)")
+    p.add_argument(
+        "--no-measure",
+        action="store_true",
+        help="skip measure.py's attention noise and second-text perplexity at step 0 and the end of each run",
+    )
     return p.parse_args(argv)
 
 
@@ -291,6 +301,36 @@ def summary(results: dict) -> dict:
     return out
 
 
+def measured_lines(results: dict, figures: dict, args) -> list[str]:
+    """The table of measure.py's figures (attention noise, second-text perplexity), where the runs have them."""
+    measured = {name: r for name, r in results.items() if all("measured" in run for run in r["runs"].values())}
+    if not measured:
+        return []
+
+    def cell(name, when, key, digits):
+        values = [run["measured"][when][key] for run in measured[name]["runs"].values()]
+        mean, sd = mean_sd(values)
+        return f"{mean:.{digits}f}" + (f" ± {sd:.{digits}f}" if len(values) > 1 else "")
+
+    length = next(iter(next(iter(measured.values()))["runs"].values()))["measured"]["end"]["noise_length"]
+    lines = [
+        f"Attention noise (measure.py: `noise_mass` of the answer position's row outside the needle sentence, "
+        f"{len(DEPTHS)} depths x {NEEDLES} needles of `diff-transformer niah` at {length} tokens, mean over layers "
+        f"and heads; lower = more attention on the fact) and perplexity on a second text, "
+        f"{figures.get('second_text', 'the Python Language Reference')}:",
+        "",
+        f"| model | noise, step 0 | noise, step {args.steps} | 2nd-text ppl, step 0 | "
+        f"2nd-text ppl, step {args.steps} |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name in measured:
+        lines.append(
+            f"| {NAMES[name]} | {cell(name, 'step0', 'noise', 3)} | {cell(name, 'end', 'noise', 3)} | "
+            f"{cell(name, 'step0', 'ppl_text2', 2)} | {cell(name, 'end', 'ppl_text2', 2)} |"
+        )
+    return lines + [""]
+
+
 def markdown(results: dict, figures: dict, args) -> str:
     table = summary(results)
 
@@ -315,7 +355,8 @@ def markdown(results: dict, figures: dict, args) -> str:
     )
     seeds = len(args.seeds)
     lines = [
-        "# Continued pretraining after conversion (tiny Llama, Jane Austen)",
+        f"# Continued pretraining after conversion ({SOURCES.get(figures.get('source'), figures.get('source'))}, "
+        "Jane Austen)",
         "",
         f"Produced by `python experiments/continued_pretraining/continued_pretraining.py {command}`. Held-out "
         "perplexity: `diff-transformer train`'s evaluation (exp of the mean token NLL over data/heldout.txt packed "
@@ -330,6 +371,7 @@ def markdown(results: dict, figures: dict, args) -> str:
         *rows,
         "",
     ]
+    lines += measured_lines(results, figures, args)
     if "v2_vs_llama_step0_abs_loss_diff" in figures:
         lines.append(
             "* V2 at step 0 vs the Llama: max |Δ eval loss| over seeds = "
@@ -485,6 +527,9 @@ def main(argv=None) -> int:
             models[key] = target
         for name in args.models:
             run = train(name, models[name.split("-")[0]], work / f"run-{name}-seed{seed}", seed, args)
+            if not args.no_measure:
+                start, end = models[name.split("-")[0]], work / f"run-{name}-seed{seed}"
+                run["measured"] = {"step0": measure(start, args.block_size), "end": measure(end, args.block_size)}
             results[name]["runs"][str(seed)] = run
 
     figures = {
@@ -494,8 +539,11 @@ def main(argv=None) -> int:
             f"torch {torch.__version__}"
         ),
         "note": args.note,
+        "source": args.source.name,
         "results": results,
     }
+    if not args.no_measure:
+        figures["second_text"] = second_text_name()
     _step0_check(figures)
     render(figures, args)
     print()
