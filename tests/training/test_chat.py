@@ -196,3 +196,23 @@ def test_data_and_chat_data_are_exclusive_and_resume_keeps_the_kind(workdir, tmp
     argv = ["train", str(workdir / "v2"), "--data", str(text), "--output", str(out), *QUIET, "--max-steps", "3"]
     assert cli.main([*argv, "--block-size", "64", "--resume", str(out / "checkpoint-1")]) == 2
     assert "that run trained on --chat-data, not --data" in capsys.readouterr().err
+
+
+def test_labels_equal_trls_prompt_completion_masking(workdir, tokenizer, tmp_path):
+    """TRL (not a dependency: skipped without it) tokenises each conversation split before its last answer as a
+    prompt and a completion, the loss on the completion: the same input ids, and the same labels on that answer."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    conversations = [json.loads(line)["messages"] for line in (REPOSITORY / "data" / "chat.jsonl").open()]
+    pairs = Dataset.from_list([{"prompt": m[:-1], "completion": m[-1:]} for m in conversations])
+    config = SFTConfig(output_dir=str(tmp_path / "trl"), max_length=None, bf16=False, report_to="none")
+    trainer = SFTTrainer(model=str(workdir / "v2"), train_dataset=pairs, args=config)
+    for messages, example in zip(conversations, trainer.train_dataset, strict=True):
+        ids, labels = conversation_tokens(tokenizer, messages)
+        prompt = len(
+            tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, return_dict=True)["input_ids"]
+        )
+        assert example["input_ids"] == ids
+        assert example["labels"] == [IGNORE] * prompt + labels[prompt:]
