@@ -153,7 +153,7 @@ def test_bad_chat_data_is_refused_in_one_line(refused, workdir, tmp_path):
     refuse([good, "{not json"], f"{tmp_path / 'bad.jsonl'}:2:", "not valid JSON")
     refuse([good, '{"text": "plain"}'], "bad.jsonl:2:", 'no "messages" list')
     refuse(['{"messages": [{"role": "tool", "content": "x"}]}'], "bad.jsonl:1:", "message 0 has role 'tool'")
-    refuse(['{"messages": ["hi"]}'], "message 0 has a str")
+    refuse(['{"messages": ["hi"]}'], "message 0 is a JSON string, not an object")
     refuse(['{"messages": [{"role": "user", "content": 7}]}'], 'message 0 (user) has no string "content"')
     refuse(['{"messages": [{"role": "user", "content": "Hi"}]}'], "bad.jsonl:1:", "no assistant turn")
     refuse([""], "holds no conversation")

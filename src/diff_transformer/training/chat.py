@@ -28,6 +28,7 @@ from .data import _read_text, held_out_indices
 
 IGNORE = -100  # the label that transformers' causal-LM loss skips
 ROLES = ("system", "user", "assistant")
+_JSON_TYPES = {str: "string", list: "array", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
 def read_conversations(path: str | Path) -> list[tuple[str, list[dict]]]:
@@ -60,10 +61,12 @@ def check_messages(record, where: str) -> list[dict]:
         )
     plain = []
     for k, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(message, dict):
+            kind = _JSON_TYPES.get(type(message), type(message).__name__)
+            raise TrainingError(f'{where}: message {k} is a JSON {kind}, not an object with a "role" and a "content"')
+        role = message.get("role")
         if role not in ROLES:
-            got = f"role {role!r}" if isinstance(message, dict) else f"a {type(message).__name__}"
-            raise TrainingError(f"{where}: message {k} has {got}: each message needs a role of {', '.join(ROLES)}")
+            raise TrainingError(f"{where}: message {k} has role {role!r}: use {', '.join(ROLES)}")
         if not isinstance(message.get("content"), str):
             raise TrainingError(f'{where}: message {k} ({role}) has no string "content"')
         plain.append({"role": role, "content": message["content"]})
