@@ -77,7 +77,9 @@ class DiffConfig(PreTrainedConfig):
         diff_version (int):
             1: the ICLR 2025 paper, `(softmax(Q1K1ᵀ) - λ softmax(Q2K2ᵀ)) V` with a per-layer scalar λ, V of width 2d
             and a per-head RMSNorm (`subln`). 2: Diff Transformer V2, 2H standard query heads paired as
-            `a_2h - sigmoid(W_λ x)_h a_2h+1`, K/V and cache exactly a Llama's. Defaults to 1.
+            `a_2h - sigmoid(W_λ x)_h a_2h+1`, K/V and cache exactly a Llama's. Defaults to 2. A config dict or
+            config.json *without* the field (`from_dict`, `from_pretrained`) is V1: 1 was the default when such
+            checkpoints were saved. Saved configs always hold the field.
         head_dim (int | None):
             Query/key sub-head size d. Defaults to `hidden_size // (2 * num_attention_heads)`, so that V1 has the
             parameter count of a Llama with `2 * num_attention_heads` heads of size d (plus 6d per layer).
@@ -159,7 +161,7 @@ class DiffConfig(PreTrainedConfig):
     attention_bias: bool = False
     attention_dropout: int | float | None = 0.0
     mlp_bias: bool = False
-    diff_version: int = 1
+    diff_version: int = 2
     lambda_init: float | None = None
     lambda_std: float = 0.1
     lambda_floor: float | None = None
@@ -172,6 +174,14 @@ class DiffConfig(PreTrainedConfig):
     lambda_init_depth_offset: int = 0
     subln_eps: float | None = None
     conversion: dict | None = None
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        # Checkpoints saved while V1 was the default may omit `diff_version` (transformers 4 left out fields equal to
+        # the class default): they stay V1. `to_dict` always writes the field, so no new checkpoint relies on this.
+        if "diff_version" not in config_dict:
+            config_dict = {**config_dict, "diff_version": 1}
+        return super().from_dict(config_dict, **kwargs)
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:

@@ -260,7 +260,9 @@ def test_generation_limit_clamps_to_the_context_and_the_flag():
 
     from diff_transformer.cli.serve import _generation_limit
 
-    model = SimpleNamespace(config=DiffConfig(max_position_embeddings=64, hidden_size=32, num_attention_heads=2))
+    model = SimpleNamespace(
+        config=DiffConfig(max_position_embeddings=64, hidden_size=32, num_attention_heads=2, diff_version=1)
+    )
     inputs = {"input_ids": torch.zeros(1, 10, dtype=torch.long)}
     for asked, limit, expected in ((10**8, None, 54), (10**8, 7, 7), (5, 7, 5), (None, None, 54)):
         config = SimpleNamespace(max_new_tokens=asked)

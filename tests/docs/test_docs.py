@@ -14,6 +14,8 @@ the line before it, which the test reports as the skip reason:
     <!-- docs-test: partial reason -->           only the block's `diff-transformer` commands run, `serve` aside
     <!-- docs-test: hub -->                     run against tests/helpers/hub_server.py's fake Hub (started for the
                                                 page)
+    <!-- docs-test: needs trl -->               run where every module named is installed, else skipped (an optional
+                                                library the package does not depend on); never a prerequisite
 
 Blocks in other languages (text, yaml, output listings) are not code and are not collected.
 """
@@ -28,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from diff_transformer.errors import installed
 from tests.helpers import REPOSITORY
 
 
@@ -35,7 +38,7 @@ ROOT = REPOSITORY
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 RUNNABLE = {"python", "bash", "sh", "shell", "console"}
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
-MARKER = re.compile(r"<!--\s*docs-test:\s*(?P<kind>skip|slow|fails|partial|hub)\b\s*(?P<reason>.*?)\s*-->\s*$")
+MARKER = re.compile(r"<!--\s*docs-test:\s*(?P<kind>skip|slow|fails|partial|hub|needs)\b\s*(?P<reason>.*?)\s*-->\s*$")
 
 
 class Block:
@@ -94,7 +97,7 @@ class Session:
         tiny = "src/diff_transformer/assets/tiny-llama"
         shutil.copytree(ROOT / tiny, directory / tiny)
         (directory / "data").mkdir()
-        for name in ("corpus.txt", "heldout.txt"):
+        for name in ("corpus.txt", "heldout.txt", "chat.jsonl"):
             shutil.copy(ROOT / "data" / name, directory / "data" / name)
         self.namespace = {"__name__": "__docs__"}
         self.done = -1
@@ -180,8 +183,8 @@ def test_every_block_is_runnable_or_says_why_not():
         for block in blocks:
             if block.kind == "skip" and not block.reason:
                 problems.append(f"{block.id}: skip marker without a reason")
-            if block.kind == "partial" and not block.reason:
-                problems.append(f"{block.id}: partial marker without a reason")
+            if block.kind in ("partial", "needs") and not block.reason:
+                problems.append(f"{block.id}: {block.kind} marker without a reason")
             runnable = shell_commands(block.code, partial=block.kind == "partial") is not None
             if block.kind != "skip" and block.lang != "python" and not runnable:
                 problems.append(f"{block.id}: commands other than diff-transformer, and no skip reason")
@@ -193,6 +196,9 @@ def test_every_block_is_runnable_or_says_why_not():
 def test_block(block: Block, session_for, one_torch_thread):
     if block.kind == "skip":
         pytest.skip(block.reason)
+    absent = [name for name in block.reason.split() if block.kind == "needs" and not installed(name)]
+    if absent:
+        pytest.skip(f"needs {', '.join(absent)}, which is not installed")
     session = session_for(block)
     # Run the earlier blocks of the page this one builds on that have not run yet (under -k). Slow blocks are never
     # prerequisites: later blocks must not need what they make, so the quick loop can leave them out.

@@ -103,3 +103,35 @@ def test_converted_motif_checkpoint_loads_as_remote_code(tmp_path):
     # more than a plain Llama layer's (CI measured 1e-6 < |Δ| on logits of about 2).
     report = run_isolated(out, ids, {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
     check(report, model, ids, atol=1e-5)
+
+
+def test_default_version_is_2_and_a_config_without_the_field_loads_as_v1(tmp_path):
+    """DiffConfig() is V2; a config.json saved while V1 was the default (no `diff_version`) still loads as V1, with
+    the package and with the checkpoint's own configuration_diff.py; saved configs always name their version."""
+    from transformers import AutoConfig
+
+    from diff_transformer import DiffConfig
+
+    assert DiffConfig().diff_version == 2
+    for version in (1, 2):
+        saved = tmp_path / f"v{version}"
+        DiffConfig(hidden_size=32, num_attention_heads=2, diff_version=version).save_pretrained(saved)
+        assert json.loads((saved / "config.json").read_text())["diff_version"] == version
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "v1", old)
+    values = json.loads((old / "config.json").read_text())
+    del values["diff_version"]
+    (old / "config.json").write_text(json.dumps(values))
+    assert DiffConfig.from_pretrained(old).diff_version == 1
+    assert AutoConfig.from_pretrained(old).diff_version == 1
+    assert DiffConfig.from_dict(values).diff_version == 1
+    assert DiffConfig(**values).diff_version == 2  # the constructor's default: only a loaded dict means V1
+    script = (
+        "import json, sys\nfrom transformers import AutoConfig\n"
+        "config = AutoConfig.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "print(json.dumps([type(config).__module__, config.diff_version]))\n"
+    )
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    for path, version in ((old, 1), (tmp_path / "v2", 2)):
+        module, loaded = run_json(script, path, env=env)
+        assert module.startswith("transformers_modules.") and loaded == version

@@ -257,6 +257,6 @@ def test_every_config_field_is_placed_for_vllm():
 
 
 def test_vllm_refuses_an_unsupported_activation_in_one_line():
-    config = DiffConfig(hidden_size=64, num_attention_heads=2, vocab_size=64, hidden_act="gelu")
+    config = DiffConfig(hidden_size=64, num_attention_heads=2, vocab_size=64, hidden_act="gelu", diff_version=1)
     with pytest.raises(ValueError, match=r"^hidden_act='gelu' is not supported by diff-transformer's vLLM model"):
         fields.check_config(config)

@@ -442,6 +442,7 @@ def test_default_head_dim_and_parameter_budget():
         intermediate_size=1024,
         num_hidden_layers=1,
         vocab_size=10,
+        diff_version=1,
     )
     assert config.head_dim == 64
     from transformers import LlamaConfig, LlamaForCausalLM

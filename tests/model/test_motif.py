@@ -198,11 +198,11 @@ def test_vllm_places_the_motif_options():
     """vLLM computes them (tests/vllm/test_motif.py); other activations are still refused in one line."""
     config = DiffConfig(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=64, num_noise_heads=2,
-        hidden_act="poly_norm", lambda_init_depth_offset=-1, subln_eps=1e-5,
+        diff_version=1, hidden_act="poly_norm", lambda_init_depth_offset=-1, subln_eps=1e-5,
     )  # fmt: skip
     fields.check_config(config)
     assert {"num_noise_heads", "lambda_init_depth_offset", "subln_eps"} <= set(fields.HONOURED)
-    config = DiffConfig(hidden_size=64, num_attention_heads=4, vocab_size=64, hidden_act="gelu")
+    config = DiffConfig(hidden_size=64, num_attention_heads=4, vocab_size=64, hidden_act="gelu", diff_version=1)
     with pytest.raises(ValueError, match=r"^hidden_act='gelu' is not supported .* \(only silu, poly_norm\)"):
         fields.check_config(config)
 

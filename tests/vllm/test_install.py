@@ -39,10 +39,14 @@ def test_entry_point_registers_config_and_architecture():
 def test_tensor_parallel_sizes_that_split_a_head_are_refused():
     from diff_transformer import DiffConfig
 
-    config = DiffConfig(hidden_size=96, num_attention_heads=3, num_key_value_heads=1, head_dim=32, vocab_size=64)
+    config = DiffConfig(
+        hidden_size=96, num_attention_heads=3, num_key_value_heads=1, head_dim=32, vocab_size=64, diff_version=1
+    )
     _check_tensor_parallel(config, 3)  # one head per rank, the single key/value group replicated
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide num_attention_heads=3"):
         _check_tensor_parallel(config, 2)
-    config = DiffConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, head_dim=16, vocab_size=64)
+    config = DiffConfig(
+        hidden_size=96, num_attention_heads=6, num_key_value_heads=3, head_dim=16, vocab_size=64, diff_version=1
+    )
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 and num_key_value_heads=3"):
         _check_tensor_parallel(config, 2)

@@ -28,13 +28,16 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
 def options_without_default(parser) -> list[str]:
     """The options of PARSER whose help says no default (what `DefaultsHelpFormatter` cannot add: a None default,
-    or no help at all, which argparse then does not format)."""
+    or no help at all, which argparse then does not format). Required options, and those of a required group of
+    alternatives (train's --data / --chat-data), have none to say."""
     formatter = DefaultsHelpFormatter("x")
+    chosen = {id(a) for group in parser._mutually_exclusive_groups if group.required for a in group._group_actions}
     return [
         action.option_strings[-1]
         for action in parser._actions
         if action.option_strings
         and not action.required
+        and id(action) not in chosen
         and action.nargs != 0
         and action.help is not argparse.SUPPRESS
         and (not action.help or "default" not in formatter._get_help_string(action).lower())

@@ -6,7 +6,8 @@ from ..training.args import add_train_arguments
 
 def add_parser(commands) -> None:
     train = commands.add_parser(
-        "train", help="continued pretraining (transformers' Trainer) on local .txt/.jsonl files"
+        "train",
+        help="continued pretraining (transformers' Trainer) on local .txt/.jsonl files, or chat fine-tuning",
     )
     add_train_arguments(train).set_defaults(func=run)
 

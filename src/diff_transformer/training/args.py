@@ -21,26 +21,39 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     p.add_argument(
         "model", help="Diff checkpoint directory or Hub id (convert a Llama first: diff-transformer convert)"
     )
-    p.add_argument(
-        "--data",
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--data", nargs="+", metavar="FILE", help="training text: .txt files (one document each) or .jsonl"
+    )
+    source.add_argument(
+        "--chat-data",
         nargs="+",
-        required=True,
         metavar="FILE",
-        help="training text: .txt files (one document each) or .jsonl",
+        help='chat fine-tuning instead: .jsonl of {"messages": [{"role", "content"}, ...]}, rendered with the chat '
+        "template, loss on the assistant turns only",
     )
     p.add_argument("--output", required=True, help="directory for checkpoints, TensorBoard logs and the final model")
     p.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
 
     data = p.add_argument_group("data")
-    data.add_argument("--eval-data", nargs="+", metavar="FILE", help="held-out files (default: a split of --data)")
+    data.add_argument(
+        "--eval-data",
+        nargs="+",
+        metavar="FILE",
+        help="held-out files, in the format of the training data (default: a split of it)",
+    )
     data.add_argument(
         "--eval-fraction",
         type=float,
         default=0.05,
-        help="share of --data blocks held out when no --eval-data; 0 = no eval",
+        help="share of the blocks (or conversations) held out when no --eval-data; 0 = no eval",
     )
     data.add_argument(
-        "--block-size", type=int, default=None, help="tokens per training block (default: min(1024, context length))"
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per training block; with --chat-data the longest example, longer ones truncated (default: "
+        "min(1024, context length))",
     )
     data.add_argument("--no-bos", action="store_true", help="do not start every block with the tokenizer's bos token")
 
@@ -170,6 +183,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 def parse_train_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="diff-transformer train", description="Continued pretraining of a Diff model."
+        prog="diff-transformer train", description="Continued pretraining or chat fine-tuning of a Diff model."
     )
     return add_train_arguments(parser).parse_args(argv)

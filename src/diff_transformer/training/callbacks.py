@@ -167,13 +167,13 @@ def _add_to_log(state, logs: dict, values: dict) -> None:
 
 class RunSettingsCallback(TrainerCallback, ExportableState):
     """Stores in every checkpoint's trainer_state.json (`stateful_callbacks`) the settings that decide which tokens
-    make up each block, so that `--resume` can refuse to continue a run with other blocks."""
+    make up each block (or chat example), so that `--resume` can refuse to continue a run with other blocks."""
 
-    def __init__(self, block_size: int, bos: bool):
-        self.block_size, self.bos = block_size, bos
+    def __init__(self, block_size: int, bos: bool, chat: bool = False):
+        self.block_size, self.bos, self.chat = block_size, bos, chat
 
     def state(self) -> dict:
-        return {"args": {"block_size": self.block_size, "bos": self.bos}, "attributes": {}}
+        return {"args": {"block_size": self.block_size, "bos": self.bos, "chat": self.chat}, "attributes": {}}
 
 
 LAMBDA_SUMMARY = ("lambda_mean", "lambda_min", "lambda_max")

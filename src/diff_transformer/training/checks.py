@@ -109,6 +109,10 @@ def check_args(args, config) -> int:
             f"--lambda-warmup-steps {args.lambda_warmup_steps} exceeds --max-steps {args.max_steps}: the ramp must "
             "end before the run does, or the saved model is not the one trained; lower it"
         )
+    if getattr(args, "chat_data", None):  # the chat template decides the bos token and the text
+        for flag, given in (("--no-bos", args.no_bos), ("--text-field", args.text_field != "text")):
+            if given:
+                raise TrainingError(f"{flag} applies to --data only: --chat-data renders with the chat template")
     if args.diff_only_steps and args.lora:
         raise TrainingError("--diff-only-steps and --lora do not combine (LoRA already trains only adapters and λ)")
     _check_ranges(args)

@@ -87,6 +87,12 @@ def resolve_resume(args, block_size: int) -> str | None:
             f"not {block_size}: pass "
             f"--block-size {settings['block_size']} to continue it, or start a new run in another --output"
         )
+    chat = bool(getattr(args, "chat_data", None))
+    if settings.get("chat", False) != chat:
+        trained, given = ("--chat-data", "--data") if settings["chat"] else ("--data", "--chat-data")
+        raise TrainingError(
+            f"--resume {checkpoint}: that run trained on {trained}, not {given}: resume it the same way"
+        )
     if settings.get("bos", not args.no_bos) != (not args.no_bos):
         flag = "without --no-bos" if settings["bos"] else "with --no-bos"
         raise TrainingError(f"--resume {checkpoint}: that run packed its blocks {flag}: resume it the same way")

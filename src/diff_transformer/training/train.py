@@ -1,13 +1,15 @@
-"""`diff-transformer train`: continued pretraining of a Diff checkpoint with transformers' Trainer.
+"""`diff-transformer train`: continued pretraining or chat fine-tuning of a Diff checkpoint with transformers' Trainer.
 
     diff-transformer train MODEL --data corpus.txt --output run/ --max-steps 1000 --eval-steps 100
+    diff-transformer train MODEL --chat-data chats.jsonl --output run/ --lora   # loss on the assistant turns only
     torchrun --nproc_per_node 2 -m diff_transformer.cli train MODEL --data corpus.txt --output run/   # DDP
 
 Everything that Trainer already does (the loop, lr schedule and warm-up, gradient accumulation, mixed precision,
 activation checkpointing, checkpoints with optimizer/scheduler/RNG state and exact resume, progress bars, TensorBoard,
-DDP) is Trainer's; this module only turns the command line into `TrainingArguments`, packs the text
-(`data.py`) and adds three things: the perplexity of every evaluation, λ per layer in the logs (`callbacks.py`) and
-`--diff-only-steps` (`freeze.py`). Summaries are printed by the main process only; Trainer writes its own files there.
+DDP) is Trainer's; this module only turns the command line into `TrainingArguments`, packs the text (`data.py`) or
+tokenises the conversations (`chat.py`) and adds three things: the perplexity of every evaluation, λ per layer in the
+logs (`callbacks.py`) and `--diff-only-steps` (`freeze.py`). Summaries are printed by the main process only; Trainer
+writes its own files there.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from .callbacks import (
     console_logs,
     last_lambda_summary,
 )
+from .chat import ChatCollator, build_chat_datasets, check_chat_template, pad_id
 from .checks import check_args, check_output, report_targets
 from .data import build_datasets
 from .freeze import DiffOnlyCallback
@@ -47,7 +50,8 @@ class CausalLMTrainer(Trainer):
     """Trainer whose evaluations also report perplexity = exp(mean token NLL) as `<prefix>_perplexity`.
 
     The eval loss is already the mean NLL over every predicted token: all blocks have the same length and no padding,
-    and Trainer weights each batch's mean loss by its number of blocks."""
+    and Trainer weights each batch's mean loss by its number of blocks. With --chat-data it is the mean, over
+    conversations, of the mean answer-token NLL of each one's batch (answers differ in length)."""
 
     def evaluation_loop(
         self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
@@ -132,15 +136,23 @@ def build_trainer(args) -> PreparedRun:
     except (OSError, ValueError, TypeError) as error:
         raise TrainingError(f"{args.model} has no usable tokenizer ({str(error).splitlines()[0]})") from None
     set_seed(args.seed)  # before the model: LoRA's initialisation draws random numbers
-    train_data, eval_data = build_datasets(
-        tokenizer,
-        args.data,
-        block_size,
-        eval_data=args.eval_data,
-        eval_fraction=args.eval_fraction,
-        text_field=args.text_field,
-        bos=not args.no_bos,
-    )
+    collator = None  # Trainer's default: it stacks the equal-length blocks
+    if args.chat_data:
+        check_chat_template(tokenizer, args.model)
+        train_data, eval_data = build_chat_datasets(
+            tokenizer, args.chat_data, block_size, eval_data=args.eval_data, eval_fraction=args.eval_fraction
+        )
+        collator = ChatCollator(pad_id(tokenizer))
+    else:
+        train_data, eval_data = build_datasets(
+            tokenizer,
+            args.data,
+            block_size,
+            eval_data=args.eval_data,
+            eval_fraction=args.eval_fraction,
+            text_field=args.text_field,
+            bos=not args.no_bos,
+        )
     training_args = training_arguments(args, eval_data is not None, resume is not None)
     model = load_model(args, training_args)
     foreign = resume is not None and Path(resume).resolve().parent != Path(args.output).resolve()
@@ -155,7 +167,7 @@ def build_trainer(args) -> PreparedRun:
                     shutil.rmtree(old)
                 remove_recorded(Path(args.output))
 
-    callbacks = [RunSettingsCallback(block_size, bos=not args.no_bos)]
+    callbacks = [RunSettingsCallback(block_size, bos=not args.no_bos, chat=bool(args.chat_data))]
     callbacks += [DiffOnlyCallback(model, args.diff_only_steps)] if args.diff_only_steps else []
     if args.lora:
         source = model_source(args)
@@ -165,6 +177,7 @@ def build_trainer(args) -> PreparedRun:
         args=training_args,
         train_dataset=train_data,
         eval_dataset=eval_data,
+        data_collator=collator,
         processing_class=tokenizer,
         callbacks=callbacks,
     )
@@ -218,12 +231,15 @@ def _run(args) -> int:
         n_params = sum(p.numel() for p in model.parameters())
         n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
         world = trainer.args.world_size
+        unit = "conversations" if args.chat_data else "blocks"
+        size = f"of at most {block_size} tokens" if args.chat_data else f"of {block_size} tokens"
         print(
             f"model: {type(model).__name__} from {args.model}, {n_params:,} parameters ({n_train:,} trainable)\n"
-            f"data: {len(train_data):,} training blocks of {block_size} tokens"
+            f"data: {len(train_data):,} training {unit} {size}"
             + (f", {len(eval_data):,} held out" if eval_data is not None else ", no evaluation")
             + f"; {args.batch_size} x {args.grad_accum} accumulation x {world} process(es) = "
-            f"{args.batch_size * args.grad_accum * world} blocks per step"
+            f"{args.batch_size * args.grad_accum * world} {unit} per step"
+            + (_cut_note(train_data, eval_data, block_size) if args.chat_data else "")
             + (f"\nresuming from {resume}" if resume else ""),
             flush=True,
         )
@@ -252,6 +268,15 @@ def _run(args) -> int:
             line += f"; held-out loss {metrics['eval_loss']:.4f}, perplexity {metrics['eval_perplexity']:.3f}"
         print(line + f"\nsaved to {args.output}", flush=True)
     return 0
+
+
+def _cut_note(train_data, eval_data, block_size: int) -> str:
+    """A line on the conversations longer than the block size, if any: how many were truncated, how many dropped."""
+    truncated, dropped = (sum(getattr(d, key, 0) for d in (train_data, eval_data)) for key in ("truncated", "dropped"))
+    if not truncated:
+        return ""
+    note = f"\nnote: {truncated:,} conversation(s) longer than --block-size {block_size} were truncated to it"
+    return note + (f", {dropped:,} of them left out (no answer token within it)" if dropped else "")
 
 
 _DISK_ERRORS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)

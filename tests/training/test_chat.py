@@ -1,0 +1,218 @@
+"""`diff-transformer train --chat-data` (diff_transformer.training.chat): the assistant-only label mask against a hand
+computation on the shipped tiny tokenizer's chat template, padding, truncation, the held-out loss over answer tokens,
+full and LoRA runs on a 2-layer model, and every refusal of bad chat data."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from diff_transformer import DiffForCausalLM, cli
+from diff_transformer.training.chat import IGNORE, ChatCollator, build_chat_datasets, conversation_tokens
+from tests.helpers import REPOSITORY
+from tests.helpers.checkpoints import save_trainable_checkpoint
+from tests.helpers.training import QUIET
+
+
+TOKENIZER = REPOSITORY / "src" / "diff_transformer" / "assets" / "tiny-llama"
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Who wrote Emma?"},
+    {"role": "assistant", "content": "Jane Austen."},
+    {"role": "user", "content": "When?"},
+    {"role": "assistant", "content": "In 1815."},
+]
+SHORT = [  # a few conversations that fit the test model's 64 positions
+    [("user", "Who wrote Emma?"), ("assistant", "Jane Austen.")],
+    [("system", "Be brief."), ("user", "Her sister?"), ("assistant", "Cassandra.")],
+    [("user", "Emma's home?"), ("assistant", "Hartfield."), ("user", "Near?"), ("assistant", "Highbury.")],
+    [("user", "Author of Persuasion?"), ("assistant", "Austen.")],
+]
+
+
+def write_chats(path, conversations, repeat=1):
+    lines = [json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]}) for turns in conversations]
+    path.write_text("\n".join(lines * repeat) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    save_trainable_checkpoint(root / "v2", 2)
+    write_chats(root / "chat.jsonl", SHORT, repeat=2)
+    return root
+
+
+def test_the_shipped_tokenizer_has_a_chat_template(tokenizer):
+    assert tokenizer.chat_template and "add_generation_prompt" in tokenizer.chat_template
+
+
+def test_labels_are_the_assistant_turns_only_by_hand(tokenizer):
+    """The template written out by hand (no apply_chat_template): `<s>`, then `<|role|>\\ncontent</s>\\n` per
+    message. The prompt before each answer (`<|assistant|>\\n`) is masked; the answer, its `</s>` and newline are
+    learned."""
+    pieces = [  # (text, learned)
+        ("<s><|system|>\nBe brief.</s>\n<|user|>\nWho wrote Emma?</s>\n<|assistant|>\n", False),
+        ("Jane Austen.</s>\n", True),
+        ("<|user|>\nWhen?</s>\n<|assistant|>\n", False),
+        ("In 1815.</s>\n", True),
+    ]
+    ids, labels = [], []
+    for text, learned in pieces:
+        piece = tokenizer(text, add_special_tokens=False).input_ids
+        ids += piece
+        labels += piece if learned else [IGNORE] * len(piece)
+    assert conversation_tokens(tokenizer, MESSAGES) == (ids, labels)
+    assert tokenizer.decode([t for t in labels if t != IGNORE]) == "Jane Austen.</s>\nIn 1815.</s>\n"
+    assert ids[:2] == [tokenizer.bos_token_id, tokenizer.convert_tokens_to_ids("<|system|>")]
+
+
+def test_collator_pads_right_with_masked_labels(tokenizer):
+    features = [{"input_ids": torch.tensor([5, 6, 7]), "labels": torch.tensor([-100, 6, 7])}]
+    features.append({"input_ids": torch.tensor([8]), "labels": torch.tensor([-100])})
+    batch = ChatCollator(2)(features)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 2, 2]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, 6, 7], [-100, -100, -100]]
+
+
+def test_long_conversations_are_truncated_or_left_out(tokenizer, tmp_path):
+    path = write_chats(tmp_path / "c.jsonl", [[("user", "x" * 40), ("assistant", "y")], SHORT[0]])
+    full = [conversation_tokens(tokenizer, [{"role": r, "content": c} for r, c in SHORT[0]])]
+    first_answer = full[0][1].index(next(t for t in full[0][1] if t != IGNORE))
+    train, held = build_chat_datasets(tokenizer, [path], first_answer + 2, eval_fraction=0)
+    assert held is None and (train.truncated, train.dropped, len(train)) == (2, 1, 1)  # the long one has no answer
+    assert train[0]["input_ids"].tolist() == full[0][0][: first_answer + 2]
+    train, held = build_chat_datasets(tokenizer, [path] * 2, 64, eval_fraction=0.5)
+    assert (len(train), len(held), train.truncated, held.truncated) == (2, 2, 0, 0)
+
+
+def history(output):
+    return json.loads((output / "trainer_state.json").read_text())["log_history"]
+
+
+def chat_run(workdir, output, *extra):
+    argv = ["train", workdir / "v2", "--chat-data", workdir / "chat.jsonl", "--output", output, *QUIET]
+    argv += ["--block-size", "64", "--batch-size", "4", "--logging-steps", "1", "--lr", "3e-3", *extra]
+    assert cli.main([str(a) for a in argv]) == 0
+    return {entry["step"]: entry for entry in history(output) if "loss" in entry}
+
+
+def test_held_out_loss_is_the_mean_nll_of_the_answer_tokens(workdir, tmp_path, tokenizer):
+    """Step-0 evaluation of all held-out conversations in one padded batch = the untrained model's mean NLL over
+    every answer token, computed here one conversation at a time without padding."""
+    eval_file = write_chats(tmp_path / "eval.jsonl", SHORT)
+    chat_run(workdir, tmp_path / "out", "--eval-data", eval_file, "--eval-batch-size", "4", "--eval-on-start")
+    logged = next(entry["eval_loss"] for entry in history(tmp_path / "out") if entry.get("step") == 0)
+    model = DiffForCausalLM.from_pretrained(workdir / "v2", attn_implementation="eager").eval()
+    total, count = 0.0, 0
+    for turns in SHORT:
+        ids, labels = conversation_tokens(tokenizer, [{"role": r, "content": c} for r, c in turns])
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, :-1]
+        targets = torch.tensor(labels[1:])
+        nll = torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
+        total, count = total + nll.item(), count + int((targets != IGNORE).sum())
+    assert logged == pytest.approx(total / count, rel=1e-5)
+
+
+LORA = ["--lora", "--lora-target-modules", "q_proj", "v_proj", "o_proj", "down_proj", "--lr", "3e-2"]
+
+
+@pytest.mark.parametrize("extra", [[], LORA], ids=["full", "lora"])
+def test_loss_decreases_in_full_and_lora_training(workdir, tmp_path, extra):
+    """Every step trains on the same batch (all 8 conversations), so the loss falls steadily (LoRA's slowly: the
+    random model's embeddings and lm_head stay frozen)."""
+    logs = chat_run(workdir, tmp_path / "out", "--max-steps", "8", "--batch-size", "8", "--eval-fraction", "0", *extra)
+    assert sorted(logs) == list(range(1, 9))
+    drop = 0.08 if extra else 0.3
+    assert logs[8]["loss"] < logs[1]["loss"] - drop, (logs[1]["loss"], logs[8]["loss"])
+    saved = "adapter_config.json" if extra else "model.safetensors"
+    assert (tmp_path / "out" / saved).is_file()
+    state = json.loads((tmp_path / "out" / "checkpoint-8" / "trainer_state.json").read_text())
+    assert state["stateful_callbacks"]["RunSettingsCallback"]["args"]["chat"] is True
+
+
+def test_bad_chat_data_is_refused_in_one_line(refused, workdir, tmp_path):
+    out = tmp_path / "out"
+
+    def refuse(lines, *words, extra=()):
+        path = tmp_path / "bad.jsonl"
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        refused(["train", workdir / "v2", "--chat-data", path, "--output", out, *QUIET, *extra], *words)
+        assert not out.exists()
+
+    good = json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]})
+    refuse([good, "{not json"], f"{tmp_path / 'bad.jsonl'}:2:", "not valid JSON")
+    refuse([good, '{"text": "plain"}'], "bad.jsonl:2:", 'no "messages" list')
+    refuse(['{"messages": [{"role": "tool", "content": "x"}]}'], "bad.jsonl:1:", "message 0 has role 'tool'")
+    refuse(['{"messages": ["hi"]}'], "message 0 is a JSON string, not an object")
+    refuse(['{"messages": [{"role": "user", "content": 7}]}'], 'message 0 (user) has no string "content"')
+    refuse(['{"messages": [{"role": "user", "content": "Hi"}]}'], "bad.jsonl:1:", "no assistant turn")
+    refuse([""], "holds no conversation")
+    refuse([good], "--no-bos applies to --data only", extra=["--no-bos"])
+    refuse([good], "--text-field applies to --data only", extra=["--text-field", "body"])
+    refused(["train", workdir / "v2", "--chat-data", tmp_path / "missing.jsonl", "--output", out, *QUIET], "missing")
+
+
+@pytest.mark.parametrize(
+    "template, words",
+    [
+        (None, ["has no chat template", "--data"]),
+        (  # the number of messages up front: each turn rewrites what came before
+            "{{ messages|length }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+            ["bad.jsonl:1:", "does not render this conversation turn by turn"],
+        ),
+        ("{{ raise_exception('roles must alternate') }}", ["bad.jsonl:1:", "refuses", "roles must alternate"]),
+    ],
+    ids=["none", "not-a-prefix", "raises"],
+)
+def test_unusable_chat_templates_are_refused(refused, workdir, tmp_path, template, words):
+    model = tmp_path / "model"
+    save_trainable_checkpoint(model, 2)
+    (model / "chat_template.jinja").unlink()
+    if template is not None:
+        (model / "chat_template.jinja").write_text(template, encoding="utf-8")
+    data = write_chats(tmp_path / "bad.jsonl", SHORT[2:3])
+    refused(["train", model, "--chat-data", data, "--output", tmp_path / "out", *QUIET], *words)
+
+
+def test_data_and_chat_data_are_exclusive_and_resume_keeps_the_kind(workdir, tmp_path, capsys):
+    argv = ["train", str(workdir / "v2"), "--data", "a.txt", "--chat-data", "b.jsonl", "--output", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    out = tmp_path / "run"
+    chat_run(workdir, out, "--max-steps", "2", "--save-steps", "1", "--eval-fraction", "0")
+    text = tmp_path / "text.txt"
+    text.write_text("Emma Woodhouse, handsome, clever, and rich. " * 40, encoding="utf-8")
+    argv = ["train", str(workdir / "v2"), "--data", str(text), "--output", str(out), *QUIET, "--max-steps", "3"]
+    assert cli.main([*argv, "--block-size", "64", "--resume", str(out / "checkpoint-1")]) == 2
+    assert "that run trained on --chat-data, not --data" in capsys.readouterr().err
+
+
+def test_labels_equal_trls_prompt_completion_masking(workdir, tokenizer, tmp_path):
+    """TRL (not a dependency: skipped without it) tokenises each conversation split before its last answer as a
+    prompt and a completion, the loss on the completion: the same input ids, and the same labels on that answer."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    conversations = [json.loads(line)["messages"] for line in (REPOSITORY / "data" / "chat.jsonl").open()]
+    pairs = Dataset.from_list([{"prompt": m[:-1], "completion": m[-1:]} for m in conversations])
+    config = SFTConfig(output_dir=str(tmp_path / "trl"), max_length=None, bf16=False, report_to="none")
+    trainer = SFTTrainer(model=str(workdir / "v2"), train_dataset=pairs, args=config)
+    for messages, example in zip(conversations, trainer.train_dataset, strict=True):
+        ids, labels = conversation_tokens(tokenizer, messages)
+        prompt = len(
+            tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, return_dict=True)["input_ids"]
+        )
+        assert example["input_ids"] == ids
+        assert example["labels"] == [IGNORE] * prompt + labels[prompt:]
