@@ -136,6 +136,17 @@ def parse_args(argv=None):
     )
     p.add_argument("--note", default=None, help="a remark on the machine for the .md (e.g. its load)")
     p.add_argument(
+        "--save-every",
+        type=int,
+        default=None,
+        help="save a checkpoint every N steps (default: at the end only), so --resume can go on after an interruption",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse the converted models in --workdir and resume its interrupted runs from their last checkpoint",
+    )
+    p.add_argument(
         "--no-measure",
         action="store_true",
         help="skip measure.py's attention noise and second-text perplexity at step 0 and the end of each run",
@@ -157,14 +168,16 @@ def train(name: str, model: Path, out: Path, seed: int, args) -> dict:
     argv += ["--eval-on-start", "--eval-steps", str(args.eval_every), "--logging-steps", str(args.logging_steps)]
     argv += [
         "--save-steps",
-        str(args.steps),
+        str(args.save_every or args.steps),
         "--save-total-limit",
         "1",
         "--seed",
         str(seed),
         "--quiet",
     ]
-    if args.overwrite:
+    if args.resume and any(out.glob("checkpoint-*")):
+        argv.append("--resume")  # the interrupted run goes on from its last checkpoint, same data order
+    elif args.overwrite or args.resume:  # with --resume, a run that saved no checkpoint yet starts over
         argv.append("--overwrite")
     if name == "llama":
         argv.append("--any-model")
@@ -430,8 +443,8 @@ def check_args(args) -> str | None:
     from diff_transformer.errors import UserError
     from diff_transformer.safe_output import check_target
 
-    for flag in ("steps", "batch_size", "block_size", "eval_every", "logging_steps"):
-        if getattr(args, flag) < 1:
+    for flag in ("steps", "batch_size", "block_size", "eval_every", "logging_steps", "save_every"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             return f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1"
     if args.threads is not None and args.threads < 1:
         return f"--threads {args.threads} must be at least 1"
@@ -442,7 +455,7 @@ def check_args(args) -> str | None:
             work = check_target(args.workdir, name="--workdir")
         except UserError as error:
             return str(error)
-        if work.exists() and (not work.is_dir() or any(work.iterdir())) and not args.overwrite:
+        if work.exists() and (not work.is_dir() or any(work.iterdir())) and not (args.overwrite or args.resume):
             return (
                 f"--workdir {work} is not empty: pass --overwrite to replace the converted models and runs in it, "
                 "or choose another directory"
@@ -513,6 +526,9 @@ def main(argv=None) -> int:
                 continue
             version, v1_init, v1_layout = conversion
             target = work / f"tiny-diff-{key}-seed{seed}"
+            models[key] = target
+            if args.resume and (target / "config.json").is_file():
+                continue  # converted by the interrupted run (the same seed converts to the same model)
             options = {"v1_init": v1_init} if v1_init else {}
             options |= {"v1_layout": v1_layout} if v1_layout else {}
             convert_to_diff(
@@ -524,7 +540,6 @@ def main(argv=None) -> int:
                 overwrite=args.overwrite,
                 **options,
             )
-            models[key] = target
         for name in args.models:
             run = train(name, models[name.split("-")[0]], work / f"run-{name}-seed{seed}", seed, args)
             if not args.no_measure:

