@@ -175,6 +175,9 @@ def train(name: str, model: Path, out: Path, seed: int, args) -> dict:
         str(seed),
         "--quiet",
     ]
+    if args.resume and (out / "train_results.json").is_file():  # finished before the interruption
+        print(f"\n=== {NAMES[name]}, seed {seed}: finished earlier in {out}", flush=True)
+        return read_run(out, json.loads((out / "train_results.json").read_text())["train_runtime"])
     if args.resume and any(out.glob("checkpoint-*")):
         argv.append("--resume")  # the interrupted run goes on from its last checkpoint, same data order
     elif args.overwrite or args.resume:  # with --resume, a run that saved no checkpoint yet starts over
