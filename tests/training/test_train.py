@@ -481,6 +481,17 @@ def test_lora_trains_adapters_and_lambda_and_saves_the_adapter(workdir, tmp_path
         assert not torch.allclose(tuned(ids).logits, AutoModelForCausalLM.from_pretrained(workdir / "v2")(ids).logits)
 
 
+def test_lora_all_linear_shorthand_reaches_peft(workdir, tmp_path):
+    """`--lora-target-modules all-linear` is PEFT's shorthand (every linear layer but the LM head); argparse gives a
+    one-item list, which PEFT would read as a module name and target nothing."""
+    model = trainer_for(workdir, 1, tmp_path, "--lora", "--lora-target-modules", "all-linear").model
+    adapted = {
+        name.split(".")[-4] for name, _ in model.named_parameters() if "lora_A" in name
+    }  # ...q_proj.lora_A.default.weight
+    assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= adapted
+    assert "lm_head" not in adapted
+
+
 def test_qlora_cli_trains_4bit_base_with_lora_and_lambda(workdir, tmp_path):
     """--lora --load-in-4bit: NF4 base through transformers' bitsandbytes integration (bitsandbytes runs it on CPU),
     PEFT's k-bit preparation, adapters and λ trained and saved, the 4-bit weights themselves untouched."""

@@ -116,7 +116,8 @@ def add_lora(model, args):
         r=args.lora_r,
         lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout,
-        target_modules=args.lora_target_modules,
+        # PEFT takes its shorthand "all-linear" as a string, not as a one-item list (what argparse's nargs gives).
+        target_modules="all-linear" if args.lora_target_modules == ["all-linear"] else args.lora_target_modules,
         modules_to_save=["diff_lambda"] if train_lambda else None,
     )
     try:
