@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Continued pretraining of the real checkpoint, SmolLM2-135M-Instruct, against its Diff V2 and V1 conversions
 # (issue "V1 conversion 2", item 4): the Llama control, V1 (the default, differential conversion) and V2, one run each
-# with the same data order and seed, then the page docs/experiments/continued_pretraining_smollm2.md.
+# with the same data order and seed (each run also measures attention noise and a second text's perplexity at step 0
+# and the end: measure.py), then the page docs/experiments/<STEM>.md, and `diff-transformer niah` on the models before
+# and after training (docs/experiments/niah/<STEM>.json and .png).
 #
 #   bash experiments/continued_pretraining/smollm2.sh [WORKDIR]     # ~2-3 h on 2 CPU cores; minutes on a GPU
 #
@@ -27,3 +29,11 @@ for model in v1cal llama v2; do
 done
 "$PY" "$HERE/continued_pretraining.py" --merge "$HERE"/results/"${STEM}"_{llama,v2,v1cal}.json --stem "$STEM" \
   --note "${NOTE:-SmolLM2-135M-Instruct, one seed}"
+if [ ! -f "$REPO/docs/experiments/niah/$STEM.json" ]; then
+  ln -sfn "$WORK/smollm2" "$WORK/source" && ln -sfn "$WORK/v1cal/tiny-diff-v1cal-seed0" "$WORK/v1-step0"
+  for model in llama v1cal v2; do ln -sfn "$WORK/$model/run-$model-seed0" "$WORK/$model-trained"; done
+  "$PY" -m diff_transformer.cli niah "$WORK/source" "$WORK/v1-step0" "$WORK"/{llama,v1cal,v2}-trained \
+    --lengths 1024 2048 --depths 0 0.5 1 --needles 2 --out "$WORK/niah" --overwrite ${QUIET---quiet}
+  cp "$WORK/niah/niah.json" "$REPO/docs/experiments/niah/$STEM.json"
+  cp "$WORK/niah/niah.png" "$REPO/docs/experiments/niah/$STEM.png"
+fi
