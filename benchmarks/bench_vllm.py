@@ -72,7 +72,7 @@ from floors import decode_bytes, forward_macs, meta_model
 
 
 TINY_LLAMA = Path(__file__).resolve().parent.parent / "src" / "diff_transformer" / "assets" / "tiny-llama"
-MODELS = {"llama": "Llama (vLLM's Llama)", "v2": "Diff V2 (plugin)", "v1": "Diff V1 (plugin)"}
+MODELS = {"llama": "Llama", "v2": "Diff V2", "v1": "Diff V1"}  # on vLLM: its own Llama model, the plugin's Diff
 MIXES = {"decode": "decode-heavy", "prefill": "prefill-heavy"}
 SERVERS = ("vllm", "serve")
 IGNORE_EOS = {"ignore_eos": True}  # vLLM's extra sampling parameter; the serve copies have no EOS to stop at
@@ -299,6 +299,10 @@ def wave(server, model, mix, number, args, doc, extra):
 
 
 # ------------------------------------------------------------------------------------------------------- report
+def server_label(server: str) -> str:
+    return "vLLM" if server == "vllm" else f"diff-transformer {server}"
+
+
 def _x(value) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -346,12 +350,12 @@ def render(data: dict) -> str:
         for r in rows:
             caching = {True: "on", False: "off", None: "-"}[r["prefix_caching"]]
             ratio = _x(r["ratio_llama"])
-            if r["server"] != "vllm":
-                ratio = f"{_x(r['ratio_vllm'])} of vLLM"
+            if r["ratio_vllm"] is not None:
+                ratio += f" ({_x(r['ratio_vllm'])} of vLLM's)"
             waves = ", ".join(f"{s:.2f}" for s in r["wave_s"])
             cpu = ", ".join(f"{s:.2f}" for s in r["wave_cpu_s"])
             lines.append(
-                f"| {MODELS[r['model']]} | {r['server']} | {caching} | {r['requests_per_s']:.2f} | "
+                f"| {MODELS[r['model']]} | {server_label(r['server'])} | {caching} | {r['requests_per_s']:.2f} | "
                 f"{r['tokens_per_s']:.0f} | {ratio} | {_x(r['best_ratio_llama'])} | {r['requests_per_cpu_s']:.2f} | "
                 f"{_x(r['cpu_ratio_llama'])} | {_x(r['floor'])} | {waves} | {cpu} | {r['startup_s']:.0f} |"
             )
@@ -436,7 +440,7 @@ def summarize(args, samples, startup, prompt_tokens, fmodels, cached) -> list[di
             "requests_per_s": median(rps),
             "tokens_per_s": median(rps) * tokens,
             "startup_s": startup[(server, name, caching)],
-            "floor": floor[name] if server == "vllm" else None,  # serve rows compare to vLLM, not Llama
+            "floor": floor[name],
             "floor_kind": kind,
             "best_requests_per_s": max(rps),
             "requests_per_cpu_s": median(args.requests / c for c in cpu),
@@ -445,13 +449,13 @@ def summarize(args, samples, startup, prompt_tokens, fmodels, cached) -> list[di
             "best_ratio_llama": None,
             "ratio_vllm": None,
         }
-        if server == "vllm":
-            ref = samples[("vllm", "llama", mix, caching)]
+        if (server, "llama", mix, caching) in samples:  # the Llama on the same server, same run
+            ref = samples[(server, "llama", mix, caching)]
             ref_s, ref_cpu = [w["s"] for w in ref], [w["cpu"] for w in ref]
             row["ratio_llama"] = median_ratio(ref_s, seconds)  # rps ratio = inverse time ratio
             row["best_ratio_llama"] = min(ref_s) / min(seconds)  # the least contended view
             row["cpu_ratio_llama"] = median_ratio(ref_cpu, cpu)  # requests per CPU-second
-        elif ("vllm", name, mix, False) in samples or ("vllm", name, mix, True) in samples:
+        if server != "vllm" and (("vllm", name, mix, False) in samples or ("vllm", name, mix, True) in samples):
             ref = samples.get(("vllm", name, mix, False)) or samples[("vllm", name, mix, True)]
             row["ratio_vllm"] = median(w["s"] for w in ref) / median(seconds)
         rows.append(row)

@@ -290,8 +290,10 @@ def bench_vllm() -> str:
         ]  # fmt: skip
         for r in rows:
             caching = {True: "on", False: "off", None: "-"}[r["prefix_caching"]]
-            ratio = _x(r["ratio_llama"]) if r["server"] == "vllm" else f"{_x(r['ratio_vllm'])} of vLLM's"
-            floor = _x(r["floor"]) if r["server"] == "vllm" else "-"
+            ratio = _x(r["ratio_llama"])
+            if r.get("ratio_vllm") is not None:
+                ratio += f" ({_x(r['ratio_vllm'])} of vLLM's)"
+            floor = _x(r["floor"])
             server = "vLLM" if r["server"] == "vllm" else f"diff-transformer {r['server']}"
             lines.append(
                 f"| {LABELS[r['model']]} | {server} | {caching} | {r['requests_per_s']:.2f} | "

@@ -73,14 +73,14 @@ def test_floors_count_bytes_for_decode_and_multiply_adds_for_prefill(models):
 
 def test_report_has_one_table_per_mix_with_ratios_floors_machine_and_load():
     def row(server, model, mix, caching, rps, ratio, floor):
+        vllm = server == "vllm"
         return {
             "server": server, "model": model, "mix": mix, "prefix_caching": caching, "requests": 8,
             "tokens": 128 if mix == "decode" else 8, "prompt_tokens": 20.0 if mix == "decode" else 400.0,
             "wave_s": [1.0, 1.1], "requests_per_s": rps, "tokens_per_s": rps * (128 if mix == "decode" else 8),
             "startup_s": 20.0, "floor": floor, "floor_kind": "bytes" if mix == "decode" else "FLOPs",
-            "ratio_llama": ratio if server == "vllm" else None, "ratio_vllm": 0.1 if server != "vllm" else None,
-            "best_ratio_llama": ratio + 0.01 if server == "vllm" else None, "wave_cpu_s": [0.5, 0.6],
-            "requests_per_cpu_s": rps * 2, "cpu_ratio_llama": ratio - 0.01 if server == "vllm" else None,
+            "ratio_llama": ratio, "ratio_vllm": None if vllm else 0.1, "best_ratio_llama": ratio + 0.01,
+            "wave_cpu_s": [0.5, 0.6], "requests_per_cpu_s": rps * 2, "cpu_ratio_llama": ratio - 0.01,
         }  # fmt: skip
 
     data = {
@@ -96,7 +96,7 @@ def test_report_has_one_table_per_mix_with_ratios_floors_machine_and_load():
         "rows": [
             row("vllm", "llama", "decode", True, 10.0, 1.0, 1.0),
             row("vllm", "v2", "decode", True, 8.0, 0.8, 0.94),
-            row("serve", "v2", "decode", None, 0.8, None, None),
+            row("serve", "v2", "decode", None, 0.8, 0.7, 0.94),
             row("vllm", "llama", "prefill", False, 20.0, 1.0, 1.0),
             row("vllm", "v2", "prefill", False, 15.0, 0.75, 0.8),
         ],
@@ -106,10 +106,10 @@ def test_report_has_one_table_per_mix_with_ratios_floors_machine_and_load():
     assert "shared with other jobs" in text  # load above half the cores
     assert "## decode-heavy: 20-token prompts, 128 generated tokens" in text
     assert "## prefill-heavy: 400-token prompts, 8 generated tokens" in text
-    row_v2 = "| Diff V2 (plugin) | vllm | on | 8.00 | 1024 | 0.80x | 0.81x | 16.00 | 0.79x | 0.94x | 1.00, 1.10 | 0.50"
+    row_v2 = "| Diff V2 | vLLM | on | 8.00 | 1024 | 0.80x | 0.81x | 16.00 | 0.79x | 0.94x | 1.00, 1.10 | 0.50, 0.60 |"
     assert row_v2 in text
-    assert "| Diff V2 (plugin) | serve | - | 0.80 | 102 | 0.10x of vLLM | - | 1.60 | - | - |" in text
-    assert "| Diff V2 (plugin) | vllm | off | 15.00 | 120 | 0.75x | 0.76x | 30.00 | 0.74x | 0.80x |" in text
+    assert "| Diff V2 | diff-transformer serve | - | 0.80 | 102 | 0.70x (0.10x of vLLM's) | 0.71x | 1.60 |" in text
+    assert "| Diff V2 | vLLM | off | 15.00 | 120 | 0.75x | 0.76x | 30.00 | 0.74x | 0.80x |" in text
     assert "floor (bytes)" in text and "floor (FLOPs)" in text
 
 

@@ -36,4 +36,4 @@ def test_a_small_run_measures_llama_and_v2_with_floors(tmp_path):
     assert rows["llama"]["ratio_llama"] == rows["llama"]["floor"] == 1.0
     assert rows["llama"]["cpu_ratio_llama"] == 1.0 and rows["v2"]["cpu_ratio_llama"] > 0
     assert rows["v2"]["ratio_llama"] > 0 and 0.5 < rows["v2"]["floor"] < 1  # V2 doubles q_proj: more work
-    assert "| Diff V2 (plugin) | vllm | on |" in (tmp_path / "results_vllm.md").read_text()
+    assert "| Diff V2 | vLLM | on |" in (tmp_path / "results_vllm.md").read_text()
