@@ -13,7 +13,9 @@ converter peak-RSS increase <= 1.3 x largest source shard.
     python benchmarks/bench_convert.py            # full (~1.1B params, ~2.2 GB, 3 shards)
     python benchmarks/bench_convert.py --quick    # tiny smoke test
 
-A full run writes its report to benchmarks/results/results_convert.md (a --quick one only prints it).
+A full run writes its report to benchmarks/results/results_convert.md and every run's figures, with the machine, its
+load average and the date, to results_convert.json next to it (a --quick one only prints the report; `--json PATH`
+writes the JSON of any run there). `benchmarks/results_page.py` renders docs/performance.md's table from the JSON.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import median, proc_status_kb  # it also puts the checkout's src/ first on sys.path
+from bench_common import cpu_name, median, proc_status_kb, provenance  # it also puts the checkout's src/ first
 
 
 RESULTS = Path(__file__).resolve().parent / "results" / "results_convert.md"
+RESULTS_JSON = RESULTS.with_suffix(".json")
 WALL_TARGET = 1.5
 RSS_TARGET = 1.3
 
@@ -215,6 +218,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--shard-mb", type=int, default=None, help="source shard size (default 1000, quick: 1)")
+    ap.add_argument("--json", type=Path, help=f"write the figures as JSON here (a full run: {RESULTS_JSON.name})")
     ap.add_argument("--child", nargs=3, metavar=("TASK", "SRC", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--generate", nargs=3, metavar=("CFG", "DIR", "SHARD_BYTES"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -226,6 +230,7 @@ def main() -> None:
         return
 
     t_start = time.perf_counter()
+    loads = [os.getloadavg()[0]]
     tmp = Path(tempfile.mkdtemp(prefix="bench_convert_", dir="/tmp"))
     free = shutil.disk_usage(tmp).free
     if args.quick:
@@ -309,10 +314,36 @@ def main() -> None:
         text = "\n".join(lines) + "\n"
         print()
         print(text)
+        loads.append(os.getloadavg()[0])
+        data = {
+            "meta": {
+                **provenance(),
+                "machine": f"{cpu_name()}, {os.cpu_count()} CPUs",
+                "loadavg": [round(x, 2) for x in loads],  # 1 minute, at the start and at the end
+                "wall_s": time.perf_counter() - t_start,
+                "generation_s": gen_s,
+            },
+            "label": label,
+            "geometry": cfg,
+            "source": {**info, "largest_shard_bytes": largest},
+            "repeats": args.repeats,
+            "median": {
+                task: {key: med(task, key) for key in ("wall_s", "peak_rss", "start_rss", "inc", "out_bytes")}
+                for task in runs
+            },
+            "wall_ratio": wall_ratio,
+            "rss_increase_per_largest_shard": {"convert": rss_ratio, "baseline": base_rss_ratio},
+            "targets": {"wall_ratio": WALL_TARGET, "rss_increase_per_largest_shard": RSS_TARGET},
+            "runs": runs,
+        }
+        json_path = args.json or (None if args.quick else RESULTS_JSON)
         if not args.quick:
             RESULTS.parent.mkdir(exist_ok=True)
             RESULTS.write_text(text)
             print(f"wrote {RESULTS}")
+        if json_path:
+            json_path.write_text(json.dumps(data, indent=2) + "\n")
+            print(f"wrote {json_path}")
     finally:
         if args.keep:
             print(f"kept {tmp}")
