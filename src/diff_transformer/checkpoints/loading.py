@@ -75,7 +75,7 @@ def check_config_against_weights(directory: Path, raw: dict, where: str, shapes:
     * vocab_size and hidden_size are the embedding's shape;
     * hidden_size is a multiple of num_attention_heads (when head_dim is not given), and the heads times head_dim
       are the rows of `self_attn.q_proj`/`k_proj` (exactly for Llama-shaped families, at least for others; Diff's
-      layout is `_mismatch`'s to check);
+      layout is `_mismatch`'s to check; a quantized checkpoint packs them in other shapes);
     * whatever the names, the parameters the config implies are at most `IMPLIED_PARAMETERS_FACTOR` times the stored
       ones (plus `IMPLIED_PARAMETERS_SLACK`).
 
@@ -122,7 +122,7 @@ def check_config_against_weights(directory: Path, raw: dict, where: str, shapes:
             f"{where}: config.json's hidden_size={hidden} is not a multiple of num_attention_heads={heads}: {fix}."
         )
     model_type = text.get("model_type", raw.get("model_type"))
-    if model_type != "diff" and head_dim:
+    if model_type != "diff" and head_dim and not raw.get("quantization_config"):  # packed weights: other shapes
         for proj, count in (("q_proj", heads), ("k_proj", sizes.get("kv_heads", heads))):
             shape = next((s for n, s in shapes.items() if n.endswith(f".0.self_attn.{proj}.weight")), None)
             if shape is None or count is None or len(shape) != 2:
