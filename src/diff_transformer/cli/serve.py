@@ -18,6 +18,12 @@ What transformers' server does not bound, this command does (`limit_generation`,
 * SIGTERM: uvicorn then waits for the requests in flight without limit; here for 5 s, after which they are cancelled
   and the process exits (the generation thread is a daemon).
 * `serve MODEL` with a MODEL that does not exist: one line, exit status 2, before the server starts.
+* A model's config.json is held against its weights before it is built (`check_config_against_weights`; a config
+  claiming 10^5 layers kept transformers building for minutes), and a model directory with weights but no tokenizer
+  is refused: one line at start-up (`serve MODEL`), else a 400 when a request names it (`_check_model_directory`).
+* Chat templates render within bounds (`diff_transformer.templates`: 2 s, 5,000,000 steps, 4 Mi characters), in a
+  worker thread (`render_off_the_loop`): transformers renders on the event loop, where a template with nested loops
+  held up every request, /health included. One past its bound answers 400.
 
 What clients rely on and transformers' server gets wrong, this command fixes (`DiffModelManager`, `check_request`,
 `openai_errors`):
