@@ -6,6 +6,7 @@ mismatch, and a config claiming more layers than the weights hold is refused bef
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -22,10 +23,136 @@ def _weight_shapes(directory: Path) -> dict[str, tuple[int, ...]] | None:
     return {name: info.shape for name, info in read_headers(directory, find_shards(directory)).items()}
 
 
+_LAYER_NAME = re.compile(r"^(.*?(?:^|\.)(?:layers|h|layer|blocks))\.(\d+)\.")
+_EMBEDDING_NAMES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
+# The fields a config sizes a model with, under the names transformers' families use (first one present wins).
+_SIZE_FIELDS = {
+    "layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "hidden": ("hidden_size", "n_embd", "d_model"),
+    "vocab": ("vocab_size",),
+    "heads": ("num_attention_heads", "n_head"),
+    "kv_heads": ("num_key_value_heads",),
+    "head_dim": ("head_dim",),
+    "intermediate": ("intermediate_size", "n_inner", "ffn_dim"),
+}
+# Families whose q_proj/k_proj rows are exactly heads x head_dim.
+_LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "diffllama")
+# How many more parameters a config may imply than the weights hold (quantized weights pack up to 8 values into one
+# stored element; shared layers, e.g. ALBERT's, store one for many), plus a constant for tiny models.
+IMPLIED_PARAMETERS_FACTOR = 64
+IMPLIED_PARAMETERS_SLACK = 1 << 24
+
+
 def _stored_layers(shapes: dict) -> int:
     """How many decoder layers the weights hold (`model.layers.<i>.` names)."""
     indices = {int(m.group(1)) for name in shapes if (m := re.match(r"model\.layers\.(\d+)\.", name))}
     return max(indices) + 1 if indices else 0
+
+
+def _sizes(raw: dict, where: str) -> dict[str, int]:
+    """The size fields of a config.json (its `text_config` for a multimodal one), each a whole number >= 1."""
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    sizes = {}
+    for size, fields in _SIZE_FIELDS.items():
+        field = next((f for f in fields if text.get(f) is not None), None)
+        if field is None:
+            continue
+        value = text[field]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"{where}: config.json's {field}={value!r} must be a whole number >= 1: fix it.")
+        sizes[size] = value
+    return sizes
+
+
+def check_config_against_weights(directory: Path, raw: dict, where: str, shapes: dict | None = None) -> None:
+    """Refuse a config.json that asks for more model than the safetensors weights next to it hold, before anything is
+    built from it (building costs time and memory in what the config claims: `num_hidden_layers: 100000` took minutes
+    to build, 10^7 ran out of memory). Only the headers are read (names and shapes, no tensor data). Checked, each a
+    one-line `CheckpointError` naming the field, the weights and the fix:
+
+    * every size field (layers, hidden size, vocabulary, heads, head_dim, intermediate size) is a whole number >= 1;
+    * the config's layer count is at most the layers the weights hold (`<prefix>.layers.<i>.` names);
+    * vocab_size and hidden_size are the embedding's shape;
+    * hidden_size is a multiple of num_attention_heads (when head_dim is not given), and the heads times head_dim
+      are the rows of `self_attn.q_proj`/`k_proj` (exactly for Llama-shaped families, at least for others; Diff's
+      layout is `_mismatch`'s to check; a quantized checkpoint packs them in other shapes);
+    * whatever the names, the parameters the config implies are at most `IMPLIED_PARAMETERS_FACTOR` times the stored
+      ones (plus `IMPLIED_PARAMETERS_SLACK`).
+
+    Used by every entry point: `check_diff_checkpoint` (generate, inspect, niah, train, merge, `load_causal_lm`),
+    convert's source check and serve's model check. A directory without safetensors weights is left to the loader."""
+    if shapes is None:
+        shapes = _weight_shapes(directory)
+    if shapes is None or not isinstance(raw, dict):
+        return
+    sizes = _sizes(raw, where)
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    fix = "fix config.json or re-download the checkpoint"
+    prefixes: dict[str, int] = {}
+    for name in shapes:
+        if m := _LAYER_NAME.match(name):
+            prefixes[m.group(1)] = max(prefixes.get(m.group(1), 0), int(m.group(2)) + 1)
+    layers = sizes.get("layers")
+    if layers is not None and len(prefixes) == 1:
+        (stored,) = prefixes.values()
+        if layers > stored:
+            field = next(f for f in _SIZE_FIELDS["layers"] if text.get(f) is not None)
+            raise CheckpointError(
+                f"{where}: config.json says {field}={layers}, but the weights hold {stored} layers: {fix}."
+            )
+    embedding = next(
+        (s for n, s in shapes.items() if n.endswith(_EMBEDDING_NAMES) and len(s) == 2 and "vision" not in n), None
+    )
+    if embedding is not None:
+        if "vocab" in sizes and sizes["vocab"] != embedding[0]:
+            raise CheckpointError(
+                f"{where}: config.json says vocab_size={sizes['vocab']}, but the embedding holds {embedding[0]} "
+                f"tokens: {fix}."
+            )
+        projected = any(text.get(f) is not None for f in ("word_embed_proj_dim", "embedding_size"))
+        if "hidden" in sizes and not projected and sizes["hidden"] != embedding[1]:
+            raise CheckpointError(
+                f"{where}: config.json says hidden_size={sizes['hidden']}, but the embedding is {embedding[1]} wide: "
+                f"{fix}."
+            )
+    hidden, heads = sizes.get("hidden"), sizes.get("heads")
+    head_dim = sizes.get("head_dim") or (hidden // heads if hidden and heads else None)
+    if heads is not None and hidden is not None and "head_dim" not in sizes and hidden % heads:
+        raise CheckpointError(
+            f"{where}: config.json's hidden_size={hidden} is not a multiple of num_attention_heads={heads}: {fix}."
+        )
+    model_type = text.get("model_type", raw.get("model_type"))
+    if model_type != "diff" and head_dim and not raw.get("quantization_config"):  # packed weights: other shapes
+        for proj, count in (("q_proj", heads), ("k_proj", sizes.get("kv_heads", heads))):
+            shape = next((s for n, s in shapes.items() if n.endswith(f".0.self_attn.{proj}.weight")), None)
+            if shape is None or count is None or len(shape) != 2:
+                continue
+            # other families may add rows (a gate in q_proj); none has fewer than the heads need
+            if shape[0] < count * head_dim or (model_type in _LLAMA_SHAPED and shape[0] != count * head_dim):
+                field = "num_attention_heads" if proj == "q_proj" else "num_key_value_heads"
+                raise CheckpointError(
+                    f"{where}: config.json's {field}={count} x head_dim {head_dim} = {count * head_dim}, but "
+                    f"{proj} has {shape[0]} rows: {fix}."
+                )
+    stored = sum(math.prod(shape) for shape in shapes.values())
+    implied = _implied_parameters(sizes)
+    if implied > IMPLIED_PARAMETERS_FACTOR * stored + IMPLIED_PARAMETERS_SLACK:
+        raise CheckpointError(
+            f"{where}: config.json implies about {implied:.3g} parameters, but the weights hold {stored:.3g} "
+            f"(more than {IMPLIED_PARAMETERS_FACTOR}x fewer): {fix}."
+        )
+
+
+def _implied_parameters(sizes: dict[str, int]) -> int:
+    """A lower estimate of the parameters a config describes: embedding, and per layer the attention projections and
+    the MLP (fields it lacks count as nothing)."""
+    hidden = sizes.get("hidden", 0)
+    heads = sizes.get("heads", 0)
+    head_dim = sizes.get("head_dim") or (hidden // heads if heads else 0)
+    kv_heads = sizes.get("kv_heads", heads)
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    mlp = 2 * hidden * sizes.get("intermediate", 0)
+    return sizes.get("vocab", 0) * hidden + sizes.get("layers", 0) * (attention + mlp)
 
 
 def _mismatch(config, shapes: dict) -> str | None:
@@ -47,18 +174,21 @@ def _mismatch(config, shapes: dict) -> str | None:
 
 
 def check_diff_checkpoint(directory: Path, *, name: str = "MODEL") -> None:
-    """For a local Diff checkpoint: its config.json parses and its weights are those the config describes; a
-    `diff_version` that disagrees with the weights is named with the fix."""
+    """For a local checkpoint, before anything is built from its config: the config asks for no more model than the
+    safetensors weights hold (`check_config_against_weights`, any model type); for a Diff checkpoint also that its
+    config.json parses and its weights are those the config describes, a `diff_version` that disagrees with the
+    weights named with the fix."""
     config_file = directory / "config.json"
     refuse_special_files(directory)
     if not config_file.is_file():
         return  # e.g. a PEFT adapter directory: transformers reports what is missing
     raw = read_json(config_file)
     check_model_type(raw, f"{name} {directory}")
-    if not isinstance(raw, dict) or raw.get("model_type") != "diff":
-        return
     shapes = _weight_shapes(directory)
     if shapes is None:
+        return
+    check_config_against_weights(directory, raw, f"{name} {directory}", shapes)
+    if not isinstance(raw, dict) or raw.get("model_type") != "diff":
         return
     from ..configuration_diff import DiffConfig
 
@@ -121,4 +251,4 @@ def load_causal_lm(text, *, name: str = "MODEL", **kwargs):
         ) from None
 
 
-__all__ = ["check_diff_checkpoint", "load_causal_lm"]
+__all__ = ["check_config_against_weights", "check_diff_checkpoint", "load_causal_lm"]

@@ -51,7 +51,9 @@ def run(args) -> int:
     from ..checkpoints import adapters
     from ..checkpoints.configs import check_generation_config
     from ..checkpoints.loading import check_diff_checkpoint
+    from ..templates import bound_chat_templates
 
+    bound_chat_templates()
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} must be at least 1.")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
@@ -149,6 +151,8 @@ def _check_generate_options(args) -> None:
 
 def _chat_inputs(args, tokenizer, prompt: str):
     """PROMPT (and --system) as a chat, through the tokenizer's chat template, ending with the assistant's turn."""
+    from ..templates import ChatTemplateBoundError
+
     if tokenizer is None:
         raise UserError(f"--chat needs a tokenizer with a chat template, and MODEL {args.model} has no tokenizer.")
     if not getattr(tokenizer, "chat_template", None):
@@ -162,6 +166,8 @@ def _chat_inputs(args, tokenizer, prompt: str):
         return tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
         )
+    except ChatTemplateBoundError as exc:  # rendered within bounds (diff_transformer.templates)
+        raise UserError(f"--chat: MODEL {args.model}: {exc}.") from None
     except Exception as exc:  # jinja2 raises its own errors (e.g. a template that rejects a system message)
         raise UserError(
             f"--chat: the chat template of MODEL {args.model} failed ({' '.join(str(exc).split())[:200]})"

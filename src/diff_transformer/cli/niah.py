@@ -85,7 +85,9 @@ def run(args) -> int:
     from ..checkpoints.loading import check_diff_checkpoint
     from ..evaluation import niah
     from ..safe_output import Staging, check_target
+    from ..templates import bound_chat_templates
 
+    bound_chat_templates()
     _check_options(args)
     if not args.no_figure and not installed("matplotlib"):
         raise UserError(

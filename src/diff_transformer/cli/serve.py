@@ -18,6 +18,12 @@ What transformers' server does not bound, this command does (`limit_generation`,
 * SIGTERM: uvicorn then waits for the requests in flight without limit; here for 5 s, after which they are cancelled
   and the process exits (the generation thread is a daemon).
 * `serve MODEL` with a MODEL that does not exist: one line, exit status 2, before the server starts.
+* A model's config.json is held against its weights before it is built (`check_config_against_weights`; a config
+  claiming 10^5 layers kept transformers building for minutes), and a model directory with weights but no tokenizer
+  is refused: one line at start-up (`serve MODEL`), else a 400 when a request names it (`_check_model_directory`).
+* Chat templates render within bounds (`diff_transformer.templates`: 2 s, 5,000,000 steps, 4 Mi characters), in a
+  worker thread (`render_off_the_loop`): transformers renders on the event loop, where a template with nested loops
+  held up every request, /health included. One past its bound answers 400.
 
 What clients rely on and transformers' server gets wrong, this command fixes (`DiffModelManager`, `check_request`,
 `openai_errors`):
@@ -35,6 +41,7 @@ What clients rely on and transformers' server gets wrong, this command fixes (`D
 import argparse
 import functools
 import sys
+from pathlib import Path
 
 from ..errors import UserError, one_line, require
 from .options import output_settings
@@ -141,6 +148,7 @@ def check_loadable(model_id_and_revision: str) -> None:
             raise _http_error(
                 400, f"model {model!r} is a directory without config.json: name a saved model's directory."
             )
+        _check_model_directory(local, f"model {model!r}", 400)
         return
     import huggingface_hub
     from huggingface_hub.utils import HFValidationError
@@ -150,6 +158,7 @@ def check_loadable(model_id_and_revision: str) -> None:
     except HFValidationError:
         cached = None
     if isinstance(cached, str):
+        _check_model_directory(Path(cached).parent, f"model {model!r}", 400, tokenizer=False)
         return
     if huggingface_hub.constants.HF_HUB_OFFLINE:
         raise _http_error(
@@ -169,6 +178,27 @@ def check_loadable(model_id_and_revision: str) -> None:
             f"model {model!r} is not a local directory, and the Hub cannot be reached to look it up "
             f"({one_line(exc)[:120]}): name a local model directory.",
         ) from None
+
+
+def _check_model_directory(directory: Path, shown: str, status: int | None, *, tokenizer: bool = True) -> None:
+    """A model directory checked before transformers loads it: its config asks for no more model than its weights hold
+    (`check_diff_checkpoint`: a config.json claiming 10^5 layers took minutes to build), and it has a tokenizer (the
+    server answers text). An HTTP error with STATUS, or a `UserError` (start-up) when STATUS is None."""
+    from ..checkpoints.adapters import has_tokenizer
+    from ..checkpoints.loading import check_diff_checkpoint
+
+    try:
+        check_diff_checkpoint(directory, name=shown.split(" ", 1)[0])
+        weights = any(directory.glob("*.safetensors"))  # none: transformers says what the directory lacks
+        if tokenizer and weights and not has_tokenizer(directory):
+            raise UserError(
+                f"{shown} has no tokenizer (tokenizer.json, tokenizer_config.json): the server answers text; save "
+                "the tokenizer with the model (tokenizer.save_pretrained)."
+            )
+    except UserError as error:
+        if status is None:
+            raise
+        raise _http_error(status, str(error)) from None
 
 
 @functools.cache
@@ -239,6 +269,57 @@ async def load_off_the_loop(handler, body: dict) -> None:
     await asyncio.to_thread(manager.load_model_and_processor, manager.process_model_name(model), gguf_file=gguf_file)
 
 
+async def render_off_the_loop(handler, body: dict) -> None:
+    """A chat request's template rendered in a worker thread, within the bounds of `diff_transformer.templates`: one
+    past them answers 400. transformers' handler renders it on the event loop; its render then returns this one's
+    text (`templates.prerendered`, matched on the template and every value it is rendered with), so a slow template
+    never holds up the loop (and /health, other models, other requests)."""
+    import asyncio
+
+    from transformers.cli.serving.utils import Modality
+
+    from .. import templates
+
+    if not isinstance(body.get("messages"), list):
+        return  # transformers' validation answers
+    handler._validate_request(body)
+
+    def render():
+        _, model, processor = handler._resolve_model(dict(body))
+        modality = handler.model_manager.get_model_modality(model, processor=processor)
+        messages = handler.get_processor_inputs_from_messages(body["messages"], modality)
+        has_video = any(
+            part.get("type") == "video"
+            for message in messages
+            for part in (message.get("content") if isinstance(message.get("content"), list) else [])
+        )
+        kwargs: dict = {"num_frames": 32} if has_video else {}
+        kwargs.update(handler.chat_template_kwargs)
+        kwargs.update(body.get("chat_template_kwargs", {}))
+        return templates.render_capturing(
+            processor.apply_chat_template,
+            messages,
+            add_generation_prompt=True,
+            tools=body.get("tools"),
+            tokenize=False,
+            return_dict=False,
+            load_audio_from_video=modality == Modality.MULTIMODAL and has_video,
+            **kwargs,
+        )
+
+    name = _display_name(str(body.get("model")))
+    try:
+        rendered = await asyncio.to_thread(render)
+    except templates.ChatTemplateBoundError as error:
+        raise _http_error(400, f"model {name!r}: {error}.") from None
+    except Exception as exc:
+        if getattr(exc, "status_code", None):
+            raise
+        raise _http_error(400, f"the chat template of model {name!r} failed: {one_line(exc)[:300]}") from None
+    if rendered is not None:
+        templates.prerendered(rendered)
+
+
 def openai_errors(app) -> None:
     """Errors as OpenAI's API returns them (`{"error": {"message", "type", "code"}}`), which its clients read."""
     from fastapi import HTTPException
@@ -282,10 +363,12 @@ def client_facing() -> None:
         if getattr(handle, "_diff_off_the_loop", False):
             continue
 
-        def make(handle):
+        def make(handle, chat=handler_class is chat_completion.ChatCompletionHandler):
             @functools.wraps(handle)
             async def handle_request(self, body: dict, *args, **kwargs):
                 await load_off_the_loop(self, body)
+                if chat:
+                    await render_off_the_loop(self, body)
                 return await handle(self, body, *args, **kwargs)
 
             handle_request._diff_off_the_loop = True
@@ -421,6 +504,8 @@ def _own_options(argv: list[str]) -> tuple[list[str], int | None, bool]:
         _, local = resolve_model(model, name="MODEL")  # a mistyped path: one line, before the server starts
         if local is not None and not (local / "config.json").is_file():
             raise UserError(f"MODEL {model!r} is a directory without config.json: pass a saved model's directory.")
+        if local is not None:
+            _check_model_directory(local, f"MODEL {model}", None)
     if quiet and not any(arg == "--log-level" or arg.startswith("--log-level=") for arg in rest):
         rest += ["--log-level", "error"]
     return rest, limit, quiet
@@ -434,6 +519,9 @@ def main(argv=None):
     global _uvicorn_log_level
     argv, limit, quiet = _own_options(sys.argv[1:] if argv is None else list(argv))
     _uvicorn_log_level = "warning" if quiet else None
+    from ..templates import bound_chat_templates
+
+    bound_chat_templates()
     expose_to_transformers_serve()
     client_facing()
     limit_generation(limit)

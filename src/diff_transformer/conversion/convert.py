@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoints.configs import check_generation_config, check_model_config
+from ..checkpoints.loading import check_config_against_weights
 from ..configuration_diff import AUTO_MAP
 from ..integrations.hub import diff_model_card
 from ..safe_output import Staging, check_target
@@ -628,6 +629,10 @@ def _plan(
 ):
     """Validate SRC (config, then every tensor header) and return the Diff config and the tensor map."""
     where = source.repo_id or str(source.path)
+    # A config that claims more model than the weights hold, refused before anything is built from it (a Hub source:
+    # once its weights are downloaded, below).
+    if source.repo_id is None:
+        check_config_against_weights(source.path, source.config, where)
     source_config, family, task = _source_config(source, source_kind)
     geometry = source_geometry(family, task, source_config)
     calibrated = v1_init in CALIBRATED_INITS
@@ -659,6 +664,9 @@ def _plan(
     # OUT gets SRC's generation_config.json: one that generate() cannot use (num_beams -3) is refused here.
     check_generation_config(str(source.path), where)
     read_weights_headers(source)
+    if source.repo_id is not None:
+        shapes = {name: info.shape for name, info in source.tensors.items()}
+        check_config_against_weights(source.path, source.config, where, shapes)
     _validate_tensors(source, geometry, source_kind)
     # The weights hold the layers the config claims: now building it (on the meta device) costs what the model is.
     check_model_config(config, where)

@@ -1,0 +1,335 @@
+"""Chat templates rendered within bounds. A chat template is code that comes with a model (chat_template.jinja, or
+tokenizer_config.json's `chat_template`), and transformers renders it in jinja2's sandbox, which stops a template from
+reaching Python's internals but not from computing without end: two nested `range(10**5)` loops, a string doubled
+forty times, `"x" * 10**10`. Here every template transformers renders (`apply_chat_template`, once
+`bound_chat_templates` has run: `generate --chat`, `niah`, `serve`) stays within:
+
+* `RENDER_SECONDS` of wall-clock time and `RENDER_STEPS` Python line events (the template's code and the Python
+  functions it calls, counted by a trace function in the rendering thread),
+* `RENDER_CHARS` characters of output, and of any one string or list it builds (`*`, `+`, `~`, `%`, `**`,
+  `join`, `replace`, `center`, `format`, ... are checked before they run),
+* jinja2's own `range()` limit (`jinja2.sandbox.MAX_RANGE`, 100,000 items).
+
+A template past one of them is refused with `ChatTemplateBoundError`, one line naming the bound and its value.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import json
+import math
+import re
+import sys
+import time
+
+from .errors import UserError
+
+
+RENDER_SECONDS = 2.0
+RENDER_STEPS = 5_000_000
+RENDER_CHARS = 4 << 20  # 4 Mi characters: far more than any model's context holds as text
+_CHECK_EVERY = 1000  # line events between two looks at the clock
+
+
+class ChatTemplateBoundError(UserError):
+    """A chat template went past a bound while rendering (the message says which, and its value)."""
+
+    def __init__(self, detail: str):
+        super().__init__(
+            f"the chat template went past a bound: {detail}: fix the template (chat_template.jinja, or "
+            "tokenizer_config.json's chat_template)"
+        )
+
+
+def _too_big(what: str) -> ChatTemplateBoundError:
+    return ChatTemplateBoundError(f"it would build {what} (the limit is {RENDER_CHARS:,} characters or items)")
+
+
+def _size(value) -> int:
+    return len(value) if isinstance(value, (str, bytes, list, tuple)) else 0
+
+
+def _check_size(size: int, what: str = "a value") -> None:
+    if size > RENDER_CHARS:
+        raise _too_big(f"{what} of {size:,} characters")
+
+
+# A width or precision of a million or more, or one taken from an argument: `%1000000s`, `%*s`, `{:1000000}`, `{:{}}`.
+_PRINTF_WIDTH = re.compile(r"%[-+ #0]*(?:\*|\d{7,}|\d*\.(?:\*|\d{7,}))")
+_FORMAT_WIDTH = re.compile(r"\{[^{}]*:[^{}]*(?:\d{7,}|\{)")
+
+
+def _check_format(spec, *, printf: bool = True, args=()) -> None:
+    if not isinstance(spec, str):
+        return
+    if (_PRINTF_WIDTH if printf else _FORMAT_WIDTH).search(spec):
+        if all(not isinstance(a, int) or abs(a) <= RENDER_CHARS for a in args) and not re.search(r"\d{7,}", spec):
+            return  # a width from an argument, and no argument is that large
+        raise ChatTemplateBoundError(
+            f"it formats with a width of a million or more in {spec[:40]!r} (the limit is {RENDER_CHARS:,} characters)"
+        )
+
+
+def _check_int(value, what: str) -> None:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > RENDER_CHARS:
+        raise ChatTemplateBoundError(f"it passes {value:,} to {what} (the limit is {RENDER_CHARS:,})")
+
+
+def _check_binop(operator: str, left, right) -> None:
+    """Before `left OPERATOR right` runs: its result stays within `RENDER_CHARS` (and `**` within 4096 bits)."""
+    if operator == "*":
+        for sequence, count in ((left, right), (right, left)):
+            if _size(sequence) and isinstance(count, int):
+                _check_size(_size(sequence) * max(count, 0), "a repeated value")
+    elif operator == "+":
+        _check_size(_size(left) + _size(right), "a sum")
+    elif operator == "%" and isinstance(left, str):
+        _check_format(left, args=right if isinstance(right, tuple) else (right,))
+    elif operator == "**" and isinstance(left, (int, float)) and isinstance(right, (int, float)):
+        base = abs(left)
+        if base > 1 and right > 0 and right * math.log2(base) > 4096:
+            raise ChatTemplateBoundError(
+                f"it computes {left!r} ** {right!r}, a number of more than 4096 bits (the limit)"
+            )
+
+
+def _check_call(function, args, kwargs) -> None:
+    """Before a method call or filter that can build a value much larger than its inputs: its size is bounded."""
+    owner = getattr(function, "__self__", None)
+    name = getattr(function, "__name__", "")
+    numbers = [*args, *kwargs.values()]
+    if isinstance(owner, str):
+        if name in ("ljust", "rjust", "center", "zfill", "expandtabs"):
+            for value in numbers:
+                _check_int(value, f"str.{name}")
+            if name == "expandtabs" and numbers and isinstance(numbers[0], int):
+                _check_size(owner.count("\t") * numbers[0] + len(owner), "an expanded string")
+        elif name in ("format", "format_map"):
+            _check_format(
+                owner, printf=False, args=[*numbers, *(a for d in numbers if isinstance(d, dict) for a in d.values())]
+            )
+        elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+            count = owner.count(args[0]) if args[0] else len(owner) + 1
+            _check_size(len(owner) + count * max(len(args[1]) - len(args[0]), 0), "a replaced string")
+        elif name == "join" and args and isinstance(args[0], (list, tuple)):
+            items = args[0]
+            _check_size(sum(len(str(i)) for i in items) + len(owner) * max(len(items) - 1, 0), "a joined string")
+        elif name in ("translate", "maketrans"):
+            raise ChatTemplateBoundError(f"it calls str.{name}, which is not allowed in a chat template here")
+
+
+def _passed_types():
+    from jinja2 import Environment
+    from jinja2.nodes import EvalContext
+    from jinja2.runtime import Context
+
+    return (Environment, EvalContext, Context)
+
+
+_PASSED: tuple = ()
+
+
+def _bounded_filter(name: str, filter_):
+    @functools.wraps(filter_)
+    def bounded(*args, **kwargs):
+        values = [a for a in args if not isinstance(a, _PASSED)]  # what pass_context/environment filters get
+        for value in [*values[1:], *kwargs.values()]:
+            _check_int(value, f"the {name} filter")
+        if name == "format" and values:
+            _check_format(values[0], args=[*values[1:], *kwargs.values()])
+        elif name == "replace" and len(values) >= 3:
+            _check_call(str(values[0]).replace, (str(values[1]), str(values[2])), {})
+        elif name == "join" and values:
+            # the items, materialized (a range, a generator) to be counted before they are joined
+            items = list(values[0]) if not isinstance(values[0], (str, dict)) else values[0]
+            _check_size(len(items), "a list")
+            separator = values[1] if len(values) > 1 else kwargs.get("d", "")
+            _check_call(str(separator).join, ([str(i) for i in items],), {})
+            args = tuple(items if a is values[0] else a for a in args)
+        result = filter_(*args, **kwargs)
+        _check_size(_size(result), f"the {name} filter's result")
+        return result
+
+    return bounded
+
+
+def _bounded_join(join):
+    @functools.wraps(join)
+    def bounded(seq):
+        seq = list(seq)
+        _check_size(sum(len(str(s)) for s in seq), "a concatenation (~)")
+        return join(seq)
+
+    return bounded
+
+
+# The render kwargs' digest and text of a render done ahead (serve renders off the event loop, then transformers'
+# handler renders again on it: the second render is then this text, `prerendered`).
+_PRERENDERED: contextvars.ContextVar = contextvars.ContextVar("diff_transformer_prerendered", default=None)
+_CAPTURE: contextvars.ContextVar = contextvars.ContextVar("diff_transformer_capture", default=None)
+
+
+def _digest(source: str, kwargs) -> str:
+    import hashlib
+
+    text = json.dumps([source, kwargs], sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _deadline_tracer(limit_s: float, steps: int):
+    """A trace function that raises `ChatTemplateBoundError` once `limit_s` seconds or `steps` line events passed."""
+    start = time.monotonic()
+    count = 0
+
+    def trace(frame, event, arg):
+        nonlocal count
+        count += 1
+        if count % _CHECK_EVERY == 0:
+            if count > steps:
+                raise ChatTemplateBoundError(
+                    f"rendering it ran over {steps:,} steps (the limit; a chat template renders in milliseconds)"
+                )
+            if time.monotonic() - start > limit_s:
+                raise ChatTemplateBoundError(
+                    f"rendering it took over {limit_s:g} s (the limit; a chat template renders in milliseconds)"
+                )
+        return trace
+
+    return trace
+
+
+def _bounded_environment_class():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+        def call_binop(self, context, operator, left, right):
+            _check_binop(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+        def wrap_str_format(self, value):
+            """str.format / format_map, which jinja2 wraps when the template reads them: the format checked first."""
+            wrapped = super().wrap_str_format(value)
+            if wrapped is None:
+                return None
+
+            def bounded(*args, **kwargs):
+                _check_call(value, args, kwargs)
+                return wrapped(*args, **kwargs)
+
+            return bounded
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805  (jinja2's signature)
+            if isinstance(getattr(__obj, "__self__", None), str) and getattr(__obj, "__name__", "") == "join":
+                if args and not isinstance(args[0], (list, tuple)):  # materialized, to be counted
+                    args = (list(args[0]), *args[1:])
+                    _check_size(len(args[0]), "a list")
+            _check_call(__obj, args, kwargs)
+            result = super().call(__context, __obj, *args, **kwargs)
+            _check_size(_size(result), "a call's result")
+            return result
+
+    return BoundedSandbox
+
+
+def _bounded_template_class():
+    from jinja2 import Template
+
+    class BoundedTemplate(Template):
+        """`render` and `generate` within the bounds (see the module docstring)."""
+
+        def render(self, *args, **kwargs):
+            ahead = _PRERENDERED.get()
+            if ahead is not None or _CAPTURE.get() is not None:
+                digest = _digest(getattr(self, "_diff_source", ""), [args, kwargs])
+                if ahead is not None and ahead[0] == digest:
+                    _PRERENDERED.set(None)
+                    return ahead[1]
+            text = "".join(self.generate(*args, **kwargs))
+            if _CAPTURE.get() is not None:
+                _CAPTURE.get().append((digest, text))
+            return text
+
+        def generate(self, *args, **kwargs):
+            previous = sys.gettrace()
+            tracer = _deadline_tracer(RENDER_SECONDS, RENDER_STEPS)
+            sys.settrace(tracer)
+            try:
+                size = 0
+                for piece in Template.generate(self, *args, **kwargs):
+                    size += len(piece)
+                    _check_size(size, "an output")
+                    # the trace function is the thread's while the generator runs, and off while the caller does
+                    sys.settrace(previous)
+                    yield piece
+                    sys.settrace(tracer)
+            finally:
+                sys.settrace(previous)
+
+    return BoundedTemplate
+
+
+def bounded_template(template):
+    """A transformers-compiled chat template (`_cached_compile_jinja_template`), compiled again in a bounded sandbox
+    with the same globals, filters and extensions."""
+    global _PASSED
+    _PASSED = _passed_types()
+    environment = template.environment
+    environment.__class__ = _bounded_environment_class()
+    environment.template_class = _bounded_template_class()
+    environment.filters = {name: _bounded_filter(name, f) for name, f in environment.filters.items()}
+    return environment
+
+
+@functools.cache
+def bound_chat_templates() -> None:
+    """From now on every chat template transformers renders in this process is bounded (see the module docstring)."""
+    from transformers.utils import chat_template_utils
+
+    compile_ = chat_template_utils._cached_compile_jinja_template
+
+    @functools.lru_cache
+    def compile_bounded(chat_template):
+        # transformers' environment (its globals, filters, extensions) from an empty template: compiling the real
+        # one there would run its constant parts (`'x'|center(10**9)`) unbounded, at compile time
+        environment = bounded_template(compile_(""))
+        template = environment.from_string(chat_template)
+        template._diff_source = chat_template
+        namespace = template.root_render_func.__globals__
+        for name in ("str_join", "markup_join"):
+            if name in namespace:
+                namespace[name] = _bounded_join(namespace[name])
+        return template
+
+    chat_template_utils._compile_jinja_template = compile_bounded
+
+
+def render_capturing(apply, *args, **kwargs) -> tuple[str, str] | None:
+    """`apply(*args, **kwargs)` (an `apply_chat_template(..., tokenize=False)`), and what its render was: (the digest
+    of the template and its kwargs, the text), to hand to `prerendered` in the context that renders it again."""
+    captured: list = []
+    token = _CAPTURE.set(captured)
+    try:
+        apply(*args, **kwargs)
+    finally:
+        _CAPTURE.reset(token)
+    return captured[-1] if captured else None
+
+
+def prerendered(render: tuple[str, str]) -> None:
+    """The next render in this context (asyncio task) of the template and kwargs `render_capturing` saw returns its
+    text without running again (serve renders off the event loop, then transformers' handler renders on it)."""
+    _PRERENDERED.set(render)
+
+
+__all__ = [
+    "RENDER_CHARS",
+    "RENDER_SECONDS",
+    "RENDER_STEPS",
+    "ChatTemplateBoundError",
+    "bound_chat_templates",
+    "prerendered",
+    "render_capturing",
+]
