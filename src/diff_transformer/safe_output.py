@@ -562,7 +562,7 @@ def record_written(directory, before: dict[str, tuple[int, int]], *, skip=()) ->
             entries[name] = inside
         elif stat.S_ISREG(mode) and (digest := _sha256(path)) is not None:
             entries[name] = digest
-    (directory / RUN_RECORD).write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    _write_record(directory, entries)
 
 
 def _run_record(directory: Path) -> dict:
@@ -575,6 +575,60 @@ def _run_record(directory: Path) -> dict:
     return {k: v for k, v in record.items() if isinstance(k, str) and isinstance(v, (str, dict))}
 
 
+def _proves(directory: Path, name: str, digest) -> bool:
+    """Whether the record's `digest` of `name` (a file's hash, or a directory's `_file_hashes`) still matches."""
+    path = directory / name
+    if "/" in name or name in (".", "..") or not os.path.lexists(path):
+        return False
+    mode = os.lstat(path).st_mode
+    if isinstance(digest, dict) and stat.S_ISDIR(mode):
+        return _file_hashes(path) == digest
+    return isinstance(digest, str) and stat.S_ISREG(mode) and _sha256(path) == digest
+
+
+def record_entry(directory, name: str) -> None:
+    """Add the top-level entry `name` of `directory` (e.g. a checkpoint a run just saved) to its RUN_RECORD, with the
+    hashes of everything inside: the proof that lets a later step of the run (checkpoint rotation) or a later run
+    delete it, as long as nobody changes it."""
+    directory = Path(directory)
+    path = directory / name
+    entries = _run_record(directory)
+    mode = os.lstat(path).st_mode
+    if stat.S_ISDIR(mode) and (inside := _file_hashes(path)) is not None:
+        entries[name] = inside
+    elif stat.S_ISREG(mode) and (digest := _sha256(path)) is not None:
+        entries[name] = digest
+    else:
+        entries.pop(name, None)
+    _write_record(directory, entries)
+
+
+def forget_entry(directory, name: str) -> None:
+    """Drop `name` from the RUN_RECORD of `directory` (deleted, or no longer the run's)."""
+    directory = Path(directory)
+    entries = _run_record(directory)
+    if entries.pop(name, None) is not None:
+        _write_record(directory, entries)
+
+
+def recorded(directory) -> list[str]:
+    """The names RUN_RECORD lists (whether or not they are still as recorded: see `proven`)."""
+    return sorted(_run_record(Path(directory)))
+
+
+def proven(directory, name: str) -> bool:
+    """Whether RUN_RECORD proves that a run wrote the entry `name` of `directory` and nobody changed it since."""
+    directory = Path(directory)
+    digest = _run_record(directory).get(name)
+    return digest is not None and _proves(directory, name, digest)
+
+
+def _write_record(directory: Path, entries: dict) -> None:
+    temp = directory / f"{RUN_RECORD}.tmp"
+    temp.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(temp, directory / RUN_RECORD)  # never half-written: it is what proves the run's files
+
+
 def remove_recorded(directory) -> list[str]:
     """Delete what RUN_RECORD proves an earlier run wrote and nobody changed since (a file whose hash still matches,
     a directory holding exactly what was recorded inside it), then the record; everything else stays (the user's).
@@ -582,16 +636,13 @@ def remove_recorded(directory) -> list[str]:
     directory = Path(directory)
     removed = []
     for name, digest in sorted(_run_record(directory).items()):
+        if not _proves(directory, name, digest):
+            continue
         path = directory / name
-        if "/" in name or name in (".", "..") or not os.path.lexists(path):
-            continue
-        mode = os.lstat(path).st_mode
-        if isinstance(digest, dict) and stat.S_ISDIR(mode) and _file_hashes(path) == digest:
+        if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
-        elif isinstance(digest, str) and stat.S_ISREG(mode) and _sha256(path) == digest:
-            path.unlink()
         else:
-            continue
+            path.unlink()
         removed.append(name)
     (directory / RUN_RECORD).unlink(missing_ok=True)
     return removed
@@ -605,7 +656,11 @@ __all__ = [
     "OutputLock",
     "Staging",
     "check_target",
+    "forget_entry",
+    "proven",
+    "record_entry",
     "record_written",
+    "recorded",
     "recover",
     "remove_recorded",
     "top_level_state",

@@ -120,6 +120,28 @@ def test_resume_into_another_run_needs_overwrite_and_keeps_users_directories(ref
     assert (run_x / "checkpoint-mynotes" / "notes.txt").read_text() == "mine"
 
 
+def test_checkpoint_rotation_deletes_only_the_runs_own_checkpoints(workdir, tmp_path):
+    """--save-total-limit: Trainer's rotation would delete the oldest checkpoint-* directory whoever wrote it; only the
+    checkpoints the run record proves are the run's (unchanged) rotate, a resumed run's included."""
+    run = tmp_path / "run"
+    argv = _train_argv(workdir, run, "--max-steps", "3", "--save-steps", "1", "--eval-fraction", "0")
+    assert cli.main([str(a) for a in argv]) == 0
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    for name in ("checkpoint-0", "checkpoint-mynotes"):
+        (run / name).mkdir()
+        (run / name / "notes.txt").write_text("mine")
+    (run / "checkpoint-0" / "trainer_state.json").write_text("{}")  # even one that looks like Trainer's
+    (run / "checkpoint-2" / "notes.txt").write_text("mine")  # one of the run's, changed since: the user's now
+    resume = [*argv[:-4], "--max-steps", "5", "--save-steps", "1", "--save-total-limit", "1", "--resume"]
+    assert cli.main([str(a) for a in resume]) == 0
+    left = sorted(p.name for p in run.glob("checkpoint-*"))
+    assert left == ["checkpoint-0", "checkpoint-2", "checkpoint-5", "checkpoint-mynotes"]
+    for name in ("checkpoint-0", "checkpoint-2", "checkpoint-mynotes"):
+        assert (run / name / "notes.txt").read_text() == "mine"
+    record = json.loads((run / ".diff-transformer-run.json").read_text())
+    assert sorted(name for name in record if name.startswith("checkpoint-")) == ["checkpoint-5"]
+
+
 @pytest.mark.parametrize(
     "extra, words",
     [

@@ -1,17 +1,21 @@
 """Which Trainer checkpoints an --output holds, whether each is complete, and which one `--resume` continues (checked
 to continue this run as configured). Only checkpoint-N directories that Trainer wrote count: a user's own
-`checkpoint-mynotes/` or `checkpoint-3/` of other files is neither counted nor ever deleted."""
+`checkpoint-mynotes/` or `checkpoint-3/` of other files is neither counted nor ever deleted. `--save-total-limit`
+rotates only the checkpoints the run record proves a run wrote (`RecordCheckpointCallback`, `rotate_checkpoints`)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import zipfile
 from pathlib import Path
 
+from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..checkpoints.configs import read_json
 from ..checkpoints.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
+from ..safe_output import forget_entry, proven, record_entry, recorded
 from . import TrainingError
 from .callbacks import RunSettingsCallback
 
@@ -47,6 +51,41 @@ def trainer_checkpoints(output: Path) -> list[Path]:
         if not names or names & set(_TRAINER_CHECKPOINT_FILES):
             found.append(path)
     return sorted(found, key=_step)
+
+
+class RecordCheckpointCallback(TrainerCallback):
+    """Each checkpoint this run saves goes into the run record (`safe_output.record_entry`, with the hashes of its
+    files) as soon as it is complete: the proof that lets this run's rotation, a resumed run's, or a later --overwrite
+    delete it, and nothing else."""
+
+    def on_save(self, args, state, control, **kwargs):
+        checkpoint = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if state.is_world_process_zero and checkpoint.is_dir() and not checkpoint.is_symlink():
+            record_entry(checkpoint.parent, checkpoint.name)
+
+
+def rotate_checkpoints(output: Path, limit: int, newest: Path, best: str | None = None) -> list[str]:
+    """`--save-total-limit`: keep at most LIMIT of the run's checkpoints in OUTPUT, deleting the oldest (by step)
+    first. Only checkpoints the run record lists count, and one is deleted only while its files still hash as
+    recorded (one the user changed is theirs now: it is dropped from the record and kept). NEWEST (just saved, not yet
+    recorded) and BEST are never deleted. Anything else named checkpoint-* (a user's `checkpoint-0/`) is never
+    considered. Returns the names deleted."""
+    keep = {newest.name} | ({Path(best).name} if best and Path(best).parent == output else set())
+    ours = sorted(
+        (name for name in recorded(output) if _step(output / name) >= 0 and name not in keep),
+        key=lambda name: _step(output / name),
+    )
+    excess = len(ours) + len(keep) - limit
+    deleted = []
+    for name in ours:
+        if excess <= 0:
+            break
+        excess -= 1  # deleted, or no longer counted as the run's
+        if proven(output, name):
+            shutil.rmtree(output / name)
+            deleted.append(name)
+        forget_entry(output, name)
+    return deleted
 
 
 def holds_run(output: Path) -> list[str]:

@@ -40,7 +40,7 @@ from .checks import check_args, check_output, report_targets
 from .data import build_datasets
 from .freeze import DiffOnlyCallback
 from .model import load_config, load_model, model_source
-from .resume import checkpoint_state, resolve_resume, trainer_checkpoints
+from .resume import RecordCheckpointCallback, checkpoint_state, resolve_resume, rotate_checkpoints, trainer_checkpoints
 
 
 class CausalLMTrainer(Trainer):
@@ -57,6 +57,21 @@ class CausalLMTrainer(Trainer):
         if loss is not None:
             output.metrics[f"{metric_key_prefix}_perplexity"] = math.exp(min(loss, 700.0))
         return output
+
+    def _save_checkpoint(self, model, trial):
+        # Trainer's own rotation (transformers.trainer_utils.rotate_checkpoints) deletes the oldest of every
+        # checkpoint-* directory in --output, a user's `checkpoint-0/` included: it is switched off here and
+        # `rotate_checkpoints` deletes only checkpoints that this run wrote or that the run record proves a run wrote.
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        if self.args.should_save and limit:
+            output = Path(self._get_output_dir(trial=trial))
+            newest = output / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            rotate_checkpoints(output, limit, newest, self.state.best_model_checkpoint)
 
     def _issue_warnings_after_load(self, load_result):
         # A tied lm_head is not stored in checkpoints (it is the embedding matrix), so it is always "missing" when
@@ -168,6 +183,8 @@ def build_trainer(args) -> PreparedRun:
         processing_class=tokenizer,
         callbacks=callbacks,
     )
+    # Last in line, after AdapterCardCallback has written the card into the checkpoint: what it records is final.
+    trainer.add_callback(RecordCheckpointCallback())
     # First in line, so the λ values it adds to a log reach TensorBoard and the progress bar in the same call.
     trainer.callback_handler.callbacks.insert(0, LambdaLoggingCallback(model))
     console_logs(trainer)  # the console shows one λ summary; TensorBoard and log_history keep every layer
