@@ -142,6 +142,108 @@ def test_checkpoint_rotation_deletes_only_the_runs_own_checkpoints(workdir, tmp_
     assert sorted(name for name in record if name.startswith("checkpoint-")) == ["checkpoint-5"]
 
 
+@pytest.fixture(scope="module")
+def finished_runs(workdir):
+    """One-step runs with a checkpoint each: a V1 model, a V2 model and a LoRA adapter on the V2 model."""
+    from tests.helpers.checkpoints import save_trainable_checkpoint
+
+    save_trainable_checkpoint(workdir / "v1", 1)
+    runs = {}
+    for name, model, extra in (("v1", "v1", []), ("v2", "v2", []), ("lora", "v2", ["--lora", "--lora-r", "4"])):
+        runs[name] = workdir / f"run-{name}"
+        argv = _train_argv(workdir, runs[name], "--max-steps", "1", "--eval-fraction", "0", *extra)
+        argv[1] = workdir / model
+        assert cli.main([str(a) for a in argv]) == 0
+    return runs
+
+
+def _corrupt_copy(checkpoint, out, *, state=None, adapter_config=None):
+    import shutil
+
+    shutil.copytree(checkpoint, out / checkpoint.name)
+    path = out / checkpoint.name / "trainer_state.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **(state or {})}))
+    if adapter_config is not None:
+        (out / checkpoint.name / "adapter_config.json").write_text(adapter_config)
+    return out / checkpoint.name
+
+
+@pytest.mark.parametrize(
+    "state, words",
+    [
+        ({"global_step": "1"}, ['global_step is "1", not a whole number']),
+        ({"global_step": True}, ["global_step is true"]),
+        ({"stateful_callbacks": [1]}, ["stateful_callbacks is [1], not an object"]),
+        ({"stateful_callbacks": {"RunSettingsCallback": 3}}, ["stateful_callbacks.RunSettingsCallback is 3"]),
+        ({"log_history": {"loss": 1}}, ["log_history is not a list"]),
+        ({"epoch": "one"}, ['epoch is "one", not a number']),
+    ],
+)
+def test_resume_refuses_a_corrupt_trainer_state(refused, workdir, finished_runs, tmp_path, capsys, state, words):
+    out = tmp_path / "run"
+    checkpoint = _corrupt_copy(finished_runs["v2"] / "checkpoint-1", out, state=state)
+    before = tree_digest(out)
+    argv = _train_argv(workdir, out, "--max-steps", "3", "--eval-fraction", "0", "--resume")
+    refused(argv, f"{checkpoint / 'trainer_state.json'} is corrupt", *words, "restore it", notes=True)
+    assert tree_digest(out) == before
+
+
+def test_resume_refuses_a_checkpoint_of_another_model_or_kind(refused, workdir, finished_runs, tmp_path, capsys):
+    common = ["--max-steps", "3", "--eval-fraction", "0", "--overwrite"]
+    v1, v2, lora = (finished_runs[name] / "checkpoint-1" for name in ("v1", "v2", "lora"))
+    out = tmp_path / "out"
+    refused(
+        _train_argv(workdir, out, *common, "--resume", v1),
+        f"--resume {v1} does not fit this model",
+        "a Diff V1 checkpoint, a V2 model",
+        "resume with the MODEL",
+        notes=True,
+    )
+    refused(
+        _train_argv(workdir, out, *common, "--resume", lora),
+        "is a checkpoint of a LoRA adapter (adapter_config.json), but this run trains the full model",
+        "--lora",
+        notes=True,
+    )
+    refused(
+        _train_argv(workdir, out, *common, "--lora", "--lora-r", "4", "--resume", v2),
+        "is a checkpoint of a full-model run",
+        "without --lora",
+        notes=True,
+    )
+    refused(
+        _train_argv(workdir, out, *common, "--lora", "--lora-r", "8", "--resume", lora),
+        "lora_A.weight is [4, 32] there, [8, 32] in this model",
+        notes=True,
+    )
+    assert not out.exists()
+    corrupt = _corrupt_copy(lora, tmp_path / "corrupt", adapter_config="[1, 2]")
+    refused(
+        _train_argv(workdir, out, *common, "--lora", "--lora-r", "4", "--resume", corrupt),
+        f"{corrupt / 'adapter_config.json'} holds a JSON list, not an object",
+        notes=True,
+    )
+    # the right kind and model still resumes
+    assert (
+        cli.main([str(a) for a in _train_argv(workdir, out, *common, "--lora", "--lora-r", "4", "--resume", lora)])
+        == 0
+    )
+
+
+def test_an_adapter_config_that_is_no_object_is_one_line(refused, finished_runs, tmp_path, capsys):
+    import shutil
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(finished_runs["lora"], adapter, ignore=shutil.ignore_patterns("checkpoint-*"))
+    config = adapter / "adapter_config.json"
+    config.write_text("[1, 2]")
+    refused(["generate", adapter, "hello", "--max-new-tokens", "2"], f"{config} holds a JSON list")
+    refused(["merge", adapter, tmp_path / "merged"], f"{config} holds a JSON list")
+    assert not (tmp_path / "merged").exists()
+    config.write_text(json.dumps({"base_model_name_or_path": 5}))
+    refused(["generate", adapter, "hello"], "base_model_name_or_path is 5, not a model name")
+
+
 @pytest.mark.parametrize(
     "extra, words",
     [

@@ -174,7 +174,136 @@ def checkpoint_state(checkpoint: Path) -> dict:
     state = read_json(checkpoint / "trainer_state.json")
     if not isinstance(state, dict):
         raise incomplete("trainer_state.json holds no JSON object")
+    problem = _state_problem(state)
+    if problem:
+        raise TrainingError(
+            f"--resume: {checkpoint / 'trainer_state.json'} is corrupt ({problem}): restore it from a copy of the "
+            "run, or resume from another checkpoint (--resume PATH)"
+        )
     return state
+
+
+# trainer_state.json fields (transformers.TrainerState) and what Trainer needs them to be: a wrong type fails deep in
+# Trainer (a string global_step in a comparison, a list of stateful_callbacks in a .get), so it is refused here.
+_INT_FIELDS = ("global_step", "max_steps", "logging_steps", "save_steps", "num_train_epochs", "num_input_tokens_seen")
+_OPTIONAL_INT_FIELDS = ("eval_steps", "train_batch_size", "best_global_step")
+_NUMBER_FIELDS = ("epoch", "total_flos")
+
+
+def _state_problem(state: dict) -> str | None:
+    """What is wrong with a trainer_state.json's fields, or None."""
+
+    def shown(value):
+        text = json.dumps(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+
+    def is_int(value):
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    for key in _INT_FIELDS:
+        if key in state and not is_int(state[key]):
+            return f"{key} is {shown(state[key])}, not a whole number >= 0"
+    for key in _OPTIONAL_INT_FIELDS:
+        if state.get(key) is not None and not is_int(state[key]):
+            return f"{key} is {shown(state[key])}, not a whole number >= 0 or null"
+    for key in _NUMBER_FIELDS:
+        value = state.get(key)
+        if key in state and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"{key} is {shown(value)}, not a number"
+    if state.get("best_metric") is not None and not isinstance(state["best_metric"], (int, float)):
+        return f"best_metric is {shown(state['best_metric'])}, not a number or null"
+    if state.get("best_model_checkpoint") is not None and not isinstance(state["best_model_checkpoint"], str):
+        return f"best_model_checkpoint is {shown(state['best_model_checkpoint'])}, not a path or null"
+    history = state.get("log_history", [])
+    if not isinstance(history, list) or not all(isinstance(entry, dict) for entry in history):
+        return "log_history is not a list of objects"
+    callbacks = state.get("stateful_callbacks", {})
+    if not isinstance(callbacks, dict):
+        return f"stateful_callbacks is {shown(callbacks)}, not an object"
+    for name, saved in callbacks.items():
+        for entry in saved if isinstance(saved, list) else [saved]:
+            if not isinstance(entry, dict) or not isinstance(entry.get("args", {}), dict):
+                return f"stateful_callbacks.{name} is {shown(saved)}, not an object with args"
+    return None
+
+
+def check_checkpoint_fits(checkpoint, model, lora: bool) -> None:
+    """`--resume CHECKPOINT` holds what this run trains: an adapter for a --lora run, a full model otherwise, with the
+    parameters (names and shapes) of MODEL. Trainer would stop in a traceback on a shape, or silently leave a
+    parameter it does not find untrained from the checkpoint (a V1 checkpoint resumed into a V2 model)."""
+    from ..checkpoints import adapters
+
+    checkpoint = Path(checkpoint)
+    is_adapter = (checkpoint / adapters.ADAPTER_CONFIG).is_file()
+    if is_adapter:
+        adapters.read_adapter_config(checkpoint)
+    if is_adapter and not lora:
+        raise TrainingError(
+            f"--resume {checkpoint} is a checkpoint of a LoRA adapter ({adapters.ADAPTER_CONFIG}), but this run "
+            "trains the full model: resume it with --lora and the LoRA options it was trained with, or pass a "
+            "checkpoint of a full-model run"
+        )
+    if lora and not is_adapter:
+        raise TrainingError(
+            f"--resume {checkpoint} is a checkpoint of a full-model run (no {adapters.ADAPTER_CONFIG}), but this run "
+            "trains a LoRA adapter (--lora, or MODEL an adapter): resume it without --lora, or pass a checkpoint of "
+            "a --lora run"
+        )
+    tied = set()
+    if is_adapter:
+        from peft import get_peft_model_state_dict
+
+        expected = {key: tuple(value.shape) for key, value in get_peft_model_state_dict(model).items()}
+    else:
+        tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+        expected = {key: tuple(value.shape) for key, value in model.state_dict().items() if key not in tied}
+    stored = _stored_shapes(checkpoint)
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected) - tied)
+    wrong = sorted(key for key in set(expected) & set(stored) if expected[key] != stored[key])
+    if not (missing or unexpected or wrong):
+        return
+    if wrong:
+        key = wrong[0]
+        detail = f"{key} is {list(stored[key])} there, {list(expected[key])} in this model"
+    elif missing:
+        detail = f"{len(missing)} of this model's parameters are not in it, e.g. {missing[0]}"
+    else:
+        detail = f"{len(unexpected)} of its tensors are not in this model, e.g. {unexpected[0]}"
+    versions = _diff_versions(checkpoint, model)
+    raise TrainingError(
+        f"--resume {checkpoint} does not fit this model ({detail}{versions}): resume with the MODEL and options the "
+        "run was started with, or start a new run in another --output"
+    )
+
+
+def _stored_shapes(checkpoint: Path) -> dict[str, tuple]:
+    """name -> shape of every tensor in the checkpoint's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as handle:
+            for key in handle.keys():
+                shapes[key] = tuple(handle.get_slice(key).get_shape())
+    return shapes
+
+
+def _diff_versions(checkpoint: Path, model) -> str:
+    """ "; a V1 checkpoint, a V2 model" where the checkpoint's config.json and the model differ in diff_version."""
+    config = getattr(model, "config", None)
+    try:
+        theirs = (
+            read_json(checkpoint / "config.json").get("diff_version")
+            if (checkpoint / "config.json").is_file()
+            else None
+        )
+    except Exception:
+        return ""
+    ours = getattr(config, "diff_version", None)
+    if theirs is not None and ours is not None and theirs != ours:
+        return f"; a Diff V{theirs} checkpoint, a V{ours} model"
+    return ""
 
 
 def _step(checkpoint: Path) -> int:

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer, Trainer, TrainerCallback, TrainingArgume
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoints import adapters
-from ..errors import UserError
+from ..errors import UserError, one_line
 from ..safe_output import OutputLock, record_written, remove_recorded, top_level_state
 from . import TrainingError
 from .args import parse_train_args
@@ -40,7 +40,14 @@ from .checks import check_args, check_output, report_targets
 from .data import build_datasets
 from .freeze import DiffOnlyCallback
 from .model import load_config, load_model, model_source
-from .resume import RecordCheckpointCallback, checkpoint_state, resolve_resume, rotate_checkpoints, trainer_checkpoints
+from .resume import (
+    RecordCheckpointCallback,
+    check_checkpoint_fits,
+    checkpoint_state,
+    resolve_resume,
+    rotate_checkpoints,
+    trainer_checkpoints,
+)
 
 
 class CausalLMTrainer(Trainer):
@@ -72,6 +79,25 @@ class CausalLMTrainer(Trainer):
             output = Path(self._get_output_dir(trial=trial))
             newest = output / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             rotate_checkpoints(output, limit, newest, self.state.best_model_checkpoint)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        try:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        except (RuntimeError, ValueError, KeyError, TypeError) as error:  # what `check_checkpoint_fits` cannot see
+            raise TrainingError(
+                f"--resume {resume_from_checkpoint}: its weights do not load into this model ({one_line(error)}): "
+                "resume with the MODEL and options the run was started with"
+            ) from None
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        try:
+            super()._load_optimizer_and_scheduler(checkpoint)
+        except (RuntimeError, ValueError, KeyError, TypeError) as error:
+            raise TrainingError(
+                f"--resume {checkpoint}: its optimizer.pt does not fit this run's trainable parameters "
+                f"({one_line(error)}): resume with the options the run was started with (--lora, --lora-r, "
+                "--lora-freeze-lambda...)"
+            ) from None
 
     def _issue_warnings_after_load(self, load_result):
         # A tied lm_head is not stored in checkpoints (it is the embedding matrix), so it is always "missing" when
@@ -158,6 +184,8 @@ def build_trainer(args) -> PreparedRun:
     )
     training_args = training_arguments(args, eval_data is not None, resume is not None)
     model = load_model(args, training_args)
+    if resume is not None:
+        check_checkpoint_fits(resume, model, args.lora)
     foreign = resume is not None and Path(resume).resolve().parent != Path(args.output).resolve()
     # Only once the model has loaded: a failed start keeps the old run. --overwrite removes Trainer's checkpoints and
     # every file an earlier run recorded as its own and nobody changed since (a LoRA run's adapter_config.json, a V2
