@@ -21,6 +21,9 @@
 * `write_manifest` / `wrote_this`: a directory listing every entry it holds (the hashes of its regular files, its
   subdirectories), so a command (the demo) can replace a directory only when it can prove that it wrote it and nobody
   changed it since. Anything else (a link, a FIFO, a socket, a device) is never opened and disproves authorship.
+* An --overwrite installs the new output whole: of the replaced OUT, only the user's top-level entries stay
+  (`users_entries`: not a model's files, and not proven written by a command of this package, by its manifest or a
+  training run's record); they are moved into the new OUT.
 """
 
 from __future__ import annotations
@@ -311,6 +314,7 @@ class Staging:
                 raise OutputError(f"{name} {self.out} is not empty: pass {flag} or choose another directory.")
             self.replace = _identity(self.out)
         self.path: Path | None = None
+        self.carried: list[str] = []  # what the install kept of the replaced OUT: the user's (`users_entries`)
         self.installed = False
         self._fd = None
         self._created = None
@@ -378,7 +382,8 @@ class Staging:
                         f"is safe in {old}; rename it back."
                     ) from None
                 raise self._appeared() from None
-            shutil.rmtree(old)  # the directory this run was told to replace, and nothing else
+            self.carried = _carry_users_entries(old, out)
+            shutil.rmtree(old)  # the directory this run was told to replace, less what the user owns
         self.installed = True
         return out
 
@@ -401,6 +406,93 @@ class Staging:
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._cleanup(failed=not self.installed)
         return False
+
+
+# --------------------------------------------------------------------------------------------------------------
+# An --overwrite installs the new output whole: of the replaced OUT only what the user owns stays.
+
+# What makes a directory a model (or an adapter, a tokenizer): such an entry of a replaced OUT never stays beside the
+# new output, whoever wrote it (a stale adapter_config.json or shard index would make every command read the old
+# model); the new output's own entries replace those of the same name.
+MODEL_FILE_NAMES = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "adapter_config.json",
+        "base_model.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "tokenizer.model",
+        "vocab.json",
+        "merges.txt",
+        "added_tokens.json",
+        "chat_template.jinja",
+    }
+)
+MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+_BOOKKEEPING = frozenset({MANIFEST, STAGING_MARK, ".diff-transformer.lock", ".diff-transformer-run.json"})
+
+
+def _manifest_entries(directory: Path) -> dict:
+    """The entries a diff-transformer command's manifest in `directory` records, or {} (none, or not ours)."""
+    try:
+        manifest = json.loads(_read_small(directory / MANIFEST, limit=64 << 20) or "null")
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(manifest, dict) or not str(manifest.get("written_by", "")).startswith("diff-transformer"):
+        return {}
+    entries = manifest.get("entries")
+    return entries if isinstance(entries, dict) else {}
+
+
+def _manifest_proves(directory: Path, name: str, entries: dict) -> bool:
+    """The manifest's `entries` prove that a command wrote the top-level entry `name`, unchanged since."""
+    path = directory / name
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return False
+    if stat.S_ISREG(mode):
+        return entries.get(name) == _sha256(path)
+    if stat.S_ISDIR(mode) and entries.get(name) == "directory":
+        prefix = name + "/"
+        inside = {key[len(prefix) :]: value for key, value in entries.items() if key.startswith(prefix)}
+        return _file_hashes(path) == inside
+    return False
+
+
+def users_entries(old, new=None) -> list[str]:
+    """The top-level entries of a replaced output `old` that are the user's: not a model's files
+    (`MODEL_FILE_NAMES`, `MODEL_FILE_SUFFIXES`), not bookkeeping of this package, not written by a command of this
+    package as its manifest (`write_manifest`) or a training run's record (`record_written`) proves, and not replaced
+    by an entry of the same name in the new output `new`."""
+    old = Path(old)
+    manifest = _manifest_entries(old)
+    record = _run_record(old)
+    taken = set(os.listdir(new)) if new is not None else set()
+    kept = []
+    for name in sorted(os.listdir(old)):
+        if name in taken or name in _BOOKKEEPING or name in MODEL_FILE_NAMES or name.endswith(MODEL_FILE_SUFFIXES):
+            continue
+        if _manifest_proves(old, name, manifest) or (name in record and _proves(old, name, record[name])):
+            continue
+        kept.append(name)
+    return kept
+
+
+def _carry_users_entries(old: Path, out: Path) -> list[str]:
+    """Move the user's entries of the replaced output `old` into the newly installed `out` (renames in one parent
+    directory: nothing is copied); logged, one note."""
+    carried = []
+    for name in users_entries(old, out):
+        if not os.path.lexists(out / name):
+            os.rename(old / name, out / name)
+            carried.append(name)
+    if carried:
+        shown = ", ".join(carried[:4]) + (", ..." if len(carried) > 4 else "")
+        logger.warning(f"note: kept what no diff-transformer command wrote in {out}: {shown}.")
+    return carried
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -515,10 +607,14 @@ def _sha256(path: Path) -> str | None:
     return digest.hexdigest()
 
 
-def write_manifest(directory, written_by: str) -> None:
-    """Record in `directory` every entry it holds (file hashes, subdirectories), as written by `written_by`."""
+def write_manifest(directory, written_by: str, exclude=()) -> None:
+    """Record in `directory` every entry it holds (file hashes, subdirectories), as written by `written_by`, less the
+    top-level entries `exclude` (not written by it: what an --overwrite kept of the user's, `Staging.carried`)."""
     directory = Path(directory)
-    manifest = {"written_by": written_by, "entries": _file_hashes(directory)}
+    entries = _file_hashes(directory)
+    if entries is not None and exclude:
+        entries = {k: v for k, v in entries.items() if k.split("/", 1)[0] not in set(exclude)}
+    manifest = {"written_by": written_by, "entries": entries}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
 
@@ -664,6 +760,7 @@ __all__ = [
     "recover",
     "remove_recorded",
     "top_level_state",
+    "users_entries",
     "write_manifest",
     "wrote_this",
 ]

@@ -690,3 +690,74 @@ def test_a_fifo_in_the_model_directory_is_never_opened(tmp_path, capsys):
         worker.join(timeout=60)
         pytest.fail("generate blocked reading a FIFO generation_config.json")
     assert status == [2] and "generation_config.json is not a regular file" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# merge --overwrite, demo --overwrite: the new output is installed whole; of the old one only the user's files stay
+
+
+def _stale_entries(out, mark):
+    """Into a command's output OUT: files of an old model (a shard index, an adapter config) and a file the command
+    "wrote" (in its manifest), then the user's own file and directory."""
+    (out / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (out / "adapter_config.json").write_text("{}")
+    (out / "old-output.txt").write_text("written by the command")
+    write_manifest(out, mark)  # proves old-output.txt (and the rest) is the command's
+    (out / "notes.txt").write_text("mine")
+    (out / "mine").mkdir()
+    (out / "mine" / "data.txt").write_text("mine")
+
+
+def _check_only_the_users_stayed(out):
+    left = {p.name for p in out.iterdir()}
+    assert not {"model.safetensors.index.json", "adapter_config.json", "old-output.txt"} & left
+    assert (out / "notes.txt").read_text() == "mine" and (out / "mine" / "data.txt").read_text() == "mine"
+    manifest = json.loads((out / ".diff-transformer-output.json").read_text())["entries"]
+    assert not {"notes.txt", "mine", "mine/data.txt"} & set(manifest)  # kept, not claimed as the command's
+    assert not [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]  # nothing left beside
+
+
+def test_merge_overwrite_keeps_only_the_users_files(finished_runs, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "merged"
+    assert cli.main(["merge", str(finished_runs["lora"]), str(out)]) == 0
+    assert wrote_this(out, "diff-transformer merge")
+    _stale_entries(out, "diff-transformer merge")
+    (out / "README.md").write_text("my card")  # a name the new output writes: replaced (--overwrite)
+    assert cli.main(["merge", str(finished_runs["lora"]), str(out), "--overwrite"]) == 0
+    assert "kept what no diff-transformer command wrote" in capsys.readouterr().err
+    _check_only_the_users_stayed(out)
+    assert (out / "README.md").read_text() != "my card"
+    assert type(AutoModelForCausalLM.from_pretrained(out)).__name__ == "DiffForCausalLM"
+
+
+def test_merge_overwrite_of_a_foreign_model_keeps_only_what_is_no_model(finished_runs, tmp_path, capsys):
+    """A directory no command of the package wrote: its model files go (the new model replaces the old), the rest is
+    the user's."""
+    out = tmp_path / "foreign"
+    out.mkdir()
+    (out / "adapter_model.safetensors").write_bytes(b"old")
+    (out / "tokenizer.model").write_bytes(b"old")
+    (out / "notes.txt").write_text("mine")
+    assert cli.main(["merge", str(finished_runs["lora"]), str(out), "--overwrite"]) == 0
+    left = {p.name for p in out.iterdir()}
+    assert "notes.txt" in left and not {"adapter_model.safetensors", "tokenizer.model"} & left
+
+
+def test_demo_overwrite_keeps_only_the_users_files(tmp_path, capsys):
+    from diff_transformer.cli.demo import DEMO_MARK, SCRATCH_MARK
+
+    out = tmp_path / "scratch"
+    assert cli.main(["demo", "--scratch", "--output", str(out)]) == 0
+    _stale_entries(out, SCRATCH_MARK)
+    assert cli.main(["demo", "--scratch", "--output", str(out), "--overwrite"]) == 0
+    _check_only_the_users_stayed(out)
+    assert (out / "diff-v1" / "model.safetensors").is_file()
+
+    out = tmp_path / "demo"
+    assert cli.main(["demo", "--output", str(out)]) == 0
+    _stale_entries(out, DEMO_MARK)
+    assert cli.main(["demo", "--output", str(out), "--overwrite"]) == 0
+    _check_only_the_users_stayed(out)
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()

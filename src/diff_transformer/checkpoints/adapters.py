@@ -30,6 +30,7 @@ from .names import HUB_PREFIX, resolve_model
 
 
 ADAPTER_CONFIG = "adapter_config.json"
+MERGE_MARK = "diff-transformer merge"  # `written_by` of the manifest in what merge writes
 BASE_RECORD = "base_model.json"
 FINGERPRINT_SAMPLE_BYTES = 1 << 16  # per tensor: the start of its data (different training differs everywhere)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -369,11 +370,13 @@ def merge_adapter(
     W + (alpha / r)·B·A, λ copies in `modules_to_save` replace the base's) and write a full checkpoint to OUT: weights
     in the base's dtype, the custom code, a card naming the adapter and its base, the tokenizer (the adapter's, else
     the base's). Nothing is written unless everything loads; OUT is replaced only with `overwrite`. The merge runs on
-    DEVICE; DTYPE ("float32", "bfloat16", "float16") converts the weights, "auto" keeps the base's."""
+    DEVICE; DTYPE ("float32", "bfloat16", "float16") converts the weights, "auto" keeps the base's. With `overwrite`
+    the new checkpoint is installed whole: of the old OUT only the user's files stay (`safe_output.users_entries`); a
+    manifest records what merge wrote."""
     from transformers import AutoTokenizer
 
     from ..integrations.hub import diff_model_card
-    from ..safe_output import Staging, check_target
+    from ..safe_output import Staging, check_target, write_manifest
 
     source = resolve(adapter, base, name="ADAPTER")
     if source.adapter is None:
@@ -404,6 +407,8 @@ def merge_adapter(
         model.save_pretrained(staging_dir)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging_dir)
+        staging.seal()
+        write_manifest(staging_dir, MERGE_MARK)  # what proves to a later --overwrite which files merge wrote
         staging.install()
     return out_path
 
