@@ -39,6 +39,25 @@ def library_failure(exc: BaseException) -> str | None:
     return None
 
 
+SEED_LIMIT = 2**32  # what every random generator a seed reaches takes (numpy's range; torch's is wider)
+
+
+def check_seed(seed, name: str = "seed", error=None) -> int:
+    """SEED as an int in [0, 2**32), else one line (`error`, default `UserError`): a seed past 2**64 overflows inside
+    torch, a negative one is refused by numpy, a float or bool would be silently truncated."""
+    import operator
+
+    error = error or UserError
+    try:
+        value = None if isinstance(seed, (bool, float)) else operator.index(seed)
+    except TypeError:
+        value = None
+    if value is None or not 0 <= value < SEED_LIMIT:
+        shown = repr(seed) if len(repr(seed)) <= 40 else repr(seed)[:37] + "..."
+        raise error(f"{name} {shown} must be a whole number in [0, 2**32): pass a seed from 0 to {SEED_LIMIT - 1}.")
+    return value
+
+
 def install_command(extra: str) -> str:
     """How to get EXTRA: from a source checkout (the package is not on a public index yet), and from an index."""
     source, index = f'pip install -e ".[{extra}]"', f'pip install "diff-transformer[{extra}]"'
@@ -70,4 +89,4 @@ def require(packages, extra: str, purpose: str) -> None:
         raise UserError(message)
 
 
-__all__ = ["UserError", "install_command", "installed", "missing", "one_line", "require"]
+__all__ = ["SEED_LIMIT", "UserError", "check_seed", "install_command", "installed", "missing", "one_line", "require"]

@@ -4,6 +4,7 @@ unbounded resources, bad values are refused instead of giving silently wrong res
 
 import json
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -515,6 +516,12 @@ def test_inspect_options_and_outputs(refused, tmp_path, capsys):
         ("repetition_penalty", 0.0, "repetition_penalty=0.0 must be > 0.0"),
         ("num_return_sequences", 0, "num_return_sequences=0"),
         ("temperature", -1.0, "temperature=-1.0"),
+        ("temperature", 1e-30, "temperature=1e-30 is below 0.0001"),
+        ("bad_words_ids", [[5000]], "bad_words_ids holds 5000, not a token id of this model (0 to 96)"),
+        ("bad_words_ids", [[-3]], "bad_words_ids holds -3"),
+        ("bad_words_ids", [5], "bad_words_ids=[5] must be a list of token-id lists"),
+        ("suppress_tokens", [97], "suppress_tokens holds 97"),
+        ("forced_eos_token_id", 99999, "forced_eos_token_id=99999 is not a token id"),
     ],
 )
 def test_generate_refuses_a_bad_generation_config(refused, tmp_path, capsys, field, value, words):
@@ -522,6 +529,37 @@ def test_generate_refuses_a_bad_generation_config(refused, tmp_path, capsys, fie
     config = json.loads((model / "generation_config.json").read_text())
     (model / "generation_config.json").write_text(json.dumps({**config, field: value}))
     refused(["generate", model, "5 6 7", "--max-new-tokens", "2"], "generation_config.json", words, notes=True)
+
+
+@pytest.mark.parametrize("temperature", ["1e-30", "1e-45", "5e-5"])
+def test_generate_refuses_a_temperature_that_overflows_sampling(refused, tmp_path, capsys, temperature):
+    """logits / 1e-45 is inf and the probabilities NaN (a RuntimeError inside generate()); below the documented
+    minimum a temperature is refused, with 0 (greedy: what it amounts to) as the fix."""
+    model = _diff_checkpoint(tmp_path)
+    refused(["generate", model, "5 6 7", "--temperature", temperature], "is below 0.0001", "pass 0 for greedy")
+    assert cli.main(["generate", str(model), "5 6 7", "--max-new-tokens", "2", "--temperature", "1e-4"]) == 0
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**32, -1, 1.5, True, "7"])
+def test_python_api_seeds_out_of_range_are_one_clear_error(tmp_path, seed):
+    from diff_transformer.conversion import ConversionError, convert_llama_to_diff, convert_to_diff, verify_conversion
+
+    tiny = REPOSITORY / "src" / "diff_transformer" / "assets" / "tiny-llama"
+    message = f"seed {seed!r} must be a whole number in [0, 2**32)"
+    for convert in (convert_llama_to_diff, convert_to_diff):
+        with pytest.raises(ConversionError, match=re.escape(message)):
+            convert(tiny, tmp_path / "out", diff_version=1, seed=seed, progress=False)
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(ConversionError, match=re.escape(message)):
+        verify_conversion(tiny, tiny, seed=seed)
+
+
+@pytest.mark.parametrize("seed", [str(2**64), "-1"])
+def test_cli_seeds_out_of_range_are_one_line(refused, tmp_path, capsys, seed):
+    model = _diff_checkpoint(tmp_path)
+    refused(["generate", model, "5 6", "--temperature", "1", f"--seed={seed}"], f"--seed {seed}", "[0, 2**32)")
+    refused(["demo", "--scratch", "--output", tmp_path / "d", f"--seed={seed}"], f"--seed {seed}", "[0, 2**32)")
+    assert not (tmp_path / "d").exists()
 
 
 def test_generate_length_stays_within_the_context(refused, tmp_path, capsys):

@@ -21,7 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import UserError
+from ..errors import UserError, check_seed
 from ..evaluation import EVAL_BLOCK_SIZE, heldout_perplexity
 from ..safe_output import OutputError, Staging, check_target, write_manifest, wrote_this
 from .options import add_quiet_option
@@ -383,8 +383,7 @@ def add_parser(commands) -> None:
 def run(args) -> int:
     """Offline main job: the shipped tiny Llama (real tokenizer, trained on Austen) -> Diff V2, verified,
     generating."""
-    if not 0 <= args.seed < 2**32:  # what torch.manual_seed takes (a larger one overflows deep inside torch)
-        raise UserError(f"--seed {args.seed} must be in [0, 2**32).")
+    check_seed(args.seed, "--seed")  # a seed past 2**64 would overflow deep inside torch
     if args.scratch:
         return _scratch_demo(args)
     kwargs = {"prompt": args.prompt} if args.prompt else {}
