@@ -34,6 +34,9 @@ def library_failure(exc: BaseException) -> str | None:
         return f"a JSON file is not valid JSON ({one_line(exc)}): fix or restore it."
     if isinstance(exc, UnicodeDecodeError):
         return f"a text file is not UTF-8 ({one_line(exc)}): convert it to UTF-8."
+    if isinstance(exc, UnicodeEncodeError) and "surrogate" in str(exc.reason):
+        # a path of bytes that are not UTF-8 (Python carries them as surrogates) written into a UTF-8 file
+        return "a path is not valid UTF-8 (bytes of another encoding in a file name): rename it with UTF-8 characters."
     if isinstance(exc, MemoryError):
         return "out of memory: use a smaller model, batch or length, or a machine with more memory."
     return None

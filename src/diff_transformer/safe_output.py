@@ -66,6 +66,14 @@ def check_target(out, *, name: str = "OUT", sources: dict | None = None) -> Path
     if not text.strip():
         raise OutputError(f"{name} is empty (an unset shell variable?): pass the directory to write.")
     path = Path(text).expanduser().absolute()
+    try:
+        os.fsencode(path).decode("utf-8")
+    except UnicodeDecodeError:
+        # safetensors (Rust) takes only UTF-8 paths, and the model card names the directory in UTF-8 text.
+        raise OutputError(
+            f"{name} {ascii(text)} is not valid UTF-8 (bytes of another encoding in the path), which the weights "
+            "and the model card cannot be written under: choose a path of UTF-8 characters."
+        ) from None
     real = path.resolve()
     cwd = Path.cwd().resolve()
     try:

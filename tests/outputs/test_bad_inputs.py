@@ -503,6 +503,74 @@ def test_inspect_options_and_outputs(refused, tmp_path, capsys):
     assert (model / "config.json").read_bytes() == config and not out.exists() and not (model / "f.png").exists()
 
 
+def test_inspect_refuses_figure_formats_it_cannot_write_here(refused, tmp_path, capsys):
+    import shutil
+
+    model = _diff_checkpoint(tmp_path)
+    if shutil.which("xelatex") is None:  # pgf needs a TeX program: refused before anything loads, not at the end
+        err = refused(["inspect", model, "5 6", "--out", tmp_path / "x.pgf"], "--out", "x.pgf", ".png", ".svg")
+        assert ".pgf" not in err.replace("x.pgf", "")
+    refused(["inspect", model, "5 6", "--out", tmp_path / "x.xyz"], "x.xyz", "one of", ".pdf", ".png")
+    refused(["inspect", model, "5 6", "--grid", tmp_path / "g", "--out", tmp_path / "x.png"], "--grid", ".png")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["diff"]
+
+
+def test_inspect_writes_no_file_when_one_of_them_fails(refused, tmp_path, capsys, monkeypatch):
+    """--out, --grid and --json go into place together: a figure matplotlib fails on leaves none of them."""
+    from diff_transformer.analysis import plotting
+
+    model = _diff_checkpoint(tmp_path)
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    metric_grid = plotting.metric_grid
+
+    def failing_grid(*args, **kwargs):
+        figure = metric_grid(*args, **kwargs)
+        figure.savefig = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("cannot render this"))
+        return figure
+
+    monkeypatch.setattr(plotting, "metric_grid", failing_grid)
+    argv = ["inspect", model, "5 6 7", "--out", outputs / "f.png", "--grid", outputs / "g.png"]
+    refused([*argv, "--json", outputs / "m.json"], f"writing {outputs / 'g.png'} failed (cannot render this)")
+    assert list(outputs.iterdir()) == []
+
+
+def test_inspect_draws_mathtext_characters_of_a_model_path_literally(tmp_path, capsys):
+    """A `$...$` in the model's name (the figure title) or in the text's tokens is drawn as it is, not parsed as
+    mathtext (`$\\foo$` failed when the figure was saved)."""
+    model = _diff_checkpoint(tmp_path)
+    named = tmp_path / "my$\\foo_x^{2}$ model"
+    model.rename(named)
+    out = tmp_path / "f.png"
+    argv = [str(named), "5 6 7", "--out", str(out), "--grid", str(tmp_path / "g.svg"), "--metric", "lambda"]
+    assert cli.main(["inspect", *argv]) == 0
+    assert out.stat().st_size > 0 and "my$\\foo_x^{2}$ model" in (tmp_path / "g.svg").read_text()
+
+
+@pytest.mark.parametrize("command", ["convert", "merge", "demo", "train"])
+def test_a_non_utf8_output_path_is_one_line(refused, workdir, finished_runs, tmp_path, capsys, command):
+    """safetensors takes only UTF-8 paths and the model card names the directory: refused before anything runs."""
+    out = tmp_path / os.fsdecode(b"caf\xe9")
+    tiny = REPOSITORY / "src" / "diff_transformer" / "assets" / "tiny-llama"
+    argv = {
+        "convert": ["convert", tiny, out],
+        "merge": ["merge", finished_runs["lora"], out],
+        "demo": ["demo", "--scratch", "--output", out],
+        "train": _train_argv(workdir, out, "--max-steps", "1"),
+    }[command]
+    refused(argv, "is not valid UTF-8", "choose a path of UTF-8 characters", notes=True)
+    assert not os.path.lexists(out)
+
+
+def test_a_non_utf8_path_reaching_a_file_is_one_line_at_the_boundary():
+    from diff_transformer.errors import library_failure
+
+    try:
+        os.fsdecode(b"caf\xe9").encode("utf-8")
+    except UnicodeEncodeError as exc:
+        assert "not valid UTF-8" in library_failure(exc)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # generate: generation_config.json and the length asked for
 
