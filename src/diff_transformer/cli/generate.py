@@ -20,9 +20,7 @@ def add_parser(commands) -> None:
         "chat (streamed answers, the history kept within the context, /reset, /exit)",
     )
     generate.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
-    generate.add_argument(
-        "--temperature", type=float, default=0.0, help="0 = greedy (default); sampling needs at least 1e-4"
-    )
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; sampling: at least 1e-4")
     generate.add_argument("--chat", action="store_true", help="PROMPT is a user message: apply the chat template")
     generate.add_argument("--system", help="system message of --chat (default: none)")
     generate.add_argument("--repetition-penalty", type=float, default=None, help="default: the model's (1 = none)")
