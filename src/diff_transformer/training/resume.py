@@ -185,9 +185,13 @@ def checkpoint_state(checkpoint: Path) -> dict:
 
 # trainer_state.json fields (transformers.TrainerState) and what Trainer needs them to be: a wrong type fails deep in
 # Trainer (a string global_step in a comparison, a list of stateful_callbacks in a .get), so it is refused here.
-_INT_FIELDS = ("global_step", "max_steps", "logging_steps", "save_steps", "num_train_epochs", "num_input_tokens_seen")
-_OPTIONAL_INT_FIELDS = ("eval_steps", "train_batch_size", "best_global_step")
-_NUMBER_FIELDS = ("epoch", "total_flos")
+# global_step is compared and counted with (an int); the other counts only need to be numbers (or null where Trainer
+# leaves them unset), as the versions of Trainer that wrote them may store some as floats.
+_INT_FIELDS = ("global_step",)
+_OPTIONAL_INT_FIELDS = ("best_global_step",)
+_NUMBER_FIELDS = ("epoch", "total_flos", "max_steps", "logging_steps", "save_steps", "num_train_epochs")
+_NUMBER_FIELDS += ("num_input_tokens_seen",)
+_OPTIONAL_NUMBER_FIELDS = ("eval_steps", "train_batch_size", "best_metric")
 
 
 def _state_problem(state: dict) -> str | None:
@@ -210,8 +214,10 @@ def _state_problem(state: dict) -> str | None:
         value = state.get(key)
         if key in state and (isinstance(value, bool) or not isinstance(value, (int, float))):
             return f"{key} is {shown(value)}, not a number"
-    if state.get("best_metric") is not None and not isinstance(state["best_metric"], (int, float)):
-        return f"best_metric is {shown(state['best_metric'])}, not a number or null"
+    for key in _OPTIONAL_NUMBER_FIELDS:
+        value = state.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"{key} is {shown(value)}, not a number or null"
     if state.get("best_model_checkpoint") is not None and not isinstance(state["best_model_checkpoint"], str):
         return f"best_model_checkpoint is {shown(state['best_model_checkpoint'])}, not a path or null"
     history = state.get("log_history", [])
