@@ -715,6 +715,20 @@ def forget_entry(directory, name: str) -> None:
         _write_record(directory, entries)
 
 
+def record_flag(directory, flag: str) -> None:
+    """Note FLAG in the RUN_RECORD of `directory`: a fact about the run, not an entry (its key starts with "/", which
+    no file name does, so nothing ever tries to prove or delete it)."""
+    directory = Path(directory)
+    entries = _run_record(directory)
+    if entries.get("/" + flag) != "yes":
+        entries["/" + flag] = "yes"
+        _write_record(directory, entries)
+
+
+def has_flag(directory, flag: str) -> bool:
+    return _run_record(Path(directory)).get("/" + flag) == "yes"
+
+
 def recorded(directory) -> list[str]:
     """The names RUN_RECORD lists (whether or not they are still as recorded: see `proven`)."""
     return sorted(_run_record(Path(directory)))
@@ -761,6 +775,8 @@ __all__ = [
     "Staging",
     "check_target",
     "forget_entry",
+    "has_flag",
+    "record_flag",
     "proven",
     "record_entry",
     "record_written",

@@ -141,6 +141,12 @@ def test_checkpoint_rotation_deletes_only_the_runs_own_checkpoints(workdir, tmp_
         assert (run / name / "notes.txt").read_text() == "mine"
     record = json.loads((run / ".diff-transformer-run.json").read_text())
     assert sorted(name for name in record if name.startswith("checkpoint-")) == ["checkpoint-5"]
+    # --overwrite, starting over, deletes what the record proves, and nothing else either
+    assert cli.main([str(a) for a in [*argv[:-4], "--max-steps", "1", "--overwrite"]]) == 0
+    left = sorted(p.name for p in run.glob("checkpoint-*"))
+    assert left == ["checkpoint-0", "checkpoint-1", "checkpoint-2", "checkpoint-mynotes"]  # 5 went, 1 is the new run's
+    for name in ("checkpoint-0", "checkpoint-2", "checkpoint-mynotes"):
+        assert (run / name / "notes.txt").read_text() == "mine"
 
 
 @pytest.fixture(scope="module")

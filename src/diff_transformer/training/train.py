@@ -44,6 +44,7 @@ from .resume import (
     RecordCheckpointCallback,
     check_checkpoint_fits,
     checkpoint_state,
+    old_checkpoints,
     resolve_resume,
     rotate_checkpoints,
     trainer_checkpoints,
@@ -187,16 +188,17 @@ def build_trainer(args) -> PreparedRun:
     if resume is not None:
         check_checkpoint_fits(resume, model, args.lora)
     foreign = resume is not None and Path(resume).resolve().parent != Path(args.output).resolve()
-    # Only once the model has loaded: a failed start keeps the old run. --overwrite removes Trainer's checkpoints and
-    # every file an earlier run recorded as its own and nobody changed since (a LoRA run's adapter_config.json, a V2
+    # Only once the model has loaded: a failed start keeps the old run. --overwrite removes every file and checkpoint
+    # an earlier run recorded as its own and nobody changed since (all Trainer checkpoints of a run from before
+    # checkpoints were recorded: `old_checkpoints`) (a LoRA run's adapter_config.json, a V2
     # card or a sharded model's index left beside a new run would make every later command read the old run); the
     # user's files stay.
     if args.overwrite and (resume is None or foreign):
         with training_args.main_process_first(desc="removing the old run"):
             if training_args.process_index == 0:
-                for old in trainer_checkpoints(Path(args.output)):
+                for old in old_checkpoints(Path(args.output)):
                     shutil.rmtree(old)
-                remove_recorded(Path(args.output))
+                remove_recorded(Path(args.output))  # the checkpoints it proves too
 
     callbacks = [RunSettingsCallback(block_size, bos=not args.no_bos)]
     callbacks += [DiffOnlyCallback(model, args.diff_only_steps)] if args.diff_only_steps else []
