@@ -257,48 +257,52 @@ def run(args) -> int:
     name = {"diff-v1": "Diff V1", "diff-v2": "Diff V2", "diffllama": "DiffLlama", "llama": "Llama"}[kind]
     title = f"{name}: {Path(str(args.model)).name}, {ids.shape[1]} tokens"
     files, wrote = _Outputs(), []
-    if out is not None:
-        figure = head_figure(entries, args.layer, args.head, tokens=tokens, title=title)
-        files.add(out, lambda path: figure.savefig(path, dpi=args.dpi))
-        wrote.append(f"wrote {out} ({name}, layer {args.layer}, head {args.head})")
-    lambdas = [float(entry.lam.float().mean()) for entry in entries if entry.lam is not None]
-    if lambdas:  # λ's sign: a layer with λ < 0 adds its second map instead of subtracting it
-        each = "mean over tokens and heads" if kind == "diff-v2" else "one per layer"
-        negative = sum(value < 0 for value in lambdas)
-        print(
-            f"λ per layer ({each}): {', '.join(f'{value:+.3f}' for value in lambdas)}; {negative} of {len(lambdas)} "
-            "layers have λ < 0 (they add their second map instead of subtracting it)"
-        )
-    if grid_out is not None:
-        from diff_transformer.analysis.plotting import metric_grid
+    try:  # every output, or none: an interrupt too leaves no temporary file
+        if out is not None:
+            figure = head_figure(entries, args.layer, args.head, tokens=tokens, title=title)
+            files.add(out, lambda path: figure.savefig(path, dpi=args.dpi))
+            wrote.append(f"wrote {out} ({name}, layer {args.layer}, head {args.head})")
+        lambdas = [float(entry.lam.float().mean()) for entry in entries if entry.lam is not None]
+        if lambdas:  # λ's sign: a layer with λ < 0 adds its second map instead of subtracting it
+            each = "mean over tokens and heads" if kind == "diff-v2" else "one per layer"
+            negative = sum(value < 0 for value in lambdas)
+            print(
+                f"λ per layer ({each}): {', '.join(f'{value:+.3f}' for value in lambdas)}; {negative} of "
+                f"{len(lambdas)} layers have λ < 0 (they add their second map instead of subtracting it)"
+            )
+        if grid_out is not None:
+            from diff_transformer.analysis.plotting import metric_grid
 
-        grid = metric_grid(metrics[args.metric], args.metric, title=f"{title}: {args.metric}")
-        files.add(grid_out, lambda path: grid.savefig(path, dpi=args.dpi))
-        wrote.append(f"wrote {grid_out} ({args.metric}, layers x heads)")
-    if json_out is not None:
-        entry = entries[args.layer]
+            grid = metric_grid(metrics[args.metric], args.metric, title=f"{title}: {args.metric}")
+            files.add(grid_out, lambda path: grid.savefig(path, dpi=args.dpi))
+            wrote.append(f"wrote {grid_out} ({args.metric}, layers x heads)")
+        if json_out is not None:
+            entry = entries[args.layer]
 
-        def plain(tensor):  # NaN (Llama's λ) as null
-            return None if tensor is None else [[None if v != v else v for v in row] for row in tensor.tolist()]
+            def plain(tensor):  # NaN (Llama's λ) as null
+                return None if tensor is None else [[None if v != v else v for v in row] for row in tensor.tolist()]
 
-        report = {
-            "model": str(args.model),
-            "kind": kind,
-            "tokens": tokens,
-            "layer": args.layer,
-            "head": args.head,
-            "span": None if span is None else list(span),
-            "first": plain(entry.first[0, args.head]),
-            "second": plain(None if entry.second is None else entry.second[0, args.head]),
-            "differential": plain(entry.differential[0, args.head]),
-            "lambda": None
-            if entry.lam is None
-            else (entry.lam if entry.lam.dim() == 0 else entry.lam[0, args.head]).tolist(),
-            "metrics": {key: plain(value) for key, value in metrics.items()},  # (layers, heads) each
-        }
-        files.add(json_out, lambda path: Path(path).write_text(json.dumps(report)))
-        wrote.append(f"wrote {json_out}")
-    files.install()
+            report = {
+                "model": str(args.model),
+                "kind": kind,
+                "tokens": tokens,
+                "layer": args.layer,
+                "head": args.head,
+                "span": None if span is None else list(span),
+                "first": plain(entry.first[0, args.head]),
+                "second": plain(None if entry.second is None else entry.second[0, args.head]),
+                "differential": plain(entry.differential[0, args.head]),
+                "lambda": None
+                if entry.lam is None
+                else (entry.lam if entry.lam.dim() == 0 else entry.lam[0, args.head]).tolist(),
+                "metrics": {key: plain(value) for key, value in metrics.items()},  # (layers, heads) each
+            }
+            files.add(json_out, lambda path: Path(path).write_text(json.dumps(report)))
+            wrote.append(f"wrote {json_out}")
+        files.install()
+    except BaseException:
+        files.discard()
+        raise
     for line in wrote:
         print(line)
     return 0
