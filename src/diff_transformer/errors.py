@@ -34,9 +34,31 @@ def library_failure(exc: BaseException) -> str | None:
         return f"a JSON file is not valid JSON ({one_line(exc)}): fix or restore it."
     if isinstance(exc, UnicodeDecodeError):
         return f"a text file is not UTF-8 ({one_line(exc)}): convert it to UTF-8."
+    if isinstance(exc, UnicodeEncodeError) and "surrogate" in str(exc.reason):
+        # a path of bytes that are not UTF-8 (Python carries them as surrogates) written into a UTF-8 file
+        return "a path is not valid UTF-8 (bytes of another encoding in a file name): rename it with UTF-8 characters."
     if isinstance(exc, MemoryError):
         return "out of memory: use a smaller model, batch or length, or a machine with more memory."
     return None
+
+
+SEED_LIMIT = 2**32  # what every random generator a seed reaches takes (numpy's range; torch's is wider)
+
+
+def check_seed(seed, name: str = "seed", error=None) -> int:
+    """SEED as an int in [0, 2**32), else one line (`error`, default `UserError`): a seed past 2**64 overflows inside
+    torch, a negative one is refused by numpy, a float or bool would be silently truncated."""
+    import operator
+
+    error = error or UserError
+    try:
+        value = None if isinstance(seed, (bool, float)) else operator.index(seed)
+    except TypeError:
+        value = None
+    if value is None or not 0 <= value < SEED_LIMIT:
+        shown = repr(seed) if len(repr(seed)) <= 40 else repr(seed)[:37] + "..."
+        raise error(f"{name} {shown} must be a whole number in [0, 2**32): pass a seed from 0 to {SEED_LIMIT - 1}.")
+    return value
 
 
 def install_command(extra: str) -> str:
@@ -70,4 +92,4 @@ def require(packages, extra: str, purpose: str) -> None:
         raise UserError(message)
 
 
-__all__ = ["UserError", "install_command", "installed", "missing", "one_line", "require"]
+__all__ = ["SEED_LIMIT", "UserError", "check_seed", "install_command", "installed", "missing", "one_line", "require"]

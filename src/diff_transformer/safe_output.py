@@ -21,6 +21,9 @@
 * `write_manifest` / `wrote_this`: a directory listing every entry it holds (the hashes of its regular files, its
   subdirectories), so a command (the demo) can replace a directory only when it can prove that it wrote it and nobody
   changed it since. Anything else (a link, a FIFO, a socket, a device) is never opened and disproves authorship.
+* An --overwrite installs the new output whole: of the replaced OUT, only the user's top-level entries stay
+  (`users_entries`: not a model's files, and not proven written by a command of this package, by its manifest or a
+  training run's record); they are moved into the new OUT.
 """
 
 from __future__ import annotations
@@ -63,6 +66,14 @@ def check_target(out, *, name: str = "OUT", sources: dict | None = None) -> Path
     if not text.strip():
         raise OutputError(f"{name} is empty (an unset shell variable?): pass the directory to write.")
     path = Path(text).expanduser().absolute()
+    try:
+        os.fsencode(path).decode("utf-8")
+    except UnicodeDecodeError:
+        # safetensors (Rust) takes only UTF-8 paths, and the model card names the directory in UTF-8 text.
+        raise OutputError(
+            f"{name} {ascii(text)} is not valid UTF-8 (bytes of another encoding in the path), which the weights "
+            "and the model card cannot be written under: choose a path of UTF-8 characters."
+        ) from None
     real = path.resolve()
     cwd = Path.cwd().resolve()
     try:
@@ -311,6 +322,7 @@ class Staging:
                 raise OutputError(f"{name} {self.out} is not empty: pass {flag} or choose another directory.")
             self.replace = _identity(self.out)
         self.path: Path | None = None
+        self.carried: list[str] = []  # what the install kept of the replaced OUT: the user's (`users_entries`)
         self.installed = False
         self._fd = None
         self._created = None
@@ -378,7 +390,8 @@ class Staging:
                         f"is safe in {old}; rename it back."
                     ) from None
                 raise self._appeared() from None
-            shutil.rmtree(old)  # the directory this run was told to replace, and nothing else
+            self.carried = _carry_users_entries(old, out)
+            shutil.rmtree(old)  # the directory this run was told to replace, less what the user owns
         self.installed = True
         return out
 
@@ -401,6 +414,93 @@ class Staging:
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._cleanup(failed=not self.installed)
         return False
+
+
+# --------------------------------------------------------------------------------------------------------------
+# An --overwrite installs the new output whole: of the replaced OUT only what the user owns stays.
+
+# What makes a directory a model (or an adapter, a tokenizer): such an entry of a replaced OUT never stays beside the
+# new output, whoever wrote it (a stale adapter_config.json or shard index would make every command read the old
+# model); the new output's own entries replace those of the same name.
+MODEL_FILE_NAMES = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "adapter_config.json",
+        "base_model.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "tokenizer.model",
+        "vocab.json",
+        "merges.txt",
+        "added_tokens.json",
+        "chat_template.jinja",
+    }
+)
+MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+_BOOKKEEPING = frozenset({MANIFEST, STAGING_MARK, ".diff-transformer.lock", ".diff-transformer-run.json"})
+
+
+def _manifest_entries(directory: Path) -> dict:
+    """The entries a diff-transformer command's manifest in `directory` records, or {} (none, or not ours)."""
+    try:
+        manifest = json.loads(_read_small(directory / MANIFEST, limit=64 << 20) or "null")
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(manifest, dict) or not str(manifest.get("written_by", "")).startswith("diff-transformer"):
+        return {}
+    entries = manifest.get("entries")
+    return entries if isinstance(entries, dict) else {}
+
+
+def _manifest_proves(directory: Path, name: str, entries: dict) -> bool:
+    """The manifest's `entries` prove that a command wrote the top-level entry `name`, unchanged since."""
+    path = directory / name
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return False
+    if stat.S_ISREG(mode):
+        return entries.get(name) == _sha256(path)
+    if stat.S_ISDIR(mode) and entries.get(name) == "directory":
+        prefix = name + "/"
+        inside = {key[len(prefix) :]: value for key, value in entries.items() if key.startswith(prefix)}
+        return _file_hashes(path) == inside
+    return False
+
+
+def users_entries(old, new=None) -> list[str]:
+    """The top-level entries of a replaced output `old` that are the user's: not a model's files
+    (`MODEL_FILE_NAMES`, `MODEL_FILE_SUFFIXES`), not bookkeeping of this package, not written by a command of this
+    package as its manifest (`write_manifest`) or a training run's record (`record_written`) proves, and not replaced
+    by an entry of the same name in the new output `new`."""
+    old = Path(old)
+    manifest = _manifest_entries(old)
+    record = _run_record(old)
+    taken = set(os.listdir(new)) if new is not None else set()
+    kept = []
+    for name in sorted(os.listdir(old)):
+        if name in taken or name in _BOOKKEEPING or name in MODEL_FILE_NAMES or name.endswith(MODEL_FILE_SUFFIXES):
+            continue
+        if _manifest_proves(old, name, manifest) or (name in record and _proves(old, name, record[name])):
+            continue
+        kept.append(name)
+    return kept
+
+
+def _carry_users_entries(old: Path, out: Path) -> list[str]:
+    """Move the user's entries of the replaced output `old` into the newly installed `out` (renames in one parent
+    directory: nothing is copied); logged, one note."""
+    carried = []
+    for name in users_entries(old, out):
+        if not os.path.lexists(out / name):
+            os.rename(old / name, out / name)
+            carried.append(name)
+    if carried:
+        shown = ", ".join(carried[:4]) + (", ..." if len(carried) > 4 else "")
+        logger.warning(f"note: kept what no diff-transformer command wrote in {out}: {shown}.")
+    return carried
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -515,10 +615,14 @@ def _sha256(path: Path) -> str | None:
     return digest.hexdigest()
 
 
-def write_manifest(directory, written_by: str) -> None:
-    """Record in `directory` every entry it holds (file hashes, subdirectories), as written by `written_by`."""
+def write_manifest(directory, written_by: str, exclude=()) -> None:
+    """Record in `directory` every entry it holds (file hashes, subdirectories), as written by `written_by`, less the
+    top-level entries `exclude` (not written by it: what an --overwrite kept of the user's, `Staging.carried`)."""
     directory = Path(directory)
-    manifest = {"written_by": written_by, "entries": _file_hashes(directory)}
+    entries = _file_hashes(directory)
+    if entries is not None and exclude:
+        entries = {k: v for k, v in entries.items() if k.split("/", 1)[0] not in set(exclude)}
+    manifest = {"written_by": written_by, "entries": entries}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
 
@@ -562,7 +666,7 @@ def record_written(directory, before: dict[str, tuple[int, int]], *, skip=()) ->
             entries[name] = inside
         elif stat.S_ISREG(mode) and (digest := _sha256(path)) is not None:
             entries[name] = digest
-    (directory / RUN_RECORD).write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    _write_record(directory, entries)
 
 
 def _run_record(directory: Path) -> dict:
@@ -575,6 +679,74 @@ def _run_record(directory: Path) -> dict:
     return {k: v for k, v in record.items() if isinstance(k, str) and isinstance(v, (str, dict))}
 
 
+def _proves(directory: Path, name: str, digest) -> bool:
+    """Whether the record's `digest` of `name` (a file's hash, or a directory's `_file_hashes`) still matches."""
+    path = directory / name
+    if "/" in name or name in (".", "..") or not os.path.lexists(path):
+        return False
+    mode = os.lstat(path).st_mode
+    if isinstance(digest, dict) and stat.S_ISDIR(mode):
+        return _file_hashes(path) == digest
+    return isinstance(digest, str) and stat.S_ISREG(mode) and _sha256(path) == digest
+
+
+def record_entry(directory, name: str) -> None:
+    """Add the top-level entry `name` of `directory` (e.g. a checkpoint a run just saved) to its RUN_RECORD, with the
+    hashes of everything inside: the proof that lets a later step of the run (checkpoint rotation) or a later run
+    delete it, as long as nobody changes it."""
+    directory = Path(directory)
+    path = directory / name
+    entries = _run_record(directory)
+    mode = os.lstat(path).st_mode
+    if stat.S_ISDIR(mode) and (inside := _file_hashes(path)) is not None:
+        entries[name] = inside
+    elif stat.S_ISREG(mode) and (digest := _sha256(path)) is not None:
+        entries[name] = digest
+    else:
+        entries.pop(name, None)
+    _write_record(directory, entries)
+
+
+def forget_entry(directory, name: str) -> None:
+    """Drop `name` from the RUN_RECORD of `directory` (deleted, or no longer the run's)."""
+    directory = Path(directory)
+    entries = _run_record(directory)
+    if entries.pop(name, None) is not None:
+        _write_record(directory, entries)
+
+
+def record_flag(directory, flag: str) -> None:
+    """Note FLAG in the RUN_RECORD of `directory`: a fact about the run, not an entry (its key starts with "/", which
+    no file name does, so nothing ever tries to prove or delete it)."""
+    directory = Path(directory)
+    entries = _run_record(directory)
+    if entries.get("/" + flag) != "yes":
+        entries["/" + flag] = "yes"
+        _write_record(directory, entries)
+
+
+def has_flag(directory, flag: str) -> bool:
+    return _run_record(Path(directory)).get("/" + flag) == "yes"
+
+
+def recorded(directory) -> list[str]:
+    """The names RUN_RECORD lists (whether or not they are still as recorded: see `proven`)."""
+    return sorted(_run_record(Path(directory)))
+
+
+def proven(directory, name: str) -> bool:
+    """Whether RUN_RECORD proves that a run wrote the entry `name` of `directory` and nobody changed it since."""
+    directory = Path(directory)
+    digest = _run_record(directory).get(name)
+    return digest is not None and _proves(directory, name, digest)
+
+
+def _write_record(directory: Path, entries: dict) -> None:
+    temp = directory / f"{RUN_RECORD}.tmp"
+    temp.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(temp, directory / RUN_RECORD)  # never half-written: it is what proves the run's files
+
+
 def remove_recorded(directory) -> list[str]:
     """Delete what RUN_RECORD proves an earlier run wrote and nobody changed since (a file whose hash still matches,
     a directory holding exactly what was recorded inside it), then the record; everything else stays (the user's).
@@ -582,16 +754,13 @@ def remove_recorded(directory) -> list[str]:
     directory = Path(directory)
     removed = []
     for name, digest in sorted(_run_record(directory).items()):
+        if not _proves(directory, name, digest):
+            continue
         path = directory / name
-        if "/" in name or name in (".", "..") or not os.path.lexists(path):
-            continue
-        mode = os.lstat(path).st_mode
-        if isinstance(digest, dict) and stat.S_ISDIR(mode) and _file_hashes(path) == digest:
+        if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
-        elif isinstance(digest, str) and stat.S_ISREG(mode) and _sha256(path) == digest:
-            path.unlink()
         else:
-            continue
+            path.unlink()
         removed.append(name)
     (directory / RUN_RECORD).unlink(missing_ok=True)
     return removed
@@ -605,10 +774,17 @@ __all__ = [
     "OutputLock",
     "Staging",
     "check_target",
+    "forget_entry",
+    "has_flag",
+    "record_flag",
+    "proven",
+    "record_entry",
     "record_written",
+    "recorded",
     "recover",
     "remove_recorded",
     "top_level_state",
+    "users_entries",
     "write_manifest",
     "wrote_this",
 ]

@@ -348,5 +348,5 @@ def test_every_option_s_help_shows_its_default():
     for shown in ("--epochs EPOCHS passes over --data (fractions allowed) (default: 1.0)", "LoRA rank r (default: 8)"):
         assert shown in text, shown
     generate = " ".join(commands["generate"].format_help().split())
-    assert "--temperature TEMPERATURE 0 = greedy (default: 0.0)" in generate
+    assert "--temperature TEMPERATURE 0 = greedy; sampling: at least 1e-4 (default: 0.0)" in generate
     assert "--device DEVICE" in generate and "(default: auto)" in generate

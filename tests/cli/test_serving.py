@@ -272,6 +272,8 @@ def test_generation_limit_clamps_to_the_context_and_the_flag():
         _generation_limit(model, {"input_ids": list(range(64))}, SimpleNamespace(max_new_tokens=1), None)
     with pytest.raises(HTTPException, match="num_beams=-3 must be >= 1"):  # a request's generation_config
         _generation_limit(model, inputs, SimpleNamespace(max_new_tokens=1, num_beams=-3), None)
+    with pytest.raises(HTTPException, match="temperature=1e-30 is below 0.0001"):  # NaN probabilities otherwise
+        _generation_limit(model, inputs, SimpleNamespace(max_new_tokens=1, temperature=1e-30), None)
 
 
 def test_serve_refuses_a_missing_model_and_a_bad_limit(capsys):

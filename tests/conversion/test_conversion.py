@@ -776,8 +776,11 @@ def test_non_empty_out_is_refused_then_overwritten(tmp_path):
         convert_llama_to_diff(bad, out, overwrite=True, progress=False)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
+    # the new checkpoint is installed whole; of the old OUT only the user's own files stay (not a model's files)
+    (out / "model.safetensors.index.json").write_text('{"weight_map": {}}')
     convert_llama_to_diff(src, out, overwrite=True, progress=False)
-    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    assert (out / "keep.txt").read_text() == "precious" and (out / "config.json").is_file()
+    assert not (out / "model.safetensors.index.json").exists()
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
     assert tree_digest(src) == digest
 

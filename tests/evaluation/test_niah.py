@@ -97,9 +97,14 @@ def test_a_source_and_its_v2_conversion_give_equal_grids(tmp_path, capsys):
         assert a["mean_value_logprob"] == pytest.approx(b["mean_value_logprob"], abs=1e-3)
         assert [s["answer"] for s in a["samples"]] == [s["answer"] for s in b["samples"]]
     assert (out / "niah.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert sorted(p.name for p in out.iterdir()) == ["niah.json", "niah.png"]
-    assert cli.main([*argv[:2], "--lengths", "150", "--depths", "0", "--out", str(tmp_path / "j"), "--no-figure"]) == 0
-    assert sorted(p.name for p in (tmp_path / "j").iterdir()) == ["niah.json"]
+    manifest = ".diff-transformer-output.json"  # what niah wrote: a later --overwrite replaces only that
+    assert sorted(p.name for p in out.iterdir()) == [manifest, "niah.json", "niah.png"]
+    (out / "notes.txt").write_text("mine")
+    assert (
+        cli.main([*argv[:2], "--lengths", "150", "--depths", "0", "--out", str(out), "--no-figure", "--overwrite"])
+        == 0
+    )
+    assert sorted(p.name for p in out.iterdir()) == [manifest, "niah.json", "notes.txt"]  # no stale niah.png
 
 
 @pytest.mark.slow

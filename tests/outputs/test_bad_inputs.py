@@ -4,6 +4,7 @@ unbounded resources, bad values are refused instead of giving silently wrong res
 
 import json
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -118,6 +119,136 @@ def test_resume_into_another_run_needs_overwrite_and_keeps_users_directories(ref
     assert cli.main([str(a) for a in _train_argv(workdir, run_x, "--max-steps", "1", "--overwrite")]) == 0
     assert sorted(p.name for p in run_x.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-mynotes"]
     assert (run_x / "checkpoint-mynotes" / "notes.txt").read_text() == "mine"
+
+
+def test_checkpoint_rotation_deletes_only_the_runs_own_checkpoints(workdir, tmp_path):
+    """--save-total-limit: Trainer's rotation would delete the oldest checkpoint-* directory whoever wrote it; only the
+    checkpoints the run record proves are the run's (unchanged) rotate, a resumed run's included."""
+    run = tmp_path / "run"
+    argv = _train_argv(workdir, run, "--max-steps", "3", "--save-steps", "1", "--eval-fraction", "0")
+    assert cli.main([str(a) for a in argv]) == 0
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    for name in ("checkpoint-0", "checkpoint-mynotes"):
+        (run / name).mkdir()
+        (run / name / "notes.txt").write_text("mine")
+    (run / "checkpoint-0" / "trainer_state.json").write_text("{}")  # even one that looks like Trainer's
+    (run / "checkpoint-2" / "notes.txt").write_text("mine")  # one of the run's, changed since: the user's now
+    resume = [*argv[:-4], "--max-steps", "5", "--save-steps", "1", "--save-total-limit", "1", "--resume"]
+    assert cli.main([str(a) for a in resume]) == 0
+    left = sorted(p.name for p in run.glob("checkpoint-*"))
+    assert left == ["checkpoint-0", "checkpoint-2", "checkpoint-5", "checkpoint-mynotes"]
+    for name in ("checkpoint-0", "checkpoint-2", "checkpoint-mynotes"):
+        assert (run / name / "notes.txt").read_text() == "mine"
+    record = json.loads((run / ".diff-transformer-run.json").read_text())
+    assert sorted(name for name in record if name.startswith("checkpoint-")) == ["checkpoint-5"]
+    # --overwrite, starting over, deletes what the record proves, and nothing else either
+    assert cli.main([str(a) for a in [*argv[:-4], "--max-steps", "1", "--overwrite"]]) == 0
+    left = sorted(p.name for p in run.glob("checkpoint-*"))
+    assert left == ["checkpoint-0", "checkpoint-1", "checkpoint-2", "checkpoint-mynotes"]  # 5 went, 1 is the new run's
+    for name in ("checkpoint-0", "checkpoint-2", "checkpoint-mynotes"):
+        assert (run / name / "notes.txt").read_text() == "mine"
+
+
+@pytest.fixture(scope="module")
+def finished_runs(workdir):
+    """One-step runs with a checkpoint each: a V1 model, a V2 model and a LoRA adapter on the V2 model."""
+    from tests.helpers.checkpoints import save_trainable_checkpoint
+
+    save_trainable_checkpoint(workdir / "v1", 1)
+    runs = {}
+    for name, model, extra in (("v1", "v1", []), ("v2", "v2", []), ("lora", "v2", ["--lora", "--lora-r", "4"])):
+        runs[name] = workdir / f"run-{name}"
+        argv = _train_argv(workdir, runs[name], "--max-steps", "1", "--eval-fraction", "0", *extra)
+        argv[1] = workdir / model
+        assert cli.main([str(a) for a in argv]) == 0
+    return runs
+
+
+def _corrupt_copy(checkpoint, out, *, state=None, adapter_config=None):
+    import shutil
+
+    shutil.copytree(checkpoint, out / checkpoint.name)
+    path = out / checkpoint.name / "trainer_state.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **(state or {})}))
+    if adapter_config is not None:
+        (out / checkpoint.name / "adapter_config.json").write_text(adapter_config)
+    return out / checkpoint.name
+
+
+@pytest.mark.parametrize(
+    "state, words",
+    [
+        ({"global_step": "1"}, ['global_step is "1", not a whole number']),
+        ({"global_step": True}, ["global_step is true"]),
+        ({"stateful_callbacks": [1]}, ["stateful_callbacks is [1], not an object"]),
+        ({"stateful_callbacks": {"RunSettingsCallback": 3}}, ["stateful_callbacks.RunSettingsCallback is 3"]),
+        ({"log_history": {"loss": 1}}, ["log_history is not a list"]),
+        ({"epoch": "one"}, ['epoch is "one", not a number']),
+    ],
+)
+def test_resume_refuses_a_corrupt_trainer_state(refused, workdir, finished_runs, tmp_path, capsys, state, words):
+    out = tmp_path / "run"
+    checkpoint = _corrupt_copy(finished_runs["v2"] / "checkpoint-1", out, state=state)
+    before = tree_digest(out)
+    argv = _train_argv(workdir, out, "--max-steps", "3", "--eval-fraction", "0", "--resume")
+    refused(argv, f"{checkpoint / 'trainer_state.json'} is corrupt", *words, "restore it", notes=True)
+    assert tree_digest(out) == before
+
+
+def test_resume_refuses_a_checkpoint_of_another_model_or_kind(refused, workdir, finished_runs, tmp_path, capsys):
+    common = ["--max-steps", "3", "--eval-fraction", "0", "--overwrite"]
+    v1, v2, lora = (finished_runs[name] / "checkpoint-1" for name in ("v1", "v2", "lora"))
+    out = tmp_path / "out"
+    refused(
+        _train_argv(workdir, out, *common, "--resume", v1),
+        f"--resume {v1} does not fit this model",
+        "a Diff V1 checkpoint, a V2 model",
+        "resume with the MODEL",
+        notes=True,
+    )
+    refused(
+        _train_argv(workdir, out, *common, "--resume", lora),
+        "is a checkpoint of a LoRA adapter (adapter_config.json), but this run trains the full model",
+        "--lora",
+        notes=True,
+    )
+    refused(
+        _train_argv(workdir, out, *common, "--lora", "--lora-r", "4", "--resume", v2),
+        "is a checkpoint of a full-model run",
+        "without --lora",
+        notes=True,
+    )
+    refused(
+        _train_argv(workdir, out, *common, "--lora", "--lora-r", "8", "--resume", lora),
+        "lora_A.weight is [4, 32] there, [8, 32] in this model",
+        notes=True,
+    )
+    assert not out.exists()
+    corrupt = _corrupt_copy(lora, tmp_path / "corrupt", adapter_config="[1, 2]")
+    refused(
+        _train_argv(workdir, out, *common, "--lora", "--lora-r", "4", "--resume", corrupt),
+        f"{corrupt / 'adapter_config.json'} holds a JSON list, not an object",
+        notes=True,
+    )
+    # the right kind and model still resumes
+    assert (
+        cli.main([str(a) for a in _train_argv(workdir, out, *common, "--lora", "--lora-r", "4", "--resume", lora)])
+        == 0
+    )
+
+
+def test_an_adapter_config_that_is_no_object_is_one_line(refused, finished_runs, tmp_path, capsys):
+    import shutil
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(finished_runs["lora"], adapter, ignore=shutil.ignore_patterns("checkpoint-*"))
+    config = adapter / "adapter_config.json"
+    config.write_text("[1, 2]")
+    refused(["generate", adapter, "hello", "--max-new-tokens", "2"], f"{config} holds a JSON list")
+    refused(["merge", adapter, tmp_path / "merged"], f"{config} holds a JSON list")
+    assert not (tmp_path / "merged").exists()
+    config.write_text(json.dumps({"base_model_name_or_path": 5}))
+    refused(["generate", adapter, "hello"], "base_model_name_or_path is 5, not a model name")
 
 
 @pytest.mark.parametrize(
@@ -378,6 +509,74 @@ def test_inspect_options_and_outputs(refused, tmp_path, capsys):
     assert (model / "config.json").read_bytes() == config and not out.exists() and not (model / "f.png").exists()
 
 
+def test_inspect_refuses_figure_formats_it_cannot_write_here(refused, tmp_path, capsys):
+    import shutil
+
+    model = _diff_checkpoint(tmp_path)
+    if shutil.which("xelatex") is None:  # pgf needs a TeX program: refused before anything loads, not at the end
+        err = refused(["inspect", model, "5 6", "--out", tmp_path / "x.pgf"], "--out", "x.pgf", ".png", ".svg")
+        assert ".pgf" not in err.replace("x.pgf", "")
+    refused(["inspect", model, "5 6", "--out", tmp_path / "x.xyz"], "x.xyz", "one of", ".pdf", ".png")
+    refused(["inspect", model, "5 6", "--grid", tmp_path / "g", "--out", tmp_path / "x.png"], "--grid", ".png")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["diff"]
+
+
+def test_inspect_writes_no_file_when_one_of_them_fails(refused, tmp_path, capsys, monkeypatch):
+    """--out, --grid and --json go into place together: a figure matplotlib fails on leaves none of them."""
+    from diff_transformer.analysis import plotting
+
+    model = _diff_checkpoint(tmp_path)
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    metric_grid = plotting.metric_grid
+
+    def failing_grid(*args, **kwargs):
+        figure = metric_grid(*args, **kwargs)
+        figure.savefig = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("cannot render this"))
+        return figure
+
+    monkeypatch.setattr(plotting, "metric_grid", failing_grid)
+    argv = ["inspect", model, "5 6 7", "--out", outputs / "f.png", "--grid", outputs / "g.png"]
+    refused([*argv, "--json", outputs / "m.json"], f"writing {outputs / 'g.png'} failed (cannot render this)")
+    assert list(outputs.iterdir()) == []
+
+
+def test_inspect_draws_mathtext_characters_of_a_model_path_literally(tmp_path, capsys):
+    """A `$...$` in the model's name (the figure title) or in the text's tokens is drawn as it is, not parsed as
+    mathtext (`$\\foo$` failed when the figure was saved)."""
+    model = _diff_checkpoint(tmp_path)
+    named = tmp_path / "my$\\foo_x^{2}$ model"
+    model.rename(named)
+    out = tmp_path / "f.png"
+    argv = [str(named), "5 6 7", "--out", str(out), "--grid", str(tmp_path / "g.svg"), "--metric", "lambda"]
+    assert cli.main(["inspect", *argv]) == 0
+    assert out.stat().st_size > 0 and "my$\\foo_x^{2}$ model" in (tmp_path / "g.svg").read_text()
+
+
+@pytest.mark.parametrize("command", ["convert", "merge", "demo", "train"])
+def test_a_non_utf8_output_path_is_one_line(refused, workdir, finished_runs, tmp_path, capsys, command):
+    """safetensors takes only UTF-8 paths and the model card names the directory: refused before anything runs."""
+    out = tmp_path / os.fsdecode(b"caf\xe9")
+    tiny = REPOSITORY / "src" / "diff_transformer" / "assets" / "tiny-llama"
+    argv = {
+        "convert": ["convert", tiny, out],
+        "merge": ["merge", finished_runs["lora"], out],
+        "demo": ["demo", "--scratch", "--output", out],
+        "train": _train_argv(workdir, out, "--max-steps", "1"),
+    }[command]
+    refused(argv, "is not valid UTF-8", "choose a path of UTF-8 characters", notes=True)
+    assert not os.path.lexists(out)
+
+
+def test_a_non_utf8_path_reaching_a_file_is_one_line_at_the_boundary():
+    from diff_transformer.errors import library_failure
+
+    try:
+        os.fsdecode(b"caf\xe9").encode("utf-8")
+    except UnicodeEncodeError as exc:
+        assert "not valid UTF-8" in library_failure(exc)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # generate: generation_config.json and the length asked for
 
@@ -391,6 +590,12 @@ def test_inspect_options_and_outputs(refused, tmp_path, capsys):
         ("repetition_penalty", 0.0, "repetition_penalty=0.0 must be > 0.0"),
         ("num_return_sequences", 0, "num_return_sequences=0"),
         ("temperature", -1.0, "temperature=-1.0"),
+        ("temperature", 1e-30, "temperature=1e-30 is below 0.0001"),
+        ("bad_words_ids", [[5000]], "bad_words_ids holds 5000, not a token id of this model (0 to 96)"),
+        ("bad_words_ids", [[-3]], "bad_words_ids holds -3"),
+        ("bad_words_ids", [5], "bad_words_ids=[5] must be a list of token-id lists"),
+        ("suppress_tokens", [97], "suppress_tokens holds 97"),
+        ("forced_eos_token_id", 99999, "forced_eos_token_id=99999 is not a token id"),
     ],
 )
 def test_generate_refuses_a_bad_generation_config(refused, tmp_path, capsys, field, value, words):
@@ -398,6 +603,37 @@ def test_generate_refuses_a_bad_generation_config(refused, tmp_path, capsys, fie
     config = json.loads((model / "generation_config.json").read_text())
     (model / "generation_config.json").write_text(json.dumps({**config, field: value}))
     refused(["generate", model, "5 6 7", "--max-new-tokens", "2"], "generation_config.json", words, notes=True)
+
+
+@pytest.mark.parametrize("temperature", ["1e-30", "1e-45", "5e-5"])
+def test_generate_refuses_a_temperature_that_overflows_sampling(refused, tmp_path, capsys, temperature):
+    """logits / 1e-45 is inf and the probabilities NaN (a RuntimeError inside generate()); below the documented
+    minimum a temperature is refused, with 0 (greedy: what it amounts to) as the fix."""
+    model = _diff_checkpoint(tmp_path)
+    refused(["generate", model, "5 6 7", "--temperature", temperature], "is below 0.0001", "pass 0 for greedy")
+    assert cli.main(["generate", str(model), "5 6 7", "--max-new-tokens", "2", "--temperature", "1e-4"]) == 0
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**32, -1, 1.5, True, "7"])
+def test_python_api_seeds_out_of_range_are_one_clear_error(tmp_path, seed):
+    from diff_transformer.conversion import ConversionError, convert_llama_to_diff, convert_to_diff, verify_conversion
+
+    tiny = REPOSITORY / "src" / "diff_transformer" / "assets" / "tiny-llama"
+    message = f"seed {seed!r} must be a whole number in [0, 2**32)"
+    for convert in (convert_llama_to_diff, convert_to_diff):
+        with pytest.raises(ConversionError, match=re.escape(message)):
+            convert(tiny, tmp_path / "out", diff_version=1, seed=seed, progress=False)
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(ConversionError, match=re.escape(message)):
+        verify_conversion(tiny, tiny, seed=seed)
+
+
+@pytest.mark.parametrize("seed", [str(2**64), "-1"])
+def test_cli_seeds_out_of_range_are_one_line(refused, tmp_path, capsys, seed):
+    model = _diff_checkpoint(tmp_path)
+    refused(["generate", model, "5 6", "--temperature", "1", f"--seed={seed}"], f"--seed {seed}", "[0, 2**32)")
+    refused(["demo", "--scratch", "--output", tmp_path / "d", f"--seed={seed}"], f"--seed {seed}", "[0, 2**32)")
+    assert not (tmp_path / "d").exists()
 
 
 def test_generate_length_stays_within_the_context(refused, tmp_path, capsys):
@@ -566,3 +802,74 @@ def test_a_fifo_in_the_model_directory_is_never_opened(tmp_path, capsys):
         worker.join(timeout=60)
         pytest.fail("generate blocked reading a FIFO generation_config.json")
     assert status == [2] and "generation_config.json is not a regular file" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# merge --overwrite, demo --overwrite: the new output is installed whole; of the old one only the user's files stay
+
+
+def _stale_entries(out, mark):
+    """Into a command's output OUT: files of an old model (a shard index, an adapter config) and a file the command
+    "wrote" (in its manifest), then the user's own file and directory."""
+    (out / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (out / "adapter_config.json").write_text("{}")
+    (out / "old-output.txt").write_text("written by the command")
+    write_manifest(out, mark)  # proves old-output.txt (and the rest) is the command's
+    (out / "notes.txt").write_text("mine")
+    (out / "mine").mkdir()
+    (out / "mine" / "data.txt").write_text("mine")
+
+
+def _check_only_the_users_stayed(out):
+    left = {p.name for p in out.iterdir()}
+    assert not {"model.safetensors.index.json", "adapter_config.json", "old-output.txt"} & left
+    assert (out / "notes.txt").read_text() == "mine" and (out / "mine" / "data.txt").read_text() == "mine"
+    manifest = json.loads((out / ".diff-transformer-output.json").read_text())["entries"]
+    assert not {"notes.txt", "mine", "mine/data.txt"} & set(manifest)  # kept, not claimed as the command's
+    assert not [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]  # nothing left beside
+
+
+def test_merge_overwrite_keeps_only_the_users_files(finished_runs, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "merged"
+    assert cli.main(["merge", str(finished_runs["lora"]), str(out)]) == 0
+    assert wrote_this(out, "diff-transformer merge")
+    _stale_entries(out, "diff-transformer merge")
+    (out / "README.md").write_text("my card")  # a name the new output writes: replaced (--overwrite)
+    assert cli.main(["merge", str(finished_runs["lora"]), str(out), "--overwrite"]) == 0
+    assert "kept what no diff-transformer command wrote" in capsys.readouterr().err
+    _check_only_the_users_stayed(out)
+    assert (out / "README.md").read_text() != "my card"
+    assert type(AutoModelForCausalLM.from_pretrained(out)).__name__ == "DiffForCausalLM"
+
+
+def test_merge_overwrite_of_a_foreign_model_keeps_only_what_is_no_model(finished_runs, tmp_path, capsys):
+    """A directory no command of the package wrote: its model files go (the new model replaces the old), the rest is
+    the user's."""
+    out = tmp_path / "foreign"
+    out.mkdir()
+    (out / "adapter_model.safetensors").write_bytes(b"old")
+    (out / "tokenizer.model").write_bytes(b"old")
+    (out / "notes.txt").write_text("mine")
+    assert cli.main(["merge", str(finished_runs["lora"]), str(out), "--overwrite"]) == 0
+    left = {p.name for p in out.iterdir()}
+    assert "notes.txt" in left and not {"adapter_model.safetensors", "tokenizer.model"} & left
+
+
+def test_demo_overwrite_keeps_only_the_users_files(tmp_path, capsys):
+    from diff_transformer.cli.demo import DEMO_MARK, SCRATCH_MARK
+
+    out = tmp_path / "scratch"
+    assert cli.main(["demo", "--scratch", "--output", str(out)]) == 0
+    _stale_entries(out, SCRATCH_MARK)
+    assert cli.main(["demo", "--scratch", "--output", str(out), "--overwrite"]) == 0
+    _check_only_the_users_stayed(out)
+    assert (out / "diff-v1" / "model.safetensors").is_file()
+
+    out = tmp_path / "demo"
+    assert cli.main(["demo", "--output", str(out)]) == 0
+    _stale_entries(out, DEMO_MARK)
+    assert cli.main(["demo", "--output", str(out), "--overwrite"]) == 0
+    _check_only_the_users_stayed(out)
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()

@@ -10,6 +10,12 @@ import torch
 from diff_transformer.errors import UserError, missing
 
 
+# Text that comes from the user (a model path, the tokens of TEXT) is drawn as it is: without these, a `$...$` in it
+# is parsed as mathtext (`_`, `^`, `\` then mean something, and `$\foo$` fails when the figure is saved), and a
+# matplotlibrc with text.usetex would send it through LaTeX.
+LITERAL = {"parse_math": False, "usetex": False}
+
+
 def _matplotlib():
     try:
         from matplotlib.colors import TwoSlopeNorm
@@ -22,13 +28,13 @@ def _matplotlib():
 
 def _show_map(fig, ax, values, tokens, title, cmap, norm=None, vmin=None, vmax=None):
     image = ax.imshow(values.numpy(), cmap=cmap, norm=norm, vmin=vmin, vmax=vmax, interpolation="nearest")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title, fontsize=9, **LITERAL)
     ax.set_xlabel("key", fontsize=8)
     ax.set_ylabel("query", fontsize=8)
     if tokens is not None and len(tokens) <= 40:
         positions = list(range(len(tokens)))
-        ax.set_xticks(positions, tokens, rotation=90, fontsize=6)
-        ax.set_yticks(positions, tokens, fontsize=6)
+        ax.set_xticks(positions, tokens, rotation=90, fontsize=6, **LITERAL)
+        ax.set_yticks(positions, tokens, fontsize=6, **LITERAL)
     else:
         ax.tick_params(labelsize=7)
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04).ax.tick_params(labelsize=7)
@@ -95,7 +101,7 @@ def head_figure(entries, layer: int, head: int, tokens=None, batch: int = 0, tit
         ax.tick_params(labelsize=7)
         ax.legend(fontsize=7)
     if title:
-        fig.suptitle(title, fontsize=10)
+        fig.suptitle(title, fontsize=10, **LITERAL)
     return fig
 
 
@@ -127,8 +133,8 @@ def metric_grid(values, name: str, title: str | None = None):
     ax.set_yticks(range(layers))
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
-    ax.set_title(title or name, fontsize=10)
-    fig.colorbar(image, ax=ax, label=name)
+    ax.set_title(title or name, fontsize=10, **LITERAL)
+    fig.colorbar(image, ax=ax).set_label(name, **LITERAL)
     return fig
 
 

@@ -30,6 +30,7 @@ from .names import HUB_PREFIX, resolve_model
 
 
 ADAPTER_CONFIG = "adapter_config.json"
+MERGE_MARK = "diff-transformer merge"  # `written_by` of the manifest in what merge writes
 BASE_RECORD = "base_model.json"
 FINGERPRINT_SAMPLE_BYTES = 1 << 16  # per tensor: the start of its data (different training differs everywhere)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -50,6 +51,24 @@ def is_adapter(local: Path | None) -> bool:
     return local is not None and (local / ADAPTER_CONFIG).is_file()
 
 
+def read_adapter_config(directory: Path) -> dict:
+    """DIRECTORY's adapter_config.json, checked to be a JSON object whose base model (if named) is a string: else a
+    `CheckpointError` naming the file (PEFT and this module would fail on it in a traceback)."""
+    path = Path(directory) / ADAPTER_CONFIG
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise CheckpointError(
+            f"{path} holds a JSON {type(config).__name__}, not an object (a PEFT adapter's config): restore it, or "
+            "re-save the adapter."
+        )
+    base = config.get("base_model_name_or_path")
+    if base is not None and not isinstance(base, str):
+        raise CheckpointError(
+            f"{path}: base_model_name_or_path is {json.dumps(base)[:40]}, not a model name: fix it, or pass --base."
+        )
+    return config
+
+
 def has_tokenizer(local: Path | None) -> bool:
     return local is not None and any((local / name).is_file() for name in _TOKENIZER_FILES)
 
@@ -64,14 +83,15 @@ def resolve(text, base: str | None = None, *, name: str = "MODEL") -> Source:
             )
         return Source(location, local, None, None, location, local)
     require(["peft"], "peft", f"{name} {text} (a PEFT adapter)")
+    read_adapter_config(local)
     record = read_json(local / BASE_RECORD) if (local / BASE_RECORD).is_file() else None
     named = shown = base
     if named is None and isinstance(record, dict):
         named = _recorded_base(record, local, f"{name} {text}")
         # shown as the training run named it (the card, merge's card): where it is now is what loads
-        shown = read_json(local / ADAPTER_CONFIG).get("base_model_name_or_path") or named
+        shown = read_adapter_config(local).get("base_model_name_or_path") or named
     if named is None:
-        named = read_json(local / ADAPTER_CONFIG).get("base_model_name_or_path")
+        named = read_adapter_config(local).get("base_model_name_or_path")
         if not named:
             raise CheckpointError(
                 f"{name} {text} is a PEFT adapter whose {ADAPTER_CONFIG} names no base model: pass --base MODEL."
@@ -335,7 +355,7 @@ def write_adapter_card(directory, base: str, config, lambda_summary: str | None 
     """Replace the README.md PEFT wrote into DIRECTORY (an adapter this run saved on BASE, of CONFIG) with
     `adapter_card`."""
     directory = Path(directory)
-    lora = json.loads((directory / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    lora = read_adapter_config(directory)
     card = adapter_card(base, config, lora, directory.name, lambda_summary)
     card.save(directory / "README.md")
 
@@ -350,11 +370,13 @@ def merge_adapter(
     W + (alpha / r)·B·A, λ copies in `modules_to_save` replace the base's) and write a full checkpoint to OUT: weights
     in the base's dtype, the custom code, a card naming the adapter and its base, the tokenizer (the adapter's, else
     the base's). Nothing is written unless everything loads; OUT is replaced only with `overwrite`. The merge runs on
-    DEVICE; DTYPE ("float32", "bfloat16", "float16") converts the weights, "auto" keeps the base's."""
+    DEVICE; DTYPE ("float32", "bfloat16", "float16") converts the weights, "auto" keeps the base's. With `overwrite`
+    the new checkpoint is installed whole: of the old OUT only the user's files stay (`safe_output.users_entries`); a
+    manifest records what merge wrote."""
     from transformers import AutoTokenizer
 
     from ..integrations.hub import diff_model_card
-    from ..safe_output import Staging, check_target
+    from ..safe_output import Staging, check_target, write_manifest
 
     source = resolve(adapter, base, name="ADAPTER")
     if source.adapter is None:
@@ -385,6 +407,8 @@ def merge_adapter(
         model.save_pretrained(staging_dir)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging_dir)
+        staging.seal()
+        write_manifest(staging_dir, MERGE_MARK)  # what proves to a later --overwrite which files merge wrote
         staging.install()
     return out_path
 
@@ -393,6 +417,7 @@ __all__ = [
     "ADAPTER_CONFIG",
     "hide_bitsandbytes_kernel_notice",
     "load_tokenizer",
+    "read_adapter_config",
     "Source",
     "adapter_card",
     "record_base",

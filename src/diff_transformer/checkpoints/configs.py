@@ -142,6 +142,12 @@ _INTEGER_FIELDS = {"max_new_tokens", "max_length", "min_new_tokens", "min_length
 _INTEGER_FIELDS |= {"num_return_sequences", "top_k", "no_repeat_ngram_size"}
 
 
+# The smallest sampling temperature: sampling divides the (float32) logits by it, and a temperature near float32's
+# smallest numbers (1e-30 with large logits, 1e-40 with any) turns them into inf and the probabilities into NaN, a
+# crash in the middle of generate(). Any temperature below this one is greedy decoding in all but name: 0 says so.
+MIN_TEMPERATURE = 1e-4
+
+
 def generation_value_problem(field: str, value) -> str | None:
     """Why `value` cannot be generation setting `field` (None: it can, or the field is not range-checked)."""
     if field not in GENERATION_RANGES or value is None:
@@ -154,6 +160,11 @@ def generation_value_problem(field: str, value) -> str | None:
     if (value <= low if open_low else value < low) or (high is not None and value > high):
         bound = f"{'>' if open_low else '>='} {low}" + ("" if high is None else f" and <= {high}")
         return f"{field}={value} must be {bound}"
+    if field == "temperature" and 0 < value < MIN_TEMPERATURE:
+        return (
+            f"temperature={value} is below {MIN_TEMPERATURE:g}, where sampling's probabilities overflow to NaN: use 0 "
+            f"(greedy decoding, what such a temperature amounts to) or a temperature >= {MIN_TEMPERATURE:g}"
+        )
     return None
 
 
@@ -174,6 +185,61 @@ def check_generation_config(location: str, where: str) -> None:
         problem = generation_value_problem(field, value)
         if problem:
             raise CheckpointError(f"{where}: in generation_config.json, {problem}: fix it or remove the field.")
+
+
+# generation_config.json fields that name token ids: one outside the vocabulary fails deep inside generate() (a
+# ValueError for bad_words_ids, an IndexError for forced_eos_token_id) or is silently ignored (suppress_tokens).
+_TOKEN_LIST_FIELDS = ("suppress_tokens", "begin_suppress_tokens")
+_TOKEN_FIELDS = ("forced_bos_token_id", "forced_eos_token_id")
+
+
+def generation_token_problem(generation: dict, vocab: int) -> str | None:
+    """Why the token ids of a generation config (`GenerationConfig.to_dict()`) do not fit a vocabulary of VOCAB ids
+    (None: they do)."""
+
+    def bad(value) -> bool:
+        return isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab
+
+    def shown(value) -> str:
+        text = json.dumps(value)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    words = generation.get("bad_words_ids")
+    if words is not None:
+        if not isinstance(words, list) or not all(isinstance(ids, list) and ids for ids in words):
+            return f"bad_words_ids={shown(words)} must be a list of token-id lists, e.g. [[17], [42, 7]]"
+        for ids in words:
+            for token in ids:
+                if bad(token):
+                    return f"bad_words_ids holds {shown(token)}, not a token id of this model (0 to {vocab - 1})"
+    for field in _TOKEN_LIST_FIELDS:
+        value = generation.get(field)
+        if value is None:
+            continue
+        if not isinstance(value, list):
+            return f"{field}={shown(value)} must be a list of token ids"
+        for token in value:
+            if bad(token):
+                return f"{field} holds {shown(token)}, not a token id of this model (0 to {vocab - 1})"
+    for field in _TOKEN_FIELDS:
+        value = generation.get(field)
+        for token in value if isinstance(value, list) else [] if value is None else [value]:
+            if bad(token):
+                return f"{field}={shown(value)} is not a token id of this model (0 to {vocab - 1})"
+    return None
+
+
+def check_generation_tokens(location: str, where: str, vocab: int) -> None:
+    """MODEL's generation_config.json (if any): its token ids within the vocabulary (`generation_token_problem`)."""
+    from transformers import GenerationConfig
+
+    try:
+        generation = GenerationConfig.from_pretrained(location)
+    except Exception:
+        return  # none (or invalid: `check_generation_config` says so first)
+    problem = generation_token_problem(generation.to_dict(), vocab)
+    if problem:
+        raise CheckpointError(f"{where}: in generation_config.json, {problem}: fix it or remove the field.")
 
 
 def _model_class(config, architecture: str | None):

@@ -21,7 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import UserError
+from ..errors import UserError, check_seed
 from ..evaluation import EVAL_BLOCK_SIZE, heldout_perplexity
 from ..safe_output import OutputError, Staging, check_target, write_manifest, wrote_this
 from .options import add_quiet_option
@@ -220,9 +220,13 @@ def _convert_into(log: _Log, src: Path, out: Path, replace: bool, keep: bool) ->
     from ..conversion import convert_llama_to_diff
 
     t = time.perf_counter()
+    before = _identities(out) if replace else {}
     convert_llama_to_diff(src, out, diff_version=2, progress=False, overwrite=replace)
     if keep:
-        write_manifest(out, DEMO_MARK)  # what lets a later run replace this directory without --overwrite
+        # What lets a later run replace this directory without --overwrite; the user's files an --overwrite kept
+        # (moved, so with the inodes they had) are not the demo's.
+        carried = [name for name, identity in _identities(out).items() if before.get(name) == identity]
+        write_manifest(out, DEMO_MARK, exclude=carried)
     figures = log.figures
     figures.update(output_dir=str(out), output_bytes=_dir_size(out), time_convert_s=time.perf_counter() - t)
     log.say()
@@ -230,6 +234,15 @@ def _convert_into(log: _Log, src: Path, out: Path, replace: bool, keep: bool) ->
         f"[2] converted with convert_llama_to_diff(diff_version=2) -> {out if keep else 'a temporary directory'}"
         f" ({figures['output_bytes'] / 1e6:.2f} MB, {figures['time_convert_s']:.1f} s)"
     )
+
+
+def _identities(directory: Path) -> dict[str, tuple[int, int]]:
+    """name -> (device, inode) of each top-level entry of DIRECTORY."""
+    found = {}
+    for entry in os.scandir(directory) if directory.is_dir() else []:
+        info = entry.stat(follow_symlinks=False)
+        found[entry.name] = (info.st_dev, info.st_ino)
+    return found
 
 
 def _verify(log: _Log, src: Path, out: Path) -> None:
@@ -370,8 +383,7 @@ def add_parser(commands) -> None:
 def run(args) -> int:
     """Offline main job: the shipped tiny Llama (real tokenizer, trained on Austen) -> Diff V2, verified,
     generating."""
-    if not 0 <= args.seed < 2**32:  # what torch.manual_seed takes (a larger one overflows deep inside torch)
-        raise UserError(f"--seed {args.seed} must be in [0, 2**32).")
+    check_seed(args.seed, "--seed")  # a seed past 2**64 would overflow deep inside torch
     if args.scratch:
         return _scratch_demo(args)
     kwargs = {"prompt": args.prompt} if args.prompt else {}

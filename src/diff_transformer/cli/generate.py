@@ -3,7 +3,8 @@ checked before the weights load."""
 
 import math
 
-from ..errors import UserError
+from ..checkpoints.configs import MIN_TEMPERATURE
+from ..errors import UserError, check_seed
 from .options import add_base_option, add_device_options, add_quiet_option, load_kwargs, resolve_device
 
 
@@ -19,7 +20,7 @@ def add_parser(commands) -> None:
         "chat (streamed answers, the history kept within the context, /reset, /exit)",
     )
     generate.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; sampling: at least 1e-4")
     generate.add_argument("--chat", action="store_true", help="PROMPT is a user message: apply the chat template")
     generate.add_argument("--system", help="system message of --chat (default: none)")
     generate.add_argument("--repetition-penalty", type=float, default=None, help="default: the model's (1 = none)")
@@ -49,7 +50,7 @@ def run(args) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     from ..checkpoints import adapters
-    from ..checkpoints.configs import check_generation_config
+    from ..checkpoints.configs import check_generation_config, check_generation_tokens
     from ..checkpoints.loading import check_diff_checkpoint
     from ..templates import bound_chat_templates
 
@@ -58,6 +59,12 @@ def run(args) -> int:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} must be at least 1.")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UserError(f"--temperature {args.temperature} must be a number >= 0 (0 = greedy).")
+    if 0 < args.temperature < MIN_TEMPERATURE:  # the logits / temperature overflow: NaN probabilities
+        raise UserError(
+            f"--temperature {args.temperature:g} is below {MIN_TEMPERATURE:g}, where sampling's probabilities "
+            f"overflow to NaN: pass 0 for greedy decoding (what such a temperature amounts to), or a temperature >= "
+            f"{MIN_TEMPERATURE:g}."
+        )
     _check_generate_options(args)
     device = resolve_device(args.device)
     # Everything about the inputs is checked before the weights load.
@@ -93,6 +100,7 @@ def run(args) -> int:
         raise UserError(
             f"cannot read the config of MODEL {args.model} ({' '.join(str(exc).split())[:200]})."
         ) from None
+    check_generation_tokens(source.location, f"MODEL {args.model}", vocab)
     _check_generation_length(args, len(ids), text_config)
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
@@ -145,8 +153,8 @@ def _check_generate_options(args) -> None:
         raise UserError("--top-p / --top-k shape sampling: add --temperature > 0 (0 is greedy, which ignores them).")
     if args.system is not None and not args.chat:
         raise UserError("--system is the system message of a chat: add --chat.")
-    if args.seed is not None and not 0 <= args.seed < 2**32:
-        raise UserError(f"--seed {args.seed} must be in [0, 2**32).")
+    if args.seed is not None:
+        check_seed(args.seed, "--seed")
 
 
 def _chat_inputs(args, tokenizer, prompt: str):

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from ..checkpoints.adapters import load_tokenizer
-from ..errors import UserError
+from ..errors import UserError, one_line
 from .options import add_base_option, add_device_options, add_quiet_option, load_kwargs, resolve_device
 
 
@@ -95,26 +95,68 @@ def _refuse_inside_model(paths, local: Path | None, model: str) -> None:
             )
 
 
-def _write_atomically(out: Path, write) -> None:
-    """`write(temporary path)` next to OUT, then rename it onto OUT: a failed write leaves nothing half-written."""
+def writable_figure_types(Figure) -> set[str]:
+    """The figure suffixes matplotlib writes here on its own: pgf needs a TeX program (xelatex by default) and
+    fails at the end of the run without one, so it counts only where that program is installed."""
+    import shutil
 
-    try:
-        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=out.suffix)
-    except OSError as exc:
-        raise UserError(f"cannot write {out} ({exc.strerror or exc}): check the directory and free space.") from None
-    os.close(fd)
-    try:
-        write(tmp)
+    import matplotlib
+
+    types = set(Figure().canvas.get_supported_filetypes())
+    if not shutil.which(str(matplotlib.rcParams.get("pgf.texsystem", "xelatex"))):
+        types.discard("pgf")
+    return types
+
+
+class _Outputs:
+    """The files of one run, each written to a temporary file beside it (`add`) and renamed into place together
+    (`install`) once every one is complete: a failure leaves none of them, and nothing half-written."""
+
+    def __init__(self):
+        self.pending: list[tuple[str, Path]] = []
+
+    def add(self, out: Path, write) -> None:
+        try:
+            fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=out.suffix)
+        except OSError as exc:
+            self.discard()
+            raise UserError(
+                f"cannot write {out} ({exc.strerror or exc}): check the directory and free space."
+            ) from None
+        os.close(fd)
+        self.pending.append((tmp, out))
+        try:
+            write(tmp)
+        except OSError as exc:
+            self.discard()
+            raise UserError(
+                f"writing {out} failed ({exc.strerror or exc}): check free space and permissions."
+            ) from None
+        except (RuntimeError, ValueError) as exc:  # matplotlib: a format it cannot write here, text it cannot draw
+            self.discard()
+            raise UserError(f"writing {out} failed ({one_line(exc)}): choose another format, e.g. .png.") from None
+        except BaseException:
+            self.discard()
+            raise
+
+    def install(self) -> None:
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private: the permissions of any file the user creates
-        os.replace(tmp, out)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise UserError(f"writing {out} failed ({exc.strerror or exc}): check free space and permissions.") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        try:
+            for tmp, out in self.pending:
+                os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private: the permissions of a file the user creates
+                os.replace(tmp, out)
+        except OSError as exc:
+            self.discard()
+            raise UserError(
+                f"writing {out} failed ({exc.strerror or exc}): check free space and permissions."
+            ) from None
+        self.pending = []
+
+    def discard(self) -> None:
+        for tmp, _ in self.pending:
+            Path(tmp).unlink(missing_ok=True)
+        self.pending = []
 
 
 def run(args) -> int:
@@ -135,7 +177,7 @@ def run(args) -> int:
     figure_types = set()
     if args.out or args.grid:  # figures: a missing matplotlib is one line, before anything loads
         Figure, _ = _matplotlib()
-        figure_types = set(Figure().canvas.get_supported_filetypes())
+        figure_types = writable_figure_types(Figure)
     out = _output_file(args.out, "--out", args.overwrite, suffixes=figure_types) if args.out else None
     json_out = _output_file(args.json, "--json", args.overwrite, suffixes={"json"}) if args.json else None
     grid_out = _output_file(args.grid, "--grid", args.overwrite, suffixes=figure_types) if args.grid else None
@@ -214,47 +256,55 @@ def run(args) -> int:
 
     name = {"diff-v1": "Diff V1", "diff-v2": "Diff V2", "diffllama": "DiffLlama", "llama": "Llama"}[kind]
     title = f"{name}: {Path(str(args.model)).name}, {ids.shape[1]} tokens"
-    if out is not None:
-        figure = head_figure(entries, args.layer, args.head, tokens=tokens, title=title)
-        _write_atomically(out, lambda path: figure.savefig(path, dpi=args.dpi))
-        print(f"wrote {out} ({name}, layer {args.layer}, head {args.head})")
-    lambdas = [float(entry.lam.float().mean()) for entry in entries if entry.lam is not None]
-    if lambdas:  # λ's sign: a layer with λ < 0 adds its second map instead of subtracting it
-        each = "mean over tokens and heads" if kind == "diff-v2" else "one per layer"
-        negative = sum(value < 0 for value in lambdas)
-        print(
-            f"λ per layer ({each}): {', '.join(f'{value:+.3f}' for value in lambdas)}; {negative} of {len(lambdas)} "
-            "layers have λ < 0 (they add their second map instead of subtracting it)"
-        )
-    if grid_out is not None:
-        from diff_transformer.analysis.plotting import metric_grid
+    files, wrote = _Outputs(), []
+    try:  # every output, or none: an interrupt too leaves no temporary file
+        if out is not None:
+            figure = head_figure(entries, args.layer, args.head, tokens=tokens, title=title)
+            files.add(out, lambda path: figure.savefig(path, dpi=args.dpi))
+            wrote.append(f"wrote {out} ({name}, layer {args.layer}, head {args.head})")
+        lambdas = [float(entry.lam.float().mean()) for entry in entries if entry.lam is not None]
+        if lambdas:  # λ's sign: a layer with λ < 0 adds its second map instead of subtracting it
+            each = "mean over tokens and heads" if kind == "diff-v2" else "one per layer"
+            negative = sum(value < 0 for value in lambdas)
+            print(
+                f"λ per layer ({each}): {', '.join(f'{value:+.3f}' for value in lambdas)}; {negative} of "
+                f"{len(lambdas)} layers have λ < 0 (they add their second map instead of subtracting it)"
+            )
+        if grid_out is not None:
+            from diff_transformer.analysis.plotting import metric_grid
 
-        grid = metric_grid(metrics[args.metric], args.metric, title=f"{title}: {args.metric}")
-        _write_atomically(grid_out, lambda path: grid.savefig(path, dpi=args.dpi))
-        print(f"wrote {grid_out} ({args.metric}, layers x heads)")
-    if json_out is not None:
-        entry = entries[args.layer]
+            grid = metric_grid(metrics[args.metric], args.metric, title=f"{title}: {args.metric}")
+            files.add(grid_out, lambda path: grid.savefig(path, dpi=args.dpi))
+            wrote.append(f"wrote {grid_out} ({args.metric}, layers x heads)")
+        if json_out is not None:
+            entry = entries[args.layer]
 
-        def plain(tensor):  # NaN (Llama's λ) as null
-            return None if tensor is None else [[None if v != v else v for v in row] for row in tensor.tolist()]
+            def plain(tensor):  # NaN (Llama's λ) as null
+                return None if tensor is None else [[None if v != v else v for v in row] for row in tensor.tolist()]
 
-        report = {
-            "model": str(args.model),
-            "kind": kind,
-            "tokens": tokens,
-            "layer": args.layer,
-            "head": args.head,
-            "span": None if span is None else list(span),
-            "first": plain(entry.first[0, args.head]),
-            "second": plain(None if entry.second is None else entry.second[0, args.head]),
-            "differential": plain(entry.differential[0, args.head]),
-            "lambda": None
-            if entry.lam is None
-            else (entry.lam if entry.lam.dim() == 0 else entry.lam[0, args.head]).tolist(),
-            "metrics": {key: plain(value) for key, value in metrics.items()},  # (layers, heads) each
-        }
-        _write_atomically(json_out, lambda path: Path(path).write_text(json.dumps(report)))
-        print(f"wrote {json_out}")
+            report = {
+                "model": str(args.model),
+                "kind": kind,
+                "tokens": tokens,
+                "layer": args.layer,
+                "head": args.head,
+                "span": None if span is None else list(span),
+                "first": plain(entry.first[0, args.head]),
+                "second": plain(None if entry.second is None else entry.second[0, args.head]),
+                "differential": plain(entry.differential[0, args.head]),
+                "lambda": None
+                if entry.lam is None
+                else (entry.lam if entry.lam.dim() == 0 else entry.lam[0, args.head]).tolist(),
+                "metrics": {key: plain(value) for key, value in metrics.items()},  # (layers, heads) each
+            }
+            files.add(json_out, lambda path: Path(path).write_text(json.dumps(report)))
+            wrote.append(f"wrote {json_out}")
+        files.install()
+    except BaseException:
+        files.discard()
+        raise
+    for line in wrote:
+        print(line)
     return 0
 
 

@@ -84,7 +84,7 @@ def run(args) -> int:
     from ..checkpoints import adapters
     from ..checkpoints.loading import check_diff_checkpoint
     from ..evaluation import niah
-    from ..safe_output import Staging, check_target
+    from ..safe_output import Staging, check_target, write_manifest
     from ..templates import bound_chat_templates
 
     bound_chat_templates()
@@ -166,6 +166,8 @@ def run(args) -> int:
             "needle": niah.NEEDLE, "question": niah.QUESTION, "answer_prefix": niah.ANSWER_PREFIX,
         }  # fmt: skip
         niah.save(tmp, settings, results, lengths, depths, figure=not args.no_figure)
+        staging.seal()
+        write_manifest(tmp, "diff-transformer niah")  # proves to a later --overwrite which files niah wrote
         staging.install()
     written = f"{out / 'niah.json'}" + ("" if args.no_figure else f" and {out / 'niah.png'}")
     print(f"wrote {written}", file=sys.stderr)

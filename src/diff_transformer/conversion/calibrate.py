@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import check_seed
 from .errors import ConversionError, one_line
 from .layout import IGNORED_SOURCE_TENSORS, Geometry, TensorMap
 
@@ -103,6 +104,7 @@ def plan_calibration(
     """Token blocks for the calibration: `num_blocks` blocks of `block_size` tokens (capped by the context), each
     starting with the tokenizer's bos token, spread evenly over the text. The text is `calibration_data` or the
     built-in one; a source without a tokenizer is calibrated on seeded random token ids (stated as such)."""
+    seed = check_seed(seed, "seed", ConversionError)
     if num_blocks < 1 or block_size < 2:
         raise ConversionError(f"calibration needs >= 1 block of >= 2 tokens (got {num_blocks} x {block_size}).")
     block_size = min(block_size, context)

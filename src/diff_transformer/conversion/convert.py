@@ -21,6 +21,7 @@ import torch
 from ..checkpoints.configs import check_generation_config, check_model_config
 from ..checkpoints.loading import check_config_against_weights
 from ..configuration_diff import AUTO_MAP
+from ..errors import check_seed
 from ..integrations.hub import diff_model_card
 from ..safe_output import Staging, check_target
 from .dtypes import cast_dtype, from_safetensors_code, parse_dtype
@@ -527,6 +528,7 @@ def _convert(
     max_shard_bytes = parse_size(max_shard_size)
     if lambda_std < 0:
         raise ConversionError(f"lambda_std={lambda_std} must be >= 0.")
+    seed = check_seed(seed, "seed", ConversionError)
     v1_init = _check_v1_init(source_kind, diff_version, v1_init, calibration_data)
     if v1_layout is not None and v1_init is None:
         raise ConversionError("--v1-layout chooses how Llama heads map onto V1: add --diff-version 1, or drop it.")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import check_seed
 from .errors import ConversionError
 
 
@@ -261,7 +262,7 @@ class LlamaToV1(TensorMap):
     def __init__(self, geometry: Geometry, lambda_std: float = 0.1, seed: int = 0, mirrored_lambda: bool = False):
         super().__init__(geometry)
         self.lambda_std = float(lambda_std)
-        self.seed = int(seed)
+        self.seed = check_seed(seed, "seed", ConversionError)
         self.mirrored_lambda = mirrored_lambda
         self.output_weights: dict[int, torch.Tensor] | None = None
         self.lambda_q2: dict[int, torch.Tensor] | None = None

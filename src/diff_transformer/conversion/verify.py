@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoints.weights import find_shards, read_headers
+from ..errors import check_seed
 from .dtypes import dtype_name, from_safetensors_code, parse_dtype
 from .errors import ConversionError, conversion_boundary
 from .families import CAUSAL_LM, MOTIF, Family, Task, family_of_config, task_of
@@ -82,6 +83,7 @@ def verify_conversion(
     """
     if num_sequences < 1 or seq_len < 2 or max_new_tokens < 0:
         raise ConversionError("verify_conversion needs num_sequences >= 1, seq_len >= 2 and max_new_tokens >= 0.")
+    seed = check_seed(seed, "seed", ConversionError)
     torch_dtype = parse_dtype(dtype) or torch.float32
     src_path, _ = resolve_source(src, revision=revision, token=token)
     out_path = Path(out).expanduser()

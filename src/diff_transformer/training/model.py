@@ -7,7 +7,6 @@ import torch
 from transformers import AutoConfig
 
 from ..checkpoints import adapters
-from ..checkpoints.configs import read_json
 from ..checkpoints.loading import check_diff_checkpoint, load_causal_lm
 from . import TrainingError
 from .args import parse_train_args
@@ -44,7 +43,7 @@ _LORA_OPTIONS = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lor
 def continue_adapter(args, source: adapters.Source) -> None:
     """MODEL is an adapter: the run trains it further (LoRA implied), with its own settings; a --lora-* option that
     asks for other ones is refused rather than ignored."""
-    lora = read_json(source.adapter / adapters.ADAPTER_CONFIG)
+    lora = adapters.read_adapter_config(source.adapter)
     defaults = vars(parse_train_args([args.model, "--data", "-", "--output", "-"]))
     for option, key in _LORA_OPTIONS.items():
         value = getattr(args, option)

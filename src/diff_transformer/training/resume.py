@@ -1,17 +1,21 @@
 """Which Trainer checkpoints an --output holds, whether each is complete, and which one `--resume` continues (checked
 to continue this run as configured). Only checkpoint-N directories that Trainer wrote count: a user's own
-`checkpoint-mynotes/` or `checkpoint-3/` of other files is neither counted nor ever deleted."""
+`checkpoint-mynotes/` or `checkpoint-3/` of other files is neither counted nor ever deleted. `--save-total-limit`
+rotates only the checkpoints the run record proves a run wrote (`RecordCheckpointCallback`, `rotate_checkpoints`)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import zipfile
 from pathlib import Path
 
+from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..checkpoints.configs import read_json
 from ..checkpoints.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
+from ..safe_output import forget_entry, has_flag, proven, record_entry, record_flag, recorded
 from . import TrainingError
 from .callbacks import RunSettingsCallback
 
@@ -47,6 +51,56 @@ def trainer_checkpoints(output: Path) -> list[Path]:
         if not names or names & set(_TRAINER_CHECKPOINT_FILES):
             found.append(path)
     return sorted(found, key=_step)
+
+
+CHECKPOINTS_RECORDED = "checkpoints-recorded"  # a run-record flag: this --output's checkpoints are in its record
+
+
+class RecordCheckpointCallback(TrainerCallback):
+    """Each checkpoint this run saves goes into the run record (`safe_output.record_entry`, with the hashes of its
+    files) as soon as it is complete: the proof that lets this run's rotation, a resumed run's, or a later --overwrite
+    delete it, and nothing else. The record also says that it records checkpoints (`old_checkpoints`)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            record_flag(args.output_dir, CHECKPOINTS_RECORDED)
+
+    def on_save(self, args, state, control, **kwargs):
+        checkpoint = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if state.is_world_process_zero and checkpoint.is_dir() and not checkpoint.is_symlink():
+            record_entry(checkpoint.parent, checkpoint.name)
+
+
+def old_checkpoints(output: Path) -> list[Path]:
+    """The checkpoints of an earlier run that --overwrite deletes without its run record's proof: all Trainer
+    checkpoints (`trainer_checkpoints`) of a run from before checkpoints were recorded, none otherwise (the record's
+    proven ones go with `safe_output.remove_recorded`; any other, a user's `checkpoint-0/` even with a
+    trainer_state.json, stays)."""
+    return [] if has_flag(output, CHECKPOINTS_RECORDED) else trainer_checkpoints(output)
+
+
+def rotate_checkpoints(output: Path, limit: int, newest: Path, best: str | None = None) -> list[str]:
+    """`--save-total-limit`: keep at most LIMIT of the run's checkpoints in OUTPUT, deleting the oldest (by step)
+    first. Only checkpoints the run record lists count, and one is deleted only while its files still hash as
+    recorded (one the user changed is theirs now: it is dropped from the record and kept). NEWEST (just saved, not yet
+    recorded) and BEST are never deleted. Anything else named checkpoint-* (a user's `checkpoint-0/`) is never
+    considered. Returns the names deleted."""
+    keep = {newest.name} | ({Path(best).name} if best and Path(best).parent == output else set())
+    ours = sorted(
+        (name for name in recorded(output) if _step(output / name) >= 0 and name not in keep),
+        key=lambda name: _step(output / name),
+    )
+    excess = len(ours) + len(keep) - limit
+    deleted = []
+    for name in ours:
+        if excess <= 0:
+            break
+        excess -= 1  # deleted, or no longer counted as the run's
+        if proven(output, name):
+            shutil.rmtree(output / name)
+            deleted.append(name)
+        forget_entry(output, name)
+    return deleted
 
 
 def holds_run(output: Path) -> list[str]:
@@ -141,7 +195,142 @@ def checkpoint_state(checkpoint: Path) -> dict:
     state = read_json(checkpoint / "trainer_state.json")
     if not isinstance(state, dict):
         raise incomplete("trainer_state.json holds no JSON object")
+    problem = _state_problem(state)
+    if problem:
+        raise TrainingError(
+            f"--resume: {checkpoint / 'trainer_state.json'} is corrupt ({problem}): restore it from a copy of the "
+            "run, or resume from another checkpoint (--resume PATH)"
+        )
     return state
+
+
+# trainer_state.json fields (transformers.TrainerState) and what Trainer needs them to be: a wrong type fails deep in
+# Trainer (a string global_step in a comparison, a list of stateful_callbacks in a .get), so it is refused here.
+# global_step is compared and counted with (an int); the other counts only need to be numbers (or null where Trainer
+# leaves them unset), as the versions of Trainer that wrote them may store some as floats.
+_INT_FIELDS = ("global_step",)
+_OPTIONAL_INT_FIELDS = ("best_global_step",)
+_NUMBER_FIELDS = ("epoch", "total_flos", "max_steps", "logging_steps", "save_steps", "num_train_epochs")
+_NUMBER_FIELDS += ("num_input_tokens_seen",)
+_OPTIONAL_NUMBER_FIELDS = ("eval_steps", "train_batch_size", "best_metric")
+
+
+def _state_problem(state: dict) -> str | None:
+    """What is wrong with a trainer_state.json's fields, or None."""
+
+    def shown(value):
+        text = json.dumps(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+
+    def is_int(value):
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    for key in _INT_FIELDS:
+        if key in state and not is_int(state[key]):
+            return f"{key} is {shown(state[key])}, not a whole number >= 0"
+    for key in _OPTIONAL_INT_FIELDS:
+        if state.get(key) is not None and not is_int(state[key]):
+            return f"{key} is {shown(state[key])}, not a whole number >= 0 or null"
+    for key in _NUMBER_FIELDS:
+        value = state.get(key)
+        if key in state and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"{key} is {shown(value)}, not a number"
+    for key in _OPTIONAL_NUMBER_FIELDS:
+        value = state.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"{key} is {shown(value)}, not a number or null"
+    if state.get("best_model_checkpoint") is not None and not isinstance(state["best_model_checkpoint"], str):
+        return f"best_model_checkpoint is {shown(state['best_model_checkpoint'])}, not a path or null"
+    history = state.get("log_history", [])
+    if not isinstance(history, list) or not all(isinstance(entry, dict) for entry in history):
+        return "log_history is not a list of objects"
+    callbacks = state.get("stateful_callbacks", {})
+    if not isinstance(callbacks, dict):
+        return f"stateful_callbacks is {shown(callbacks)}, not an object"
+    for name, saved in callbacks.items():
+        for entry in saved if isinstance(saved, list) else [saved]:
+            if not isinstance(entry, dict) or not isinstance(entry.get("args", {}), dict):
+                return f"stateful_callbacks.{name} is {shown(saved)}, not an object with args"
+    return None
+
+
+def check_checkpoint_fits(checkpoint, model, lora: bool) -> None:
+    """`--resume CHECKPOINT` holds what this run trains: an adapter for a --lora run, a full model otherwise, with the
+    parameters (names and shapes) of MODEL. Trainer would stop in a traceback on a shape, or silently leave a
+    parameter it does not find untrained from the checkpoint (a V1 checkpoint resumed into a V2 model)."""
+    from ..checkpoints import adapters
+
+    checkpoint = Path(checkpoint)
+    is_adapter = (checkpoint / adapters.ADAPTER_CONFIG).is_file()
+    if is_adapter:
+        adapters.read_adapter_config(checkpoint)
+    if is_adapter and not lora:
+        raise TrainingError(
+            f"--resume {checkpoint} is a checkpoint of a LoRA adapter ({adapters.ADAPTER_CONFIG}), but this run "
+            "trains the full model: resume it with --lora and the LoRA options it was trained with, or pass a "
+            "checkpoint of a full-model run"
+        )
+    if lora and not is_adapter:
+        raise TrainingError(
+            f"--resume {checkpoint} is a checkpoint of a full-model run (no {adapters.ADAPTER_CONFIG}), but this run "
+            "trains a LoRA adapter (--lora, or MODEL an adapter): resume it without --lora, or pass a checkpoint of "
+            "a --lora run"
+        )
+    tied = set()
+    if is_adapter:
+        from peft import get_peft_model_state_dict
+
+        expected = {key: tuple(value.shape) for key, value in get_peft_model_state_dict(model).items()}
+    else:
+        tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+        expected = {key: tuple(value.shape) for key, value in model.state_dict().items() if key not in tied}
+    stored = _stored_shapes(checkpoint)
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected) - tied)
+    wrong = sorted(key for key in set(expected) & set(stored) if expected[key] != stored[key])
+    if not (missing or unexpected or wrong):
+        return
+    if wrong:
+        key = wrong[0]
+        detail = f"{key} is {list(stored[key])} there, {list(expected[key])} in this model"
+    elif missing:
+        detail = f"{len(missing)} of this model's parameters are not in it, e.g. {missing[0]}"
+    else:
+        detail = f"{len(unexpected)} of its tensors are not in this model, e.g. {unexpected[0]}"
+    versions = _diff_versions(checkpoint, model)
+    raise TrainingError(
+        f"--resume {checkpoint} does not fit this model ({detail}{versions}): resume with the MODEL and options the "
+        "run was started with, or start a new run in another --output"
+    )
+
+
+def _stored_shapes(checkpoint: Path) -> dict[str, tuple]:
+    """name -> shape of every tensor in the checkpoint's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as handle:
+            for key in handle.keys():
+                shapes[key] = tuple(handle.get_slice(key).get_shape())
+    return shapes
+
+
+def _diff_versions(checkpoint: Path, model) -> str:
+    """ "; a V1 checkpoint, a V2 model" where the checkpoint's config.json and the model differ in diff_version."""
+    config = getattr(model, "config", None)
+    try:
+        theirs = (
+            read_json(checkpoint / "config.json").get("diff_version")
+            if (checkpoint / "config.json").is_file()
+            else None
+        )
+    except Exception:
+        return ""
+    ours = getattr(config, "diff_version", None)
+    if theirs is not None and ours is not None and theirs != ours:
+        return f"; a Diff V{theirs} checkpoint, a V{ours} model"
+    return ""
 
 
 def _step(checkpoint: Path) -> int:

@@ -27,7 +27,7 @@ from transformers import AutoTokenizer, Trainer, TrainerCallback, TrainingArgume
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoints import adapters
-from ..errors import UserError
+from ..errors import UserError, one_line
 from ..safe_output import OutputLock, record_written, remove_recorded, top_level_state
 from . import TrainingError
 from .args import parse_train_args
@@ -43,7 +43,15 @@ from .checks import check_args, check_output, report_targets
 from .data import build_datasets
 from .freeze import DiffOnlyCallback
 from .model import load_config, load_model, model_source
-from .resume import checkpoint_state, resolve_resume, trainer_checkpoints
+from .resume import (
+    RecordCheckpointCallback,
+    check_checkpoint_fits,
+    checkpoint_state,
+    old_checkpoints,
+    resolve_resume,
+    rotate_checkpoints,
+    trainer_checkpoints,
+)
 
 
 class CausalLMTrainer(Trainer):
@@ -61,6 +69,40 @@ class CausalLMTrainer(Trainer):
         if loss is not None:
             output.metrics[f"{metric_key_prefix}_perplexity"] = math.exp(min(loss, 700.0))
         return output
+
+    def _save_checkpoint(self, model, trial):
+        # Trainer's own rotation (transformers.trainer_utils.rotate_checkpoints) deletes the oldest of every
+        # checkpoint-* directory in --output, a user's `checkpoint-0/` included: it is switched off here and
+        # `rotate_checkpoints` deletes only checkpoints that this run wrote or that the run record proves a run wrote.
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        if self.args.should_save and limit:
+            output = Path(self._get_output_dir(trial=trial))
+            newest = output / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            rotate_checkpoints(output, limit, newest, self.state.best_model_checkpoint)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        try:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        except (RuntimeError, ValueError, KeyError, TypeError) as error:  # what `check_checkpoint_fits` cannot see
+            raise TrainingError(
+                f"--resume {resume_from_checkpoint}: its weights do not load into this model ({one_line(error)}): "
+                "resume with the MODEL and options the run was started with"
+            ) from None
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        try:
+            super()._load_optimizer_and_scheduler(checkpoint)
+        except (RuntimeError, ValueError, KeyError, TypeError) as error:
+            raise TrainingError(
+                f"--resume {checkpoint}: its optimizer.pt does not fit this run's trainable parameters "
+                f"({one_line(error)}): resume with the options the run was started with (--lora, --lora-r, "
+                "--lora-freeze-lambda...)"
+            ) from None
 
     def _issue_warnings_after_load(self, load_result):
         # A tied lm_head is not stored in checkpoints (it is the embedding matrix), so it is always "missing" when
@@ -155,17 +197,20 @@ def build_trainer(args) -> PreparedRun:
         )
     training_args = training_arguments(args, eval_data is not None, resume is not None)
     model = load_model(args, training_args)
+    if resume is not None:
+        check_checkpoint_fits(resume, model, args.lora)
     foreign = resume is not None and Path(resume).resolve().parent != Path(args.output).resolve()
-    # Only once the model has loaded: a failed start keeps the old run. --overwrite removes Trainer's checkpoints and
-    # every file an earlier run recorded as its own and nobody changed since (a LoRA run's adapter_config.json, a V2
+    # Only once the model has loaded: a failed start keeps the old run. --overwrite removes every file and checkpoint
+    # an earlier run recorded as its own and nobody changed since (all Trainer checkpoints of a run from before
+    # checkpoints were recorded: `old_checkpoints`) (a LoRA run's adapter_config.json, a V2
     # card or a sharded model's index left beside a new run would make every later command read the old run); the
     # user's files stay.
     if args.overwrite and (resume is None or foreign):
         with training_args.main_process_first(desc="removing the old run"):
             if training_args.process_index == 0:
-                for old in trainer_checkpoints(Path(args.output)):
+                for old in old_checkpoints(Path(args.output)):
                     shutil.rmtree(old)
-                remove_recorded(Path(args.output))
+                remove_recorded(Path(args.output))  # the checkpoints it proves too
 
     callbacks = [RunSettingsCallback(block_size, bos=not args.no_bos, chat=bool(args.chat_data))]
     callbacks += [DiffOnlyCallback(model, args.diff_only_steps)] if args.diff_only_steps else []
@@ -181,6 +226,8 @@ def build_trainer(args) -> PreparedRun:
         processing_class=tokenizer,
         callbacks=callbacks,
     )
+    # Last in line, after AdapterCardCallback has written the card into the checkpoint: what it records is final.
+    trainer.add_callback(RecordCheckpointCallback())
     # First in line, so the λ values it adds to a log reach TensorBoard and the progress bar in the same call.
     trainer.callback_handler.callbacks.insert(0, LambdaLoggingCallback(model))
     console_logs(trainer)  # the console shows one λ summary; TensorBoard and log_history keep every layer
