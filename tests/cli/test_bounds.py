@@ -321,3 +321,26 @@ def test_serve_renders_a_chat_template_once_off_the_event_loop():
         Template.generate = generate
     assert response.status_code == 200
     assert renders == [False]  # once, in a worker thread (asyncio.run's loop runs in the main thread)
+
+
+def test_a_hub_source_s_config_is_bounded_before_its_weights_are_fetched(tmp_path, monkeypatch):
+    """A Hub id's weights are downloaded only after its config passed, so the config alone is bounded first (an
+    offline HF cache stands in for the Hub): the refusal names the config's bound, not the weights' layer count,
+    which only the download would have let us compare."""
+    from huggingface_hub import constants
+
+    from diff_transformer.conversion import ConversionError, convert_to_diff
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "cache" / "models--evil-org--tiny-llama"
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(TINY_LLAMA, snapshot)
+    config = json.loads((TINY_LLAMA / "config.json").read_text()) | {"num_hidden_layers": 100_000}
+    (snapshot / "config.json").write_text(json.dumps(config))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises((CheckpointError, ConversionError), match="num_hidden_layers=100000 is beyond any model"):
+        convert_to_diff("evil-org/tiny-llama", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()

@@ -64,6 +64,25 @@ def _sizes(raw: dict, where: str) -> dict[str, int]:
     return sizes
 
 
+# Bounds on a config read before its weights can be (a Hub source, whose weights are downloaded only after its config
+# passed): far above any released model (Llama 3.1 405B: 126 layers, hidden 16384, vocab 128256), low enough that
+# planning a conversion layer by layer stays small. The exact check against the weights follows their download.
+MAX_CONFIG_SIZES = {"layers": 4096, "hidden": 1 << 20, "vocab": 1 << 24, "heads": 1 << 14, "kv_heads": 1 << 14,
+                    "head_dim": 1 << 14, "intermediate": 1 << 22}  # fmt: skip
+
+
+def check_config_sizes_plausible(raw: dict, where: str) -> None:
+    """Refuse a config.json whose size fields exceed `MAX_CONFIG_SIZES`, for sources whose weights are not at hand
+    yet; `check_config_against_weights` compares it with the weights once they are."""
+    for size, value in _sizes(raw, where).items():
+        if value > MAX_CONFIG_SIZES[size]:
+            field = next(f for f in _SIZE_FIELDS[size] if (raw.get("text_config") or raw).get(f) == value)
+            raise CheckpointError(
+                f"{where}: config.json's {field}={value} is beyond any model this package converts (at most "
+                f"{MAX_CONFIG_SIZES[size]}): fix config.json or check the model id."
+            )
+
+
 def check_config_against_weights(directory: Path, raw: dict, where: str, shapes: dict | None = None) -> None:
     """Refuse a config.json that asks for more model than the safetensors weights next to it hold, before anything is
     built from it (building costs time and memory in what the config claims: `num_hidden_layers: 100000` took minutes

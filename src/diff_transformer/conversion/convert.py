@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoints.configs import check_generation_config, check_model_config
-from ..checkpoints.loading import check_config_against_weights
+from ..checkpoints.loading import check_config_against_weights, check_config_sizes_plausible
 from ..configuration_diff import AUTO_MAP
 from ..errors import check_seed
 from ..integrations.hub import diff_model_card
@@ -635,6 +635,8 @@ def _plan(
     # once its weights are downloaded, below).
     if source.repo_id is None:
         check_config_against_weights(source.path, source.config, where)
+    else:  # the weights come after the config passed: bound what the config alone can make us plan
+        check_config_sizes_plausible(source.config, where)
     source_config, family, task = _source_config(source, source_kind)
     geometry = source_geometry(family, task, source_config)
     calibrated = v1_init in CALIBRATED_INITS
