@@ -175,7 +175,7 @@ def write_raw(path, config, sd):
         (dict(kv_lora_rank=64), ("kv_lora_rank", "Motif-3", "only the dense Motif-2 line")),
         (dict(k_ratio=2), ("k_ratio=2", "stripe")),
         (dict(num_noise_heads=3), ("num_noise_heads=3", "groups of at least two")),
-        (dict(num_key_value_heads=6), ("num_key_value_heads=6", "halves divide")),
+        (dict(num_key_value_heads=6), ("num_key_value_heads=6", "k_proj has 64 rows")),  # the config-vs-weights check
         (dict(attn_rms_norm_eps=None), ("attn_rms_norm_eps",)),
         (dict(use_sliding_window=True, sliding_window=16), ("sliding-window",)),
         (dict(hidden_act="silu"), ("hidden_act='silu'",)),
