@@ -170,6 +170,7 @@ INTENDED = {
         "validate_values": OURS_ONLY,
         "validate_motif_options": OURS_ONLY,
         "lambda_init_for_layer": OURS_ONLY,
+        "from_dict": OURS_ONLY,  # a config.json without diff_version loads as V1 (the default before V2)
     },
 }
 
