@@ -344,3 +344,15 @@ def test_a_hub_source_s_config_is_bounded_before_its_weights_are_fetched(tmp_pat
     with pytest.raises((CheckpointError, ConversionError), match="num_hidden_layers=100000 is beyond any model"):
         convert_to_diff("evil-org/tiny-llama", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_config_bound_names_the_field_it_read():
+    """The bound reads the sizes where the weights check does (text_config when it is an object) and names that
+    field: a text_config that is no object is ignored, not a crash."""
+    from diff_transformer.checkpoints.loading import check_config_sizes_plausible
+
+    with pytest.raises(CheckpointError, match="config.json's n_layer=100000 is beyond any model"):
+        check_config_sizes_plausible({"text_config": "not an object", "n_layer": 100_000}, "m")
+    with pytest.raises(CheckpointError, match="config.json's num_hidden_layers=100000 is beyond"):
+        check_config_sizes_plausible({"num_hidden_layers": 2, "text_config": {"num_hidden_layers": 100_000}}, "m")
+    check_config_sizes_plausible({"num_hidden_layers": 100_000, "text_config": {"num_hidden_layers": 2}}, "m")

@@ -49,12 +49,22 @@ def _stored_layers(shapes: dict) -> int:
     return max(indices) + 1 if indices else 0
 
 
+def _text_config(raw: dict) -> dict:
+    """The part of a config.json that sizes the language model: its `text_config` for a multimodal one."""
+    return raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+
+
+def _size_field(text: dict, size: str) -> str | None:
+    """The field `text` gives `size` under (the first of `_SIZE_FIELDS[size]` present), or None."""
+    return next((f for f in _SIZE_FIELDS[size] if text.get(f) is not None), None)
+
+
 def _sizes(raw: dict, where: str) -> dict[str, int]:
     """The size fields of a config.json (its `text_config` for a multimodal one), each a whole number >= 1."""
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    text = _text_config(raw)
     sizes = {}
-    for size, fields in _SIZE_FIELDS.items():
-        field = next((f for f in fields if text.get(f) is not None), None)
+    for size in _SIZE_FIELDS:
+        field = _size_field(text, size)
         if field is None:
             continue
         value = text[field]
@@ -76,7 +86,7 @@ def check_config_sizes_plausible(raw: dict, where: str) -> None:
     yet; `check_config_against_weights` compares it with the weights once they are."""
     for size, value in _sizes(raw, where).items():
         if value > MAX_CONFIG_SIZES[size]:
-            field = next(f for f in _SIZE_FIELDS[size] if (raw.get("text_config") or raw).get(f) == value)
+            field = _size_field(_text_config(raw), size)
             raise CheckpointError(
                 f"{where}: config.json's {field}={value} is beyond any model this package converts (at most "
                 f"{MAX_CONFIG_SIZES[size]}): fix config.json or check the model id."
@@ -105,7 +115,7 @@ def check_config_against_weights(directory: Path, raw: dict, where: str, shapes:
     if shapes is None or not isinstance(raw, dict):
         return
     sizes = _sizes(raw, where)
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    text = _text_config(raw)
     fix = "fix config.json or re-download the checkpoint"
     prefixes: dict[str, int] = {}
     for name in shapes:
