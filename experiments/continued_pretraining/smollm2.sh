@@ -30,8 +30,13 @@ done
 "$PY" "$HERE/continued_pretraining.py" --merge "$HERE"/results/"${STEM}"_{llama,v2,v1cal}.json --stem "$STEM" \
   --note "${NOTE:-SmolLM2-135M-Instruct, one seed}"
 if [ ! -f "$REPO/docs/experiments/niah/$STEM.json" ]; then
-  ln -sfn "$WORK/smollm2" "$WORK/source" && ln -sfn "$WORK/v1cal/tiny-diff-v1cal-seed0" "$WORK/v1-step0"
-  for model in llama v1cal v2; do ln -sfn "$WORK/$model/run-$model-seed0" "$WORK/$model-trained"; done
+  link() {  # niah names each model by its directory: links with readable names, never over a file of the user's
+    if [ -L "$2" ]; then rm "$2"; fi
+    if [ -e "$2" ]; then echo "error: $2 exists and is not a link this script made: move it" >&2; exit 2; fi
+    ln -s "$1" "$2"
+  }
+  link "$WORK/smollm2" "$WORK/source" && link "$WORK/v1cal/tiny-diff-v1cal-seed0" "$WORK/v1-step0"
+  for model in llama v1cal v2; do link "$WORK/$model/run-$model-seed0" "$WORK/$model-trained"; done
   "$PY" -m diff_transformer.cli niah "$WORK/source" "$WORK/v1-step0" "$WORK"/{llama,v1cal,v2}-trained \
     --lengths 1024 2048 --depths 0 0.5 1 --needles 2 --out "$WORK/niah" --overwrite ${QUIET---quiet}
   cp "$WORK/niah/niah.json" "$REPO/docs/experiments/niah/$STEM.json"
