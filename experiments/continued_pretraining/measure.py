@@ -17,6 +17,7 @@ on a second real text of another domain.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import sys
@@ -62,6 +63,7 @@ def attention_noise(model, prompts) -> list[float]:
     return [sum(layer) / len(layer) for layer in zip(*per_prompt)]
 
 
+@functools.cache  # the source is every seed's step 0 for the Llama: measured once per process
 def measure(path: Path, length: int) -> dict:
     """Noise per layer (and its mean) and the second text's perplexity of the checkpoint at `path`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
