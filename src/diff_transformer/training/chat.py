@@ -23,7 +23,7 @@ import torch
 
 from ..errors import one_line
 from . import TrainingError
-from .data import _read_text, held_out_indices
+from .data import _read_text, held_out_indices, require_files
 
 
 IGNORE = -100  # the label that transformers' causal-LM loss skips
@@ -34,8 +34,7 @@ _JSON_TYPES = {str: "string", list: "array", int: "number", float: "number", boo
 def read_conversations(path: str | Path) -> list[tuple[str, list[dict]]]:
     """(where, messages) of every conversation of a chat .jsonl file, `where` being "FILE:LINE"."""
     path = Path(path)
-    if not path.is_file():
-        raise TrainingError(f"chat data file {path} does not exist (or is not a file)")
+    require_files([path], "chat data")
     conversations = []
     for number, line in enumerate(_read_text(path).split("\n"), 1):  # not splitlines(): JSON may hold U+2028
         if not line.strip():
@@ -186,9 +185,7 @@ def build_chat_datasets(
     eval_fraction: float = 0.05,
 ) -> tuple[ChatDataset, ChatDataset | None]:
     """(train, eval): eval is `eval_data` tokenised alike, else an `eval_fraction` split of the conversations."""
-    for path in list(data) + list(eval_data or []):
-        if not Path(path).is_file():
-            raise TrainingError(f"chat data file {path} does not exist (or is not a file)")
+    require_files([*data, *(eval_data or [])], "chat data")
     train = tokenize_conversations(tokenizer, data, block_size, "training")
     if eval_data:
         return train, tokenize_conversations(tokenizer, eval_data, block_size, "eval")

@@ -35,10 +35,16 @@ def _read_text(path: Path) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as open() in text mode reads
 
 
+def require_files(paths, kind: str = "data") -> None:
+    """Refuse the first of `paths` that is not a file, before any time goes into tokenising the others."""
+    for path in paths:
+        if not Path(path).is_file():
+            raise TrainingError(f"{kind} file {path} does not exist (or is not a file)")
+
+
 def read_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
     path = Path(path)
-    if not path.is_file():
-        raise TrainingError(f"data file {path} does not exist (or is not a file)")
+    require_files([path])
     text = _read_text(path)
     if path.suffix.lower() != ".jsonl":
         yield text
@@ -115,9 +121,7 @@ def build_datasets(
     bos: bool = True,
 ) -> tuple[BlockDataset, BlockDataset | None]:
     """(train, eval) datasets; eval is `eval_data` packed alike, else a `eval_fraction` split of `data` (or None)."""
-    for path in list(data) + list(eval_data or []):  # fail on a missing file before spending time tokenising
-        if not Path(path).is_file():
-            raise TrainingError(f"data file {path} does not exist (or is not a file)")
+    require_files([*data, *(eval_data or [])])
     if not 0 <= eval_fraction < 1:
         raise TrainingError(f"--eval-fraction {eval_fraction} must be in [0, 1)")
     bos_id = tokenizer.bos_token_id if bos else None
