@@ -11,6 +11,15 @@ class UserError(ValueError):
     """A bad input (argument, path, file). The message is one line: what is wrong, then how to fix it."""
 
 
+# What str.splitlines() breaks a line at: a refusal holding one (a file name can) would be several lines.
+_LINE_BREAKS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"
+
+
+def as_one_line(text: str) -> str:
+    """`text` with every line break escaped (`\\n`, `\\x85`...), so a message printed as one line stays one line."""
+    return "".join(c.encode("unicode_escape").decode() if c in _LINE_BREAKS else c for c in text)
+
+
 def one_line(exc: BaseException) -> str:
     """An underlying exception's message squeezed onto one short line, to quote inside a UserError."""
     text = " ".join(str(exc).split()) or type(exc).__name__

@@ -90,6 +90,11 @@ COMMANDS = {
             "--attn-implementation",
         ],  # fmt: skip
     ),
+    "train-chat": (  # the shipped tiny Llama: it has a tokenizer and a chat template
+        ["train", "{source}", "--any-model", "--chat-data", "{chat}", "--output", "out/run", "--max-steps", "1"]
+        + ["--block-size", "64", "--report-to", "none", "--quiet"],
+        ["--chat-data", "--block-size", "--eval-fraction", "--eval-data"],
+    ),
     "convert": (["convert", "{source}", "out/converted", "--quiet"], ["--diff-version", "--dtype", "--v1-layout"]),
     "demo": (["demo", "--scratch", "--output", "out/demo"], ["--seed", "--prompt"]),
 }
@@ -114,7 +119,10 @@ def inputs(tmp_path_factory):
     tiny_model(2).save_pretrained(root / "model")
     (root / "data.txt").write_text("5 6 7 8 9 10 11 12 " * 40)
     source = Path(__file__).parents[2] / "src" / "diff_transformer" / "assets" / "tiny-llama"
-    return {"model": str(root / "model"), "data": str(root / "data.txt"), "source": str(source), "root": root}
+    chat = '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}\n'
+    (root / "chat.jsonl").write_text(chat * 8)
+    files = {"model": root / "model", "data": root / "data.txt", "source": source, "chat": root / "chat.jsonl"}
+    return {name: str(path) for name, path in files.items()} | {"root": root}
 
 
 def run_once(argv, tmp_path_factory, inputs, capsys):
@@ -183,3 +191,42 @@ def test_any_config_field_value_ends_in_a_result_or_one_line(inputs, tmp_path_fa
         run_once(["generate", str(model), "5 6 7", "--max-new-tokens", "2"], tmp_path_factory, inputs, capsys)
 
     check()
+
+
+MESSAGE_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8), st.sampled_from(SPECIAL)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+    max_leaves=6,
+)
+MESSAGES = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.one_of(st.sampled_from(["system", "user", "assistant"]), MESSAGE_VALUES)},
+        optional={"content": st.one_of(st.text(max_size=20), MESSAGE_VALUES)},
+    ),
+    max_size=4,
+)
+
+
+def test_any_chat_data_ends_in_a_result_or_one_line(inputs, tmp_path_factory, capsys):
+    """`train --chat-data` on hostile conversations: wrong JSON types, roles, contents, empty or no messages."""
+    base = COMMANDS["train-chat"][0]
+
+    @settings(**BASE_SETTINGS)
+    @given(lines=st.lists(st.one_of(MESSAGES.map(lambda m: {"messages": m}), MESSAGE_VALUES), min_size=1, max_size=3))
+    def check(lines):
+        chat = tmp_path_factory.mktemp("chat") / "chat.jsonl"
+        chat.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        argv = [part.format(**inputs | {"chat": str(chat)}) for part in base]
+        run_once(argv, tmp_path_factory, inputs, capsys)
+
+    check()
+
+
+@pytest.mark.parametrize("name", ["x\ny", "x\x85y", "x\u2028y", "x\ry"])
+def test_a_line_break_in_a_refused_name_stays_on_the_one_line(name, inputs, tmp_path_factory, capsys):
+    """Found by the long profile: a data file named with U+0085 made `train --chat-data`'s refusal two lines; the
+    CLI's boundary now escapes every line break of a refusal (whoever wrote the message)."""
+    for option in ("--chat-data", "--eval-data"):
+        argv = [part.format(**inputs) for part in COMMANDS["train-chat"][0]] + [option, name]
+        run_once(argv, tmp_path_factory, inputs, capsys)
+    run_once(["train", inputs["model"], "--data", name, "--output", "out/run"], tmp_path_factory, inputs, capsys)

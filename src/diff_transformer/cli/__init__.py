@@ -10,7 +10,7 @@ import sys
 
 from diff_transformer.cli import convert, demo, generate, inspect, merge, niah, serve, train
 from diff_transformer.cli.options import DefaultsHelpFormatter, output_settings
-from diff_transformer.errors import UserError, library_failure, one_line
+from diff_transformer.errors import UserError, as_one_line, library_failure, one_line
 
 
 COMMANDS = (demo, convert, generate, inspect, merge, train, serve, niah)
@@ -60,14 +60,14 @@ def main(argv=None) -> int:
         with output_settings(getattr(args, "quiet", False)):
             return args.func(args)
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {as_one_line(str(error))}", file=sys.stderr)
         return 2
     except Exception as exc:  # the one boundary: a failure of the machine or a file, or a bug (--traceback shows it)
         if args.traceback:
             raise
         known = library_failure(exc)
         if known is not None:
-            print(f"error: {known}", file=sys.stderr)
+            print(f"error: {as_one_line(known)}", file=sys.stderr)
             return 2
         print(
             f"error: unexpected {type(exc).__name__}: {one_line(exc)} (a bug: rerun with --traceback to see where, "

@@ -21,7 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import UserError, check_seed
+from ..errors import UserError, as_one_line, check_seed
 from ..evaluation import EVAL_BLOCK_SIZE, heldout_perplexity
 from ..safe_output import OutputError, Staging, check_target, write_manifest, wrote_this
 from .options import add_quiet_option
@@ -110,7 +110,7 @@ class _Log:
         print(text, file=self.file or sys.stdout, flush=True)
 
     def fail(self, error: Exception) -> int:
-        print(f"error: {error}", file=self.file or sys.stderr, flush=True)
+        print(f"error: {as_one_line(str(error))}", file=self.file or sys.stderr, flush=True)
         self.figures.update(ok=False, error=str(error))
         return 2
 

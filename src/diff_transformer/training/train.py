@@ -27,7 +27,7 @@ from transformers import AutoTokenizer, Trainer, TrainerCallback, TrainingArgume
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoints import adapters
-from ..errors import UserError, one_line
+from ..errors import UserError, as_one_line, one_line
 from ..safe_output import OutputLock, record_written, remove_recorded, top_level_state
 from . import TrainingError
 from .args import parse_train_args
@@ -336,7 +336,7 @@ def run_cli(args) -> int:
     try:
         return run(args)
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {as_one_line(str(error))}", file=sys.stderr)
         if not existed:
             try:
                 os.rmdir(args.output)
@@ -351,8 +351,10 @@ def run_cli(args) -> int:
             raise
         # The disk filled up or turned read-only during the run: the last complete checkpoint is resumable.
         print(
-            f"error: writing {error.filename or args.output} failed ({error.strerror}): free space or fix the "
-            f"permissions, then continue with --resume",
+            as_one_line(
+                f"error: writing {error.filename or args.output} failed ({error.strerror}): free space or fix the "
+                f"permissions, then continue with --resume"
+            ),
             file=sys.stderr,
         )
         return 2
