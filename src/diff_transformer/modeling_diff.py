@@ -308,6 +308,11 @@ class V1Strategy(enum.Enum):
     * SPLIT_VALUE: one call per map and per V half, everything d wide. Flash kernels need V as wide as Q/K; and when
       decoding (one query) with any backend but eager, attending on views of the cache beats copying it into a
       2d-wide V every step. Four calls: each map's scores are computed twice.
+    * BLOCKED_DIFF_MAP: no backend call; for CPU prefill in fp32 without gradients and without a mask (sdpa, plain
+      causal self-attention): per block of queries, both maps' scores d wide, softmax, the differential map
+      A1 - λ A2, then one product with the 2d-wide V (`blocked_differential_attention`). It skips the padded
+      strategy's doubled q kᵀ and the second map's product with V, and bounds the scores it holds
+      (`BLOCKED_SCORE_BUDGET`); longer contexts fall back to PADDED_WIDE_VALUE.
     * FUSED: the attention function registered as "diff_triton" (V1's Triton kernel, registered by the
       diff_transformer package) on a device it runs on: one call that reads each K/V tile once for both maps and
       returns (A1 - λ A2) V; no maps (`output_attentions` needs eager).
@@ -316,12 +321,33 @@ class V1Strategy(enum.Enum):
     WIDE_VALUE = "one call per map, V 2d wide"
     PADDED_WIDE_VALUE = "one call per map, V 2d wide, q and k zero-padded to 2d"
     SPLIT_VALUE = "one call per map and per d-wide half of V"
+    BLOCKED_DIFF_MAP = "per block of queries: both maps, A1 - λ A2, one product with V"
     FUSED = "one fused call producing (A1 - λ A2) V"
 
 
-def select_v1_strategy(implementation: str, query: torch.Tensor, paged: bool = False) -> V1Strategy:
+BLOCKED_SCORE_BUDGET = 1 << 24  # scores one map's block may hold (fp32: 64 MiB); rows per block shrink to fit
+BLOCKED_ROWS = 128  # queries per block: measured best of 32-256 on CPU (benchmarks/profile_attention.py)
+BLOCKED_MIN_ROWS = 16  # below this a block is too thin for GEMM: the padded flash kernel instead
+
+
+def blocked_rows(query: torch.Tensor, key_length: int) -> int:
+    """Queries per block of `BLOCKED_DIFF_MAP` for `query` (B, H, N, d) over `key_length` keys, within the budget."""
+    batch_heads = query.shape[0] * query.shape[1]
+    return min(BLOCKED_ROWS, BLOCKED_SCORE_BUDGET // max(1, batch_heads * key_length))
+
+
+def select_v1_strategy(
+    implementation: str,
+    query: torch.Tensor,
+    paged: bool = False,
+    attention_mask: torch.Tensor | None = None,
+    key_length: int | None = None,
+    causal: bool = True,
+) -> V1Strategy:
     """The one place that decides how a V1 layer attends: `implementation` is the attention backend's name,
-    `query` (B, 2H, N, d), `paged` whether a paged cache (continuous batching) holds the keys.
+    `query` (B, 2H, N, d), `paged` whether a paged cache (continuous batching) holds the keys, `attention_mask` the
+    mask built for the backend, `key_length` L (default N), `causal` False where the caller asked for bidirectional
+    attention.
 
     "diff_triton" is fused where the function registered under that name says it runs (`runs_on(device)`) and
     otherwise attends as sdpa, which is what that function does for every call without a λ."""
@@ -333,6 +359,11 @@ def select_v1_strategy(implementation: str, query: torch.Tensor, paged: bool = F
     if "flash" in implementation or (query.shape[2] == 1 and implementation != "eager"):
         return V1Strategy.SPLIT_VALUE  # flash kernels (FA2/3/4, kernels-community, paged or not) need V as wide as Q/K
     if implementation == "sdpa" and query.device.type == "cpu":
+        N = query.shape[2]
+        plain_causal = causal and attention_mask is None and not paged and (key_length or N) == N  # sdpa's is_causal
+        inference = not torch.is_grad_enabled()  # its in-place steps keep no graph: training takes flash's backward
+        if plain_causal and inference and query.dtype == torch.float32 and blocked_rows(query, N) >= BLOCKED_MIN_ROWS:
+            return V1Strategy.BLOCKED_DIFF_MAP
         return V1Strategy.PADDED_WIDE_VALUE
     return V1Strategy.WIDE_VALUE
 
@@ -360,6 +391,8 @@ def v1_attention_forward(
             module, query, key, value, attention_mask, dropout=0.0, scaling=module.scaling, **kwargs
         )
 
+    if strategy is V1Strategy.BLOCKED_DIFF_MAP:
+        return blocked_differential_attention(queries, keys, values, lam, module.scaling), None
     if strategy is V1Strategy.FUSED:
         attn_output, _ = attention_interface(
             module,
@@ -392,6 +425,36 @@ def v1_attention_forward(
     if attn_weights is not None and output_from_map:
         return _output_from_map(attn_weights, wide_value), attn_weights  # (B, N, H, 2d)
     return outputs[0] - lam.to(outputs[0].dtype) * outputs[1], attn_weights  # (B, N, H, 2d)
+
+
+def blocked_differential_attention(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lam: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """(A1 - λ A2) V for causal self-attention (N = L, no mask), block of queries by block: `BLOCKED_DIFF_MAP`.
+
+    queries (B, 2, H, N, d), keys (B, 2, H_kv, N, d), values (B, 2, H_kv, N, d) as in `v1_attention_forward`;
+    returns (B, N, H, 2d). Rows [i0, i1) see keys [0, i1): the scores right of the diagonal are never formed."""
+    B, _, H, N, d = queries.shape
+    H_kv = keys.shape[2]
+    groups = H // H_kv  # query heads per key/value head, repeat_kv's order: head h reads key head h // groups
+    wide_value = torch.cat((values[:, 0], values[:, 1]), dim=-1)  # (B, H_kv, N, 2d)
+    grouped = (queries * scaling).view(B, 2, H_kv, groups, N, d)  # (B, 2, H_kv, g, N, d)
+    out = queries.new_empty(B, H_kv, groups, N, 2 * d)  # (B, H_kv, g, N, 2d)
+    rows = blocked_rows(queries[:, 0], N)
+    above_diagonal = torch.full((rows, rows), float("-inf"), device=queries.device).triu_(1)  # (rows, rows)
+    for i0 in range(0, N, rows):
+        i1 = min(N, i0 + rows)
+        n = i1 - i0
+        maps = []
+        for c in (0, 1):
+            block = grouped[:, c, :, :, i0:i1].reshape(B, H_kv, groups * n, d)  # (B, H_kv, g·n, d)
+            scores = torch.matmul(block, keys[:, c, :, :i1].transpose(-1, -2))  # (B, H_kv, g·n, i1)
+            scores.view(B, H_kv, groups, n, i1)[..., i0:i1].add_(above_diagonal[:n, :n])
+            maps.append(torch.softmax(scores, dim=-1))
+        differential = maps[0].sub_(maps[1].mul_(lam))  # A1 - λ A2, (B, H_kv, g·n, i1)
+        block_out = torch.matmul(differential, wide_value[:, :, :i1])  # (B, H_kv, g·n, 2d)
+        out[:, :, :, i0:i1] = block_out.view(B, H_kv, groups, n, 2 * d)
+    return out.view(B, H, N, 2 * d).transpose(1, 2)  # (B, N, H, 2d)
 
 
 class DiffAttentionV1(DiffAttention):
@@ -474,7 +537,14 @@ class DiffAttentionV1(DiffAttention):
         attn_output, attn_weights = v1_attention_forward(
             self,
             attention_interface,
-            select_v1_strategy(implementation, query, paged=paged_cache is not None),
+            select_v1_strategy(
+                implementation,
+                query,
+                paged=paged_cache is not None,
+                attention_mask=attention_mask,
+                key_length=L,
+                causal=self.is_causal and kwargs.get("is_causal") is not False,
+            ),
             query.view(B, 2, H, N, d),  # [q1 | q2] of every head
             key.view(batch, 2, H_kv, L, d),  # [k1 | k2] of every group
             value.view(batch, 2, H_kv, L, d),  # [first | second] d-wide half of v_g

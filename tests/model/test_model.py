@@ -36,6 +36,58 @@ def test_matches_reference(diff_version, heads, kv_heads, hidden, head_dim):
         assert (logits[row] - expected).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("heads,kv_heads,hidden,head_dim", GQA_CASES)
+@pytest.mark.parametrize("grouped_noise", [False, True], ids=["v1", "grouped-noise"])
+def test_blocked_cpu_prefill_matches_reference(heads, kv_heads, hidden, head_dim, grouped_noise, monkeypatch):
+    """V1's blocked CPU prefill (sdpa, fp32, no gradients, no mask): blocks of 4 queries over 13 tokens, so full,
+    partial and diagonal blocks all count; every GQA grouping and grouped noise heads, against the reference."""
+    import diff_transformer.modeling_diff as modeling
+    from diff_transformer.modeling_diff import V1Strategy
+
+    monkeypatch.setattr(modeling, "BLOCKED_ROWS", 4)
+    monkeypatch.setattr(modeling, "BLOCKED_MIN_ROWS", 1)
+    ran, select = [], modeling.select_v1_strategy
+    monkeypatch.setattr(modeling, "select_v1_strategy", lambda *a, **k: ran.append(select(*a, **k)) or ran[-1])
+    model = tiny_model(
+        1,
+        attn_implementation="sdpa",
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        num_noise_heads=kv_heads if grouped_noise else None,  # one noise query per key/value group
+        hidden_size=hidden,
+        head_dim=head_dim,
+        attention_bias=True,
+    )
+    ids = torch.randint(3, 97, (2, 13))
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert ran and set(ran) == {V1Strategy.BLOCKED_DIFF_MAP}
+    for row in range(2):
+        expected, _ = reference_forward(model, ids[row])
+        assert (logits[row] - expected).abs().max() <= 1e-5
+
+
+def test_blocked_cpu_prefill_only_where_it_applies(monkeypatch):
+    """The blocked strategy is inference-only, fp32, unmasked self-attention within the score budget; everything
+    else keeps the padded flash kernel (training, padding masks, a cached prefix, bf16, long contexts)."""
+    import diff_transformer.modeling_diff as modeling
+    from diff_transformer.modeling_diff import V1Strategy, select_v1_strategy
+
+    query = torch.zeros(1, 8, 64, 16)  # (B, 2H, N, d)
+    blocked, padded = V1Strategy.BLOCKED_DIFF_MAP, V1Strategy.PADDED_WIDE_VALUE
+    with torch.no_grad():
+        assert select_v1_strategy("sdpa", query) is blocked
+        assert select_v1_strategy("sdpa", query, attention_mask=torch.ones(1, 1, 64, 64, dtype=torch.bool)) is padded
+        assert select_v1_strategy("sdpa", query, key_length=80) is padded  # a cached prefix
+        assert select_v1_strategy("sdpa", query, causal=False) is padded
+        assert select_v1_strategy("sdpa", query.bfloat16()) is padded
+        assert select_v1_strategy("eager", query) is V1Strategy.WIDE_VALUE
+    assert select_v1_strategy("sdpa", query) is padded  # gradients on (training): the flash kernel's backward
+    monkeypatch.setattr(modeling, "BLOCKED_SCORE_BUDGET", 8 * 64 * 8)  # 8 rows fit, under the minimum of 16
+    with torch.no_grad():
+        assert select_v1_strategy("sdpa", query) is padded
+
+
 @pytest.mark.parametrize(
     "rope",
     [

@@ -134,7 +134,7 @@ def test_diff_triton_without_a_kernel_falls_back_for_grouped_attention(monkeypat
         expected = model(ids).logits
         ran.clear()
         torch.testing.assert_close(twin.eval()(ids).logits, expected, rtol=0, atol=0)
-    assert ran and set(ran) == {V1Strategy.PADDED_WIDE_VALUE}
+    assert ran and set(ran) == {V1Strategy.BLOCKED_DIFF_MAP}  # CPU prefill without gradients or mask
 
 
 def test_fused_kernel_computes_grouped_attention(monkeypatch):
