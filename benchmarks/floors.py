@@ -8,6 +8,10 @@
   LM head) plus each sequence's KV cache at the context length, in the model's dtype. The floor of a tokens/s ratio
   is the inverse of the bytes ratio.
 
+The floor counts what attention kernels compute: each softmax map multiplied by V. Forming a differential map first,
+(A1 - λ A2) V, needs less (V1: Llama's attention work; V2: QKᵀ 2H·d, AV H·d); V1's CPU prefill does that
+(`V1Strategy.BLOCKED_DIFF_MAP`), so its prefill rows can sit below this floor.
+
 Per model type (d = head_dim):
     llama      QKᵀ Hq·d,      AV Hq·d            (Hq query heads)
     diffllama  QKᵀ Hq·d,      AV 2·Hq·d          (Hq maps, each over a 2d-wide value)
