@@ -308,11 +308,12 @@ class V1Strategy(enum.Enum):
     * SPLIT_VALUE: one call per map and per V half, everything d wide. Flash kernels need V as wide as Q/K; and when
       decoding (one query) with any backend but eager, attending on views of the cache beats copying it into a
       2d-wide V every step. Four calls: each map's scores are computed twice.
-    * BLOCKED_DIFF_MAP: no backend call; for CPU prefill in fp32 without gradients and without a mask (sdpa, plain
-      causal self-attention): per block of queries, both maps' scores d wide, softmax, the differential map
-      A1 - λ A2, then one product with the 2d-wide V (`blocked_differential_attention`). It skips the padded
-      strategy's doubled q kᵀ and the second map's product with V, and bounds the scores it holds
-      (`BLOCKED_SCORE_BUDGET`); longer contexts fall back to PADDED_WIDE_VALUE.
+    * BLOCKED_DIFF_MAP: no backend call; for sdpa on CPU in fp32 without a mask (plain causal self-attention:
+      prefill and training): per block of queries, both maps' scores d wide, softmax, the differential map
+      A1 - λ A2, then one product with the 2d-wide V; the backward recomputes each block
+      (`blocked_differential_attention`). It skips the padded strategy's doubled q kᵀ and the second map's product
+      with V, and bounds the scores it holds (`BLOCKED_SCORE_BUDGET`); longer contexts fall back to
+      PADDED_WIDE_VALUE.
     * FUSED: the attention function registered as "diff_triton" (V1's Triton kernel, registered by the
       diff_transformer package) on a device it runs on: one call that reads each K/V tile once for both maps and
       returns (A1 - λ A2) V; no maps (`output_attentions` needs eager).
@@ -361,8 +362,7 @@ def select_v1_strategy(
     if implementation == "sdpa" and query.device.type == "cpu":
         N = query.shape[2]
         plain_causal = causal and attention_mask is None and not paged and (key_length or N) == N  # sdpa's is_causal
-        inference = not torch.is_grad_enabled()  # its in-place steps keep no graph: training takes flash's backward
-        if plain_causal and inference and query.dtype == torch.float32 and blocked_rows(query, N) >= BLOCKED_MIN_ROWS:
+        if plain_causal and query.dtype == torch.float32 and blocked_rows(query, N) >= BLOCKED_MIN_ROWS:
             return V1Strategy.BLOCKED_DIFF_MAP
         return V1Strategy.PADDED_WIDE_VALUE
     return V1Strategy.WIDE_VALUE
@@ -427,6 +427,66 @@ def v1_attention_forward(
     return outputs[0] - lam.to(outputs[0].dtype) * outputs[1], attn_weights  # (B, N, H, 2d)
 
 
+def _block_maps(grouped, keys, i0: int, i1: int, above_diagonal) -> list[torch.Tensor]:
+    """A1 and A2 for query rows [i0, i1) over keys [0, i1), each (B, H_kv, g·n, i1); grouped (B, 2, H_kv, g, N, d)
+    holds the scaled queries, keys (B, 2, H_kv, N, d)."""
+    B, _, H_kv, groups, _, d = grouped.shape
+    n = i1 - i0
+    maps = []
+    for c in (0, 1):
+        block = grouped[:, c, :, :, i0:i1].reshape(B, H_kv, groups * n, d)  # (B, H_kv, g·n, d)
+        scores = torch.matmul(block, keys[:, c, :, :i1].transpose(-1, -2))  # (B, H_kv, g·n, i1)
+        scores.view(B, H_kv, groups, n, i1)[..., i0:i1].add_(above_diagonal[:n, :n])
+        maps.append(torch.softmax(scores, dim=-1))
+    return maps
+
+
+class BlockedDifferentialAttention(torch.autograd.Function):
+    """(A1 - λ A2) V block of query rows by block, forward and backward (`BLOCKED_DIFF_MAP`). Nothing of size
+    (N, L) is kept: the backward recomputes each block's maps, as flash attention's does."""
+
+    @staticmethod
+    def forward(ctx, grouped, keys, wide_value, lam, rows: int):
+        """grouped (B, 2, H_kv, g, N, d) scaled queries, keys (B, 2, H_kv, N, d), wide_value (B, H_kv, N, 2d),
+        lam () -> (B, H_kv, g, N, 2d)."""
+        B, _, H_kv, groups, N, _ = grouped.shape
+        above_diagonal = torch.full((rows, rows), float("-inf"), device=grouped.device).triu_(1)  # (rows, rows)
+        out = wide_value.new_empty(B, H_kv, groups, N, wide_value.shape[-1])  # (B, H_kv, g, N, 2d)
+        for i0 in range(0, N, rows):
+            i1 = min(N, i0 + rows)
+            first, second = _block_maps(grouped, keys, i0, i1, above_diagonal)
+            differential = first.sub_(second.mul_(lam))  # A1 - λ A2, (B, H_kv, g·n, i1)
+            out[:, :, :, i0:i1] = torch.matmul(differential, wide_value[:, :, :i1]).view(B, H_kv, groups, i1 - i0, -1)
+        ctx.save_for_backward(grouped, keys, wide_value, lam)
+        ctx.rows = rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grouped, keys, wide_value, lam = ctx.saved_tensors
+        B, _, H_kv, groups, N, d = grouped.shape
+        rows = ctx.rows
+        above_diagonal = torch.full((rows, rows), float("-inf"), device=grouped.device).triu_(1)
+        grad_q, grad_k, grad_v = torch.zeros_like(grouped), torch.zeros_like(keys), torch.zeros_like(wide_value)
+        grad_lam = torch.zeros_like(lam)
+        for i0 in range(0, N, rows):
+            i1 = min(N, i0 + rows)
+            n = i1 - i0
+            maps = _block_maps(grouped, keys, i0, i1, above_diagonal)
+            grad_block = grad_out[:, :, :, i0:i1].reshape(B, H_kv, groups * n, -1)  # (B, H_kv, g·n, 2d)
+            grad_map = torch.matmul(grad_block, wide_value[:, :, :i1].transpose(-1, -2))  # dO Vᵀ, (B, H_kv, g·n, i1)
+            grad_lam -= (grad_map * maps[1]).sum()
+            differential = maps[0] - lam * maps[1]
+            grad_v[:, :, :i1] += torch.matmul(differential.transpose(-1, -2), grad_block)  # (B, H_kv, i1, 2d)
+            for c, grad_p in ((0, grad_map), (1, grad_map * -lam)):
+                # softmax's backward: dS = P ∘ (dP - rowsum(dP ∘ P)), then dQ = dS K, dK = dSᵀ Q
+                grad_s = maps[c].mul_(grad_p - (grad_p * maps[c]).sum(-1, keepdim=True))  # (B, H_kv, g·n, i1)
+                grad_q[:, c, :, :, i0:i1] = torch.matmul(grad_s, keys[:, c, :, :i1]).view(B, H_kv, groups, n, d)
+                block = grouped[:, c, :, :, i0:i1].reshape(B, H_kv, groups * n, d)
+                grad_k[:, c, :, :i1] += torch.matmul(grad_s.transpose(-1, -2), block)  # (B, H_kv, i1, d)
+        return grad_q, grad_k, grad_v, grad_lam, None
+
+
 def blocked_differential_attention(
     queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lam: torch.Tensor, scaling: float
 ) -> torch.Tensor:
@@ -439,21 +499,8 @@ def blocked_differential_attention(
     groups = H // H_kv  # query heads per key/value head, repeat_kv's order: head h reads key head h // groups
     wide_value = torch.cat((values[:, 0], values[:, 1]), dim=-1)  # (B, H_kv, N, 2d)
     grouped = (queries * scaling).view(B, 2, H_kv, groups, N, d)  # (B, 2, H_kv, g, N, d)
-    out = queries.new_empty(B, H_kv, groups, N, 2 * d)  # (B, H_kv, g, N, 2d)
     rows = blocked_rows(queries[:, 0], N)
-    above_diagonal = torch.full((rows, rows), float("-inf"), device=queries.device).triu_(1)  # (rows, rows)
-    for i0 in range(0, N, rows):
-        i1 = min(N, i0 + rows)
-        n = i1 - i0
-        maps = []
-        for c in (0, 1):
-            block = grouped[:, c, :, :, i0:i1].reshape(B, H_kv, groups * n, d)  # (B, H_kv, g·n, d)
-            scores = torch.matmul(block, keys[:, c, :, :i1].transpose(-1, -2))  # (B, H_kv, g·n, i1)
-            scores.view(B, H_kv, groups, n, i1)[..., i0:i1].add_(above_diagonal[:n, :n])
-            maps.append(torch.softmax(scores, dim=-1))
-        differential = maps[0].sub_(maps[1].mul_(lam))  # A1 - λ A2, (B, H_kv, g·n, i1)
-        block_out = torch.matmul(differential, wide_value[:, :, :i1])  # (B, H_kv, g·n, 2d)
-        out[:, :, :, i0:i1] = block_out.view(B, H_kv, groups, n, 2 * d)
+    out = BlockedDifferentialAttention.apply(grouped, keys.contiguous(), wide_value, lam, rows)  # (B, H_kv, g, N, 2d)
     return out.view(B, H, N, 2 * d).transpose(1, 2)  # (B, N, H, 2d)
 
 

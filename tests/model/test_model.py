@@ -39,7 +39,7 @@ def test_matches_reference(diff_version, heads, kv_heads, hidden, head_dim):
 @pytest.mark.parametrize("heads,kv_heads,hidden,head_dim", GQA_CASES)
 @pytest.mark.parametrize("grouped_noise", [False, True], ids=["v1", "grouped-noise"])
 def test_blocked_cpu_prefill_matches_reference(heads, kv_heads, hidden, head_dim, grouped_noise, monkeypatch):
-    """V1's blocked CPU prefill (sdpa, fp32, no gradients, no mask): blocks of 4 queries over 13 tokens, so full,
+    """V1's blocked CPU attention (sdpa, fp32, no mask): blocks of 4 queries over 13 tokens, so full,
     partial and diagonal blocks all count; every GQA grouping and grouped noise heads, against the reference."""
     import diff_transformer.modeling_diff as modeling
     from diff_transformer.modeling_diff import V1Strategy
@@ -67,9 +67,56 @@ def test_blocked_cpu_prefill_matches_reference(heads, kv_heads, hidden, head_dim
         assert (logits[row] - expected).abs().max() <= 1e-5
 
 
+def test_blocked_backward_is_the_gradient():
+    """The blocked forward/backward against torch.autograd.gradcheck (float64, finite differences): 2 groups of 2
+    query heads, 7 rows in blocks of 3 (full, partial and diagonal blocks)."""
+    from diff_transformer.modeling_diff import BlockedDifferentialAttention
+
+    torch.manual_seed(0)
+    B, H_kv, groups, N, d = 1, 2, 2, 7, 4
+    grouped = torch.randn(B, 2, H_kv, groups, N, d, dtype=torch.float64, requires_grad=True)
+    keys = torch.randn(B, 2, H_kv, N, d, dtype=torch.float64, requires_grad=True)
+    wide_value = torch.randn(B, H_kv, N, 2 * d, dtype=torch.float64, requires_grad=True)
+    lam = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda *t: BlockedDifferentialAttention.apply(*t, 3), (grouped, keys, wide_value, lam)
+    )
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 1)])
+def test_blocked_cpu_training_has_the_padded_kernels_gradients(heads, kv_heads, monkeypatch):
+    """A training step's loss and every parameter's gradient through the blocked strategy equal those through
+    PyTorch's flash kernel (the padded strategy), blocks of 4 over 13 tokens."""
+    import diff_transformer.modeling_diff as modeling
+    from diff_transformer.modeling_diff import V1Strategy
+
+    monkeypatch.setattr(modeling, "BLOCKED_ROWS", 4)
+    monkeypatch.setattr(modeling, "BLOCKED_MIN_ROWS", 1)
+    select = modeling.select_v1_strategy
+    model = tiny_model(1, attn_implementation="sdpa", num_attention_heads=heads, num_key_value_heads=kv_heads).train()
+    ids = torch.randint(3, 97, (2, 13))
+    gradients = {}
+    for strategy in (V1Strategy.BLOCKED_DIFF_MAP, V1Strategy.PADDED_WIDE_VALUE):
+        ran = []
+        monkeypatch.setattr(
+            modeling,
+            "select_v1_strategy",
+            lambda *a, s=strategy, **k: ran.append(select(*a, **k)) or s,
+        )
+        model.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        assert set(ran) == {V1Strategy.BLOCKED_DIFF_MAP}  # what the selection picks for this training step
+        gradients[strategy] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    (loss_b, grads_b), (loss_p, grads_p) = gradients.values()
+    torch.testing.assert_close(loss_b, loss_p, rtol=0, atol=1e-5)
+    for name, grad in grads_p.items():
+        torch.testing.assert_close(grads_b[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_blocked_cpu_prefill_only_where_it_applies(monkeypatch):
-    """The blocked strategy is inference-only, fp32, unmasked self-attention within the score budget; everything
-    else keeps the padded flash kernel (training, padding masks, a cached prefix, bf16, long contexts)."""
+    """The blocked strategy is fp32, unmasked self-attention within the score budget (prefill and training);
+    everything else keeps the padded flash kernel (padding masks, a cached prefix, bf16, long contexts)."""
     import diff_transformer.modeling_diff as modeling
     from diff_transformer.modeling_diff import V1Strategy, select_v1_strategy
 
@@ -82,7 +129,7 @@ def test_blocked_cpu_prefill_only_where_it_applies(monkeypatch):
         assert select_v1_strategy("sdpa", query, causal=False) is padded
         assert select_v1_strategy("sdpa", query.bfloat16()) is padded
         assert select_v1_strategy("eager", query) is V1Strategy.WIDE_VALUE
-    assert select_v1_strategy("sdpa", query) is padded  # gradients on (training): the flash kernel's backward
+    assert select_v1_strategy("sdpa", query.clone().requires_grad_()) is blocked  # training: its own backward
     monkeypatch.setattr(modeling, "BLOCKED_SCORE_BUDGET", 8 * 64 * 8)  # 8 rows fit, under the minimum of 16
     with torch.no_grad():
         assert select_v1_strategy("sdpa", query) is padded
