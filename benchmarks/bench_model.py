@@ -376,6 +376,8 @@ def report(args, size, names, params, descr, summary, meta) -> tuple[str, list[t
 
     for n in size["prefill"]:
         m = f"prefill_{n}"
+        if m not in summary:  # --skip prefill
+            continue
         if "v1" in names:
             check(
                 f"V1 prefill {n} <= 1.25x Llama: {ratio(m, 'v1'):.2f}x (best-of {best(m, 'v1'):.2f}x)",
@@ -399,6 +401,15 @@ def report(args, size, names, params, descr, summary, meta) -> tuple[str, list[t
                     f"{MODEL_LABELS[n]} decode tok/s >= {limit}x Llama: {ratio('decode', n):.2f}x "
                     f"(best-of {best('decode', n):.2f}x)",
                     ratio("decode", n) >= limit,
+                )
+    floor = floor_ratios(args, size, names)
+    for metric in [f"prefill_{n}" for n in size["prefill"]] + ["train"]:
+        for n in ("v1", "v2"):
+            if metric in summary and metric in floor and n in names:
+                check(
+                    f"{MODEL_LABELS[n]} {metric} within 1.05x of its floor: {ratio(metric, n):.2f}x Llama, floor "
+                    f"{floor[metric][n]:.2f}x ({ratio(metric, n) / floor[metric][n]:.2f}x of it)",
+                    ratio(metric, n) <= 1.05 * floor[metric][n],
                 )
     for metric, limit, label in (("memory", 1.2, "peak memory"), ("train", 1.35, "training step")):
         if metric not in summary:
