@@ -28,10 +28,13 @@ def test_matches_reference(diff_version, heads, kv_heads, hidden, head_dim):
         head_dim=head_dim,
         attention_bias=True,
     )
-    ids = torch.randint(3, 97, (2, 13))
+    assert_matches_reference(model, torch.randint(3, 97, (2, 13)))
+
+
+def assert_matches_reference(model, ids):
     with torch.no_grad():
         logits = model(ids).logits
-    for row in range(2):
+    for row in range(ids.shape[0]):
         expected, _ = reference_forward(model, ids[row])
         assert (logits[row] - expected).abs().max() <= 1e-5
 
@@ -58,13 +61,8 @@ def test_blocked_cpu_prefill_matches_reference(heads, kv_heads, hidden, head_dim
         head_dim=head_dim,
         attention_bias=True,
     )
-    ids = torch.randint(3, 97, (2, 13))
-    with torch.no_grad():
-        logits = model(ids).logits
+    assert_matches_reference(model, torch.randint(3, 97, (2, 13)))
     assert ran and set(ran) == {V1Strategy.BLOCKED_DIFF_MAP}
-    for row in range(2):
-        expected, _ = reference_forward(model, ids[row])
-        assert (logits[row] - expected).abs().max() <= 1e-5
 
 
 def test_blocked_backward_is_the_gradient():
