@@ -331,9 +331,9 @@ BLOCKED_ROWS = 128  # queries per block: measured best of 32-256 on CPU (benchma
 BLOCKED_MIN_ROWS = 16  # below this a block is too thin for GEMM: the padded flash kernel instead
 
 
-def blocked_rows(query: torch.Tensor, key_length: int) -> int:
-    """Queries per block of `BLOCKED_DIFF_MAP` for `query` (B, H, N, d) over `key_length` keys, within the budget."""
-    batch_heads = query.shape[0] * query.shape[1]
+def blocked_rows(batch_heads: int, key_length: int) -> int:
+    """Queries per block of `BLOCKED_DIFF_MAP`: B·H differential heads over `key_length` keys, one map's block of
+    scores within the budget."""
     return min(BLOCKED_ROWS, BLOCKED_SCORE_BUDGET // max(1, batch_heads * key_length))
 
 
@@ -362,7 +362,11 @@ def select_v1_strategy(
     if implementation == "sdpa" and query.device.type == "cpu":
         N = query.shape[2]
         plain_causal = causal and attention_mask is None and not paged and (key_length or N) == N  # sdpa's is_causal
-        if plain_causal and query.dtype == torch.float32 and blocked_rows(query, N) >= BLOCKED_MIN_ROWS:
+        if (
+            plain_causal
+            and query.dtype == torch.float32
+            and blocked_rows(query.shape[0] * query.shape[1] // 2, N) >= BLOCKED_MIN_ROWS
+        ):
             return V1Strategy.BLOCKED_DIFF_MAP
         return V1Strategy.PADDED_WIDE_VALUE
     return V1Strategy.WIDE_VALUE
@@ -499,7 +503,7 @@ def blocked_differential_attention(
     groups = H // H_kv  # query heads per key/value head, repeat_kv's order: head h reads key head h // groups
     wide_value = torch.cat((values[:, 0], values[:, 1]), dim=-1)  # (B, H_kv, N, 2d)
     grouped = (queries * scaling).view(B, 2, H_kv, groups, N, d)  # (B, 2, H_kv, g, N, d)
-    rows = blocked_rows(queries[:, 0], N)
+    rows = blocked_rows(B * H, N)
     out = BlockedDifferentialAttention.apply(grouped, keys.contiguous(), wide_value, lam, rows)  # (B, H_kv, g, N, 2d)
     return out.view(B, H, N, 2 * d).transpose(1, 2)  # (B, N, H, 2d)
 
