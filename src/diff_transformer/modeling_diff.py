@@ -360,13 +360,9 @@ def select_v1_strategy(
     if "flash" in implementation or (query.shape[2] == 1 and implementation != "eager"):
         return V1Strategy.SPLIT_VALUE  # flash kernels (FA2/3/4, kernels-community, paged or not) need V as wide as Q/K
     if implementation == "sdpa" and query.device.type == "cpu":
-        N = query.shape[2]
+        N, heads = query.shape[2], query.shape[0] * query.shape[1] // 2  # B·H differential heads
         plain_causal = causal and attention_mask is None and not paged and (key_length or N) == N  # sdpa's is_causal
-        if (
-            plain_causal
-            and query.dtype == torch.float32
-            and blocked_rows(query.shape[0] * query.shape[1] // 2, N) >= BLOCKED_MIN_ROWS
-        ):
+        if plain_causal and query.dtype == torch.float32 and blocked_rows(heads, N) >= BLOCKED_MIN_ROWS:
             return V1Strategy.BLOCKED_DIFF_MAP
         return V1Strategy.PADDED_WIDE_VALUE
     return V1Strategy.WIDE_VALUE
