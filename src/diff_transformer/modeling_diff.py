@@ -302,9 +302,9 @@ class V1Strategy(enum.Enum):
 
     * WIDE_VALUE: one call per map with the two V halves concatenated to 2d (eager, sdpa on GPU, flex). Two calls,
       each map's scores computed once.
-    * PADDED_WIDE_VALUE: the same with q and k zero-padded to 2d, for sdpa on CPU otherwise: PyTorch's fused
-      CPU kernel needs equal head dims, and without it SDPA falls back to the math kernel that materialises every
-      (N, L) map. Padding leaves q kᵀ unchanged (the scale is passed explicitly).
+    * PADDED_WIDE_VALUE: the same with q and k zero-padded to 2d, for sdpa on CPU where BLOCKED_DIFF_MAP does not
+      apply: PyTorch's fused CPU kernel needs equal head dims, and without it SDPA falls back to the math kernel
+      that materialises every (N, L) map. Padding leaves q kᵀ unchanged (the scale is passed explicitly).
     * SPLIT_VALUE: one call per map and per V half, everything d wide. Flash kernels need V as wide as Q/K; and when
       decoding (one query) with any backend but eager, attending on views of the cache beats copying it into a
       2d-wide V every step. Four calls: each map's scores are computed twice.
