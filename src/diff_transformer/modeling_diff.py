@@ -462,6 +462,7 @@ class BlockedDifferentialAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         grouped, keys, wide_value, lam = ctx.saved_tensors
         B, _, H_kv, groups, N, d = grouped.shape
