@@ -19,7 +19,7 @@ WORK="${1:-$REPO/.cpt-smollm2}"
 PY="${PYTHON:-python}"
 STEPS="${STEPS:-150}" BATCH="${BATCH:-1}" BLOCK="${BLOCK:-1024}" STEM="${STEM:-smollm2_150}"
 CHECKPOINTING="${CHECKPOINTING---gradient-checkpointing}"
-mkdir -p "$WORK"
+mkdir -p "$WORK" && WORK="$(cd "$WORK" && pwd)"  # absolute: the links below and the niah run use it from elsewhere
 [ -f "$WORK/smollm2/model.safetensors" ] || (cd "$REPO" && "$PY" -m tests.helpers.smollm2 "$WORK/smollm2")
 for model in v1cal llama v2; do
   if [ -f "$HERE/results/${STEM}_$model.json" ]; then echo "$model: done earlier ($HERE/results/${STEM}_$model.json)"; continue; fi
@@ -37,8 +37,9 @@ if [ ! -f "$REPO/docs/experiments/niah/$STEM.json" ]; then
   }
   link "$WORK/smollm2" "$WORK/source" && link "$WORK/v1cal/tiny-diff-v1cal-seed0" "$WORK/v1-step0"
   for model in llama v1cal v2; do link "$WORK/$model/run-$model-seed0" "$WORK/$model-trained"; done
-  "$PY" -m diff_transformer.cli niah "$WORK/source" "$WORK/v1-step0" "$WORK"/{llama,v1cal,v2}-trained \
-    --lengths 1024 2048 --depths 0 0.5 1 --needles 2 --out "$WORK/niah" --overwrite ${QUIET---quiet}
+  # run from WORKDIR so each panel is titled by its link's name, not a whole path
+  (cd "$WORK" && PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m diff_transformer.cli niah source v1-step0 \
+    {llama,v1cal,v2}-trained --lengths 1024 2048 --depths 0 0.5 1 --needles 2 --out niah --overwrite ${QUIET---quiet})
   cp "$WORK/niah/niah.json" "$REPO/docs/experiments/niah/$STEM.json"
   cp "$WORK/niah/niah.png" "$REPO/docs/experiments/niah/$STEM.png"
 fi
