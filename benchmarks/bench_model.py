@@ -402,7 +402,6 @@ def report(args, size, names, params, descr, summary, meta) -> tuple[str, list[t
                     f"(best-of {best('decode', n):.2f}x)",
                     ratio("decode", n) >= limit,
                 )
-    floor = floor_ratios(args, size, names)
     for metric in [f"prefill_{n}" for n in size["prefill"]] + ["train"]:
         for n in ("v1", "v2"):
             if metric in summary and metric in floor and n in names:

@@ -427,18 +427,20 @@ def v1_attention_forward(
     return outputs[0] - lam.to(outputs[0].dtype) * outputs[1], attn_weights  # (B, N, H, 2d)
 
 
-def _block_maps(grouped, keys, i0: int, i1: int, above_diagonal) -> list[torch.Tensor]:
-    """A1 and A2 for query rows [i0, i1) over keys [0, i1), each (B, H_kv, g·n, i1); grouped (B, 2, H_kv, g, N, d)
-    holds the scaled queries, keys (B, 2, H_kv, N, d)."""
+def _block_maps(grouped, keys, i0: int, i1: int, above_diagonal) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A1 and A2 for query rows [i0, i1) over keys [0, i1), each (B, H_kv, g·n, i1), and the two query blocks they
+    came from, each (B, H_kv, g·n, d); grouped (B, 2, H_kv, g, N, d) holds the scaled queries, keys
+    (B, 2, H_kv, N, d)."""
     B, _, H_kv, groups, _, d = grouped.shape
     n = i1 - i0
-    maps = []
+    maps, blocks = [], []
     for c in (0, 1):
         block = grouped[:, c, :, :, i0:i1].reshape(B, H_kv, groups * n, d)  # (B, H_kv, g·n, d)
         scores = torch.matmul(block, keys[:, c, :, :i1].transpose(-1, -2))  # (B, H_kv, g·n, i1)
         scores.view(B, H_kv, groups, n, i1)[..., i0:i1].add_(above_diagonal[:n, :n])
         maps.append(torch.softmax(scores, dim=-1))
-    return maps
+        blocks.append(block)
+    return maps, blocks
 
 
 class BlockedDifferentialAttention(torch.autograd.Function):
@@ -454,11 +456,11 @@ class BlockedDifferentialAttention(torch.autograd.Function):
         out = wide_value.new_empty(B, H_kv, groups, N, wide_value.shape[-1])  # (B, H_kv, g, N, 2d)
         for i0 in range(0, N, rows):
             i1 = min(N, i0 + rows)
-            first, second = _block_maps(grouped, keys, i0, i1, above_diagonal)
+            (first, second), _ = _block_maps(grouped, keys, i0, i1, above_diagonal)
             differential = first.sub_(second.mul_(lam))  # A1 - λ A2, (B, H_kv, g·n, i1)
             out[:, :, :, i0:i1] = torch.matmul(differential, wide_value[:, :, :i1]).view(B, H_kv, groups, i1 - i0, -1)
         ctx.save_for_backward(grouped, keys, wide_value, lam)
-        ctx.rows = rows
+        ctx.above_diagonal = above_diagonal
         return out
 
     @staticmethod
@@ -466,14 +468,14 @@ class BlockedDifferentialAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         grouped, keys, wide_value, lam = ctx.saved_tensors
         B, _, H_kv, groups, N, d = grouped.shape
-        rows = ctx.rows
-        above_diagonal = torch.full((rows, rows), float("-inf"), device=grouped.device).triu_(1)
+        above_diagonal = ctx.above_diagonal  # (rows, rows)
+        rows = above_diagonal.shape[0]
         grad_q, grad_k, grad_v = torch.zeros_like(grouped), torch.zeros_like(keys), torch.zeros_like(wide_value)
         grad_lam = torch.zeros_like(lam)
         for i0 in range(0, N, rows):
             i1 = min(N, i0 + rows)
             n = i1 - i0
-            maps = _block_maps(grouped, keys, i0, i1, above_diagonal)
+            maps, blocks = _block_maps(grouped, keys, i0, i1, above_diagonal)
             grad_block = grad_out[:, :, :, i0:i1].reshape(B, H_kv, groups * n, -1)  # (B, H_kv, g·n, 2d)
             grad_map = torch.matmul(grad_block, wide_value[:, :, :i1].transpose(-1, -2))  # dO Vᵀ, (B, H_kv, g·n, i1)
             grad_lam -= (grad_map * maps[1]).sum()
@@ -483,8 +485,7 @@ class BlockedDifferentialAttention(torch.autograd.Function):
                 # softmax's backward: dS = P ∘ (dP - rowsum(dP ∘ P)), then dQ = dS K, dK = dSᵀ Q
                 grad_s = maps[c].mul_(grad_p - (grad_p * maps[c]).sum(-1, keepdim=True))  # (B, H_kv, g·n, i1)
                 grad_q[:, c, :, :, i0:i1] = torch.matmul(grad_s, keys[:, c, :, :i1]).view(B, H_kv, groups, n, d)
-                block = grouped[:, c, :, :, i0:i1].reshape(B, H_kv, groups * n, d)
-                grad_k[:, c, :, :i1] += torch.matmul(grad_s.transpose(-1, -2), block)  # (B, H_kv, i1, d)
+                grad_k[:, c, :, :i1] += torch.matmul(grad_s.transpose(-1, -2), blocks[c])  # (B, H_kv, i1, d)
         return grad_q, grad_k, grad_v, grad_lam, None
 
 
