@@ -241,6 +241,11 @@ class DiffAttentionV2(DiffAttention):
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
+        lam = self.diff_lambda(hidden_states)  # (B, N, H)
+        blocked = self.blocked_attention(query_states, key_states, value_states, lam, attention_mask, **kwargs)
+        if blocked is not None:  # (B, N, H, d): the differential output, no backend call (CPU prefill, training)
+            return self.o_proj(blocked.reshape(*input_shape, -1)), None
+
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -256,7 +261,6 @@ class DiffAttentionV2(DiffAttention):
             **kwargs,
         )  # (B, N, 2H, d)
 
-        lam = self.diff_lambda(hidden_states)  # (B, N, H)
         if attn_weights is not None:  # the differential maps A_2h - λ A_2h+1, (B, H, N, L)
             weights = attn_weights.view(input_shape[0], -1, 2, *attn_weights.shape[2:])  # (B, H, 2, N, L)
             attn_weights = weights[:, :, 0] - lam.transpose(1, 2).unsqueeze(-1).to(weights.dtype) * weights[:, :, 1]
@@ -272,6 +276,27 @@ class DiffAttentionV2(DiffAttention):
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
+
+    def blocked_attention(self, query, key, value, lam, attention_mask, is_causal=None, **kwargs):
+        """(A_2h - λ A_2h+1) V as (B, N, H, d) by `blocked_differential_attention` where it applies (sdpa on CPU in
+        fp32, plain causal self-attention, no attention dropout), else None. query (B, 2H, N, d), key and value
+        (B, H_kv, L, d), lam (B, N, H). Both heads of a pair read one key/value head (H_kv divides H): one key
+        tensor for both maps, and the map meets V once instead of each head's."""
+        causal = self.is_causal and is_causal is not False
+        if self.training and self.attention_dropout:
+            return None
+        implementation = self.config._attn_implementation
+        if not blocked_applies(implementation, query, attention_mask, key.shape[2], causal, rows=V2_ROWS):
+            return None
+        B, H, N, H_kv, d = query.shape[0], query.shape[1] // 2, query.shape[2], key.shape[1], self.head_dim
+        return blocked_differential_attention(
+            query.view(B, H_kv, H // H_kv, 2, N, d).transpose(2, 3),  # (B, H_kv, 2, g, N, d): q_2h, q_2h+1
+            key.contiguous().unsqueeze(2).expand(B, H_kv, 2, N, d),  # (B, H_kv, 2, N, d): one key tensor for both maps
+            value.contiguous(),  # (B, H_kv, N, d): batched products per block without copies
+            lam,
+            self.scaling,
+            blocked_rows(B * H, N, V2_ROWS),
+        )  # (B, N, H, d)
 
 
 def v1_component_major(pairs: torch.Tensor) -> torch.Tensor:
@@ -328,13 +353,14 @@ class V1Strategy(enum.Enum):
 
 BLOCKED_SCORE_BUDGET = 1 << 24  # scores one map's block may hold (fp32: 64 MiB); rows per block shrink to fit
 BLOCKED_ROWS = 128  # queries per block: measured best of 32-256 on CPU (benchmarks/profile_attention.py)
+V2_ROWS = 32  # V2's blocks hold its 2H/H_kv query heads per key/value head, 4 at the benchmark's shapes
 BLOCKED_MIN_ROWS = 16  # below this a block is too thin for GEMM: the padded flash kernel instead
 
 
-def blocked_rows(batch_heads: int, key_length: int) -> int:
-    """Queries per block of `BLOCKED_DIFF_MAP`: B·H differential heads over `key_length` keys, one map's block of
-    scores within the budget."""
-    return min(BLOCKED_ROWS, BLOCKED_SCORE_BUDGET // max(1, batch_heads * key_length))
+def blocked_rows(batch_heads: int, key_length: int, rows: int = BLOCKED_ROWS) -> int:
+    """Queries per block of `blocked_differential_attention`: at most `rows`, and B·H differential heads over
+    `key_length` keys, one map's block of scores within the budget."""
+    return min(rows, BLOCKED_SCORE_BUDGET // max(1, batch_heads * key_length))
 
 
 def select_v1_strategy(
@@ -360,12 +386,29 @@ def select_v1_strategy(
     if "flash" in implementation or (query.shape[2] == 1 and implementation != "eager"):
         return V1Strategy.SPLIT_VALUE  # flash kernels (FA2/3/4, kernels-community, paged or not) need V as wide as Q/K
     if implementation == "sdpa" and query.device.type == "cpu":
-        N, heads = query.shape[2], query.shape[0] * query.shape[1] // 2  # B·H differential heads
-        plain_causal = causal and attention_mask is None and not paged and (key_length or N) == N  # sdpa's is_causal
-        if plain_causal and query.dtype == torch.float32 and blocked_rows(heads, N) >= BLOCKED_MIN_ROWS:
+        if blocked_applies(implementation, query, attention_mask, key_length, causal, paged):
             return V1Strategy.BLOCKED_DIFF_MAP
         return V1Strategy.PADDED_WIDE_VALUE
     return V1Strategy.WIDE_VALUE
+
+
+def blocked_applies(
+    implementation: str,
+    query: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    key_length: int | None,
+    causal: bool,
+    paged: bool = False,
+    rows: int = BLOCKED_ROWS,
+) -> bool:
+    """Whether `blocked_differential_attention` replaces the sdpa call (both versions): sdpa on CPU in fp32, plain
+    causal self-attention (no mask, no cached prefix, not paged: sdpa's `is_causal`) and, under the score budget, at
+    least `BLOCKED_MIN_ROWS` rows per block. `query` (B, 2H, N, d); `rows` the version's rows per block."""
+    if implementation != "sdpa" or query.device.type != "cpu" or query.dtype != torch.float32:
+        return False
+    N, heads = query.shape[2], query.shape[0] * query.shape[1] // 2  # B·H differential heads
+    plain_causal = causal and attention_mask is None and not paged and (key_length or N) == N
+    return plain_causal and blocked_rows(heads, N, rows) >= BLOCKED_MIN_ROWS
 
 
 def v1_attention_forward(
@@ -392,7 +435,13 @@ def v1_attention_forward(
         )
 
     if strategy is V1Strategy.BLOCKED_DIFF_MAP:
-        return blocked_differential_attention(queries, keys, values, lam, module.scaling), None
+        B, _, H, N, d = queries.shape
+        H_kv = keys.shape[2]
+        wide_value = torch.cat((values[:, 0], values[:, 1]), dim=-1)  # (B, H_kv, N, 2d)
+        grouped = queries.view(B, 2, H_kv, H // H_kv, N, d).transpose(1, 2)  # (B, H_kv, 2, g, N, d)
+        keys = keys.transpose(1, 2).contiguous()  # (B, H_kv, 2, N, d)
+        rows = blocked_rows(B * H, N)
+        return blocked_differential_attention(grouped, keys, wide_value, lam, module.scaling, rows), None
     if strategy is V1Strategy.FUSED:
         attn_output, _ = attention_interface(
             module,
@@ -427,37 +476,42 @@ def v1_attention_forward(
     return outputs[0] - lam.to(outputs[0].dtype) * outputs[1], attn_weights  # (B, N, H, 2d)
 
 
-def _block_maps(grouped, keys, i0: int, i1: int, above_diagonal) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """A1 and A2 for query rows [i0, i1) over keys [0, i1), each (B, H_kv, g·n, i1), and the two query blocks they
-    came from, each (B, H_kv, g·n, d); grouped (B, 2, H_kv, g, N, d) holds the scaled queries, keys
-    (B, 2, H_kv, N, d)."""
-    B, _, H_kv, groups, _, d = grouped.shape
+def _block_maps(grouped, keys, i0: int, i1: int, above_diagonal) -> tuple[torch.Tensor, torch.Tensor]:
+    """A1 and A2 for query rows [i0, i1) over keys [0, i1), (B, H_kv, 2, g·n, i1), and the query blocks they came
+    from, (B, H_kv, 2, g·n, d); grouped (B, H_kv, 2, g, N, d) holds the scaled queries, keys (B, H_kv, 2, N, d)."""
+    B, H_kv, _, groups, _, d = grouped.shape
     n = i1 - i0
-    maps, blocks = [], []
-    for c in (0, 1):
-        block = grouped[:, c, :, :, i0:i1].reshape(B, H_kv, groups * n, d)  # (B, H_kv, g·n, d)
-        scores = torch.matmul(block, keys[:, c, :, :i1].transpose(-1, -2))  # (B, H_kv, g·n, i1)
-        scores.view(B, H_kv, groups, n, i1)[..., i0:i1].add_(above_diagonal[:n, :n])
-        maps.append(torch.softmax(scores, dim=-1))
-        blocks.append(block)
-    return maps, blocks
+    blocks = grouped[..., i0:i1, :].reshape(B, H_kv, 2, groups * n, d)  # (B, H_kv, 2, g·n, d)
+    if keys.stride(2) == 0:  # V2: both maps over one key tensor: one product with twice the rows
+        scores = torch.matmul(blocks.reshape(B, H_kv, 2 * groups * n, d), keys[:, :, 0, :i1].transpose(-1, -2))
+    else:
+        scores = torch.matmul(blocks, keys[:, :, :, :i1].transpose(-1, -2))  # (B, H_kv, 2, g·n, i1)
+    scores.view(B, H_kv, 2 * groups, n, i1)[..., i0:i1].add_(above_diagonal[:n, :n])
+    return torch.softmax(scores.view(B, H_kv, 2, groups * n, i1), dim=-1), blocks
+
+
+def _block_lambda(lam: torch.Tensor, i0: int, i1: int) -> torch.Tensor:
+    """λ for query rows [i0, i1): V1's () scalar as is, V2's per-row λ (B, H_kv, g, N, 1) as (B, H_kv, g·n, 1)."""
+    if lam.dim() == 0:
+        return lam
+    return lam[:, :, :, i0:i1].reshape(lam.shape[0], lam.shape[1], -1, 1)  # (B, H_kv, g·n, 1)
 
 
 class BlockedDifferentialAttention(torch.autograd.Function):
-    """(A1 - λ A2) V block of query rows by block, forward and backward (`BLOCKED_DIFF_MAP`). Nothing of size
-    (N, L) is kept: the backward recomputes each block's maps, as flash attention's does."""
+    """(A1 - λ A2) V block of query rows by block, forward and backward (`blocked_differential_attention`). Nothing
+    of size (N, L) is kept: the backward recomputes each block's maps, as flash attention's does."""
 
     @staticmethod
     def forward(ctx, grouped, keys, wide_value, lam, rows: int):
-        """grouped (B, 2, H_kv, g, N, d) scaled queries, keys (B, 2, H_kv, N, d), wide_value (B, H_kv, N, 2d),
-        lam () -> (B, H_kv, g, N, 2d)."""
-        B, _, H_kv, groups, N, _ = grouped.shape
+        """grouped (B, H_kv, 2, g, N, d) scaled queries, keys (B, H_kv, 2, N, d), wide_value (B, H_kv, N, dv),
+        lam () (V1) or (B, H_kv, g, N, 1) (V2: per query row) -> (B, H_kv, g, N, dv)."""
+        B, H_kv, _, groups, N, _ = grouped.shape
         above_diagonal = torch.full((rows, rows), float("-inf"), device=grouped.device).triu_(1)  # (rows, rows)
-        out = wide_value.new_empty(B, H_kv, groups, N, wide_value.shape[-1])  # (B, H_kv, g, N, 2d)
+        out = wide_value.new_empty(B, H_kv, groups, N, wide_value.shape[-1])  # (B, H_kv, g, N, dv)
         for i0 in range(0, N, rows):
             i1 = min(N, i0 + rows)
-            (first, second), _ = _block_maps(grouped, keys, i0, i1, above_diagonal)
-            differential = first.sub_(second.mul_(lam))  # A1 - λ A2, (B, H_kv, g·n, i1)
+            first, second = _block_maps(grouped, keys, i0, i1, above_diagonal)[0].unbind(2)  # (B, H_kv, g·n, i1)
+            differential = first.addcmul_(second, -_block_lambda(lam, i0, i1))  # A1 - λ A2
             out[:, :, :, i0:i1] = torch.matmul(differential, wide_value[:, :, :i1]).view(B, H_kv, groups, i1 - i0, -1)
         ctx.save_for_backward(grouped, keys, wide_value, lam)
         ctx.above_diagonal = above_diagonal
@@ -467,43 +521,68 @@ class BlockedDifferentialAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         grouped, keys, wide_value, lam = ctx.saved_tensors
-        B, _, H_kv, groups, N, d = grouped.shape
+        B, H_kv, _, groups, N, d = grouped.shape
         above_diagonal = ctx.above_diagonal  # (rows, rows)
         rows = above_diagonal.shape[0]
-        grad_q, grad_k, grad_v = torch.zeros_like(grouped), torch.zeros_like(keys), torch.zeros_like(wide_value)
-        grad_lam = torch.zeros_like(lam)
+        shared_keys = keys.stride(2) == 0  # V2: autograd sums grad_k over the expanded map dimension
+        dense = torch.contiguous_format  # the in-place products below view (B, H_kv) as one batch dimension
+        grad_q, grad_k = torch.zeros_like(grouped, memory_format=dense), torch.zeros_like(keys, memory_format=dense)
+        grad_v, grad_lam = torch.zeros_like(wide_value, memory_format=dense), torch.zeros_like(lam)
         for i0 in range(0, N, rows):
             i1 = min(N, i0 + rows)
             n = i1 - i0
-            maps, blocks = _block_maps(grouped, keys, i0, i1, above_diagonal)
-            grad_block = grad_out[:, :, :, i0:i1].reshape(B, H_kv, groups * n, -1)  # (B, H_kv, g·n, 2d)
+            maps, blocks = _block_maps(grouped, keys, i0, i1, above_diagonal)  # (B, H_kv, 2, g·n, i1 or d)
+            first, second = maps.unbind(2)  # (B, H_kv, g·n, i1)
+            lam_rows = _block_lambda(lam, i0, i1)  # () or (B, H_kv, g·n, 1)
+            grad_block = grad_out[:, :, :, i0:i1].reshape(B, H_kv, groups * n, -1)  # (B, H_kv, g·n, dv)
             grad_map = torch.matmul(grad_block, wide_value[:, :, :i1].transpose(-1, -2))  # dO Vᵀ, (B, H_kv, g·n, i1)
-            grad_lam -= (grad_map * maps[1]).sum()
-            differential = maps[0] - lam * maps[1]
-            grad_v[:, :, :i1] += torch.matmul(differential.transpose(-1, -2), grad_block)  # (B, H_kv, i1, 2d)
-            for c, grad_p in ((0, grad_map), (1, grad_map * -lam)):
-                # softmax's backward: dS = P ∘ (dP - rowsum(dP ∘ P)), then dQ = dS K, dK = dSᵀ Q
-                grad_s = maps[c].mul_(grad_p - (grad_p * maps[c]).sum(-1, keepdim=True))  # (B, H_kv, g·n, i1)
-                grad_q[:, c, :, :, i0:i1] = torch.matmul(grad_s, keys[:, c, :, :i1]).view(B, H_kv, groups, n, d)
-                grad_k[:, c, :, :i1] += torch.matmul(grad_s.transpose(-1, -2), blocks[c])  # (B, H_kv, i1, d)
+            second_rowsum = (grad_map * second).sum(-1, keepdim=True)  # rowsum(dP ∘ A2) = -dλ per row
+            if lam.dim() == 0:
+                grad_lam -= second_rowsum.sum()
+            else:
+                grad_lam[:, :, :, i0:i1] = -second_rowsum.view(B, H_kv, groups, n, 1)
+            differential = torch.addcmul(first, second, -lam_rows)  # A1 - λ A2
+            # accumulated in place (beta = 1): (B·H_kv, i1, dv) += (A1 - λ A2)ᵀ dO
+            grad_v[:, :, :i1].view(B * H_kv, i1, -1).baddbmm_(differential.flatten(0, 1).mT, grad_block.flatten(0, 1))
+            # softmax's backward, dS = A ∘ (dA - rowsum(dA ∘ A)), in place: dA1 = dP, dA2 = -λ dP (λ constant per row)
+            first.mul_(grad_map - (grad_map * first).sum(-1, keepdim=True))
+            second.mul_(grad_map - second_rowsum).mul_(-lam_rows)
+            if shared_keys:  # dQ = dS K, dK = dSᵀ Q, both maps in one product each
+                grad_scores = maps.view(B, H_kv, 2 * groups * n, i1)
+                grad_block_q = torch.matmul(grad_scores, keys[:, :, 0, :i1])  # (B, H_kv, 2g·n, d)
+                grad_k[:, :, 0, :i1].view(B * H_kv, i1, d).baddbmm_(  # (B·H_kv, i1, d) += dSᵀ Q
+                    grad_scores.flatten(0, 1).mT, blocks.reshape(B * H_kv, -1, d)
+                )
+            else:
+                grad_block_q = torch.matmul(maps, keys[:, :, :, :i1])  # (B, H_kv, 2, g·n, d)
+                grad_k[:, :, :, :i1].view(B * H_kv * 2, i1, d).baddbmm_(  # (B·H_kv·2, i1, d) += dSᵀ Q
+                    maps.flatten(0, 2).mT, blocks.flatten(0, 2)
+                )
+            grad_q[..., i0:i1, :] = grad_block_q.view(B, H_kv, 2, groups, n, d)
         return grad_q, grad_k, grad_v, grad_lam, None
 
 
 def blocked_differential_attention(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lam: torch.Tensor, scaling: float
+    grouped: torch.Tensor,
+    keys: torch.Tensor,
+    wide_value: torch.Tensor,
+    lam: torch.Tensor,
+    scaling: float,
+    rows: int,
 ) -> torch.Tensor:
-    """(A1 - λ A2) V for causal self-attention (N = L, no mask), block of queries by block: `BLOCKED_DIFF_MAP`.
+    """(A1 - λ A2) V for causal self-attention (N = L, no mask), block of queries by block (`blocked_applies`):
+    V1's `BLOCKED_DIFF_MAP`, and V2 on the same terms.
 
-    queries (B, 2, H, N, d), keys (B, 2, H_kv, N, d), values (B, 2, H_kv, N, d) as in `v1_attention_forward`;
-    returns (B, N, H, 2d). Rows [i0, i1) see keys [0, i1): the scores right of the diagonal are never formed."""
-    B, _, H, N, d = queries.shape
-    H_kv = keys.shape[2]
-    groups = H // H_kv  # query heads per key/value head, repeat_kv's order: head h reads key head h // groups
-    wide_value = torch.cat((values[:, 0], values[:, 1]), dim=-1)  # (B, H_kv, N, 2d)
-    grouped = (queries * scaling).view(B, 2, H_kv, groups, N, d)  # (B, 2, H_kv, g, N, d)
-    rows = blocked_rows(B * H, N)
-    out = BlockedDifferentialAttention.apply(grouped, keys.contiguous(), wide_value, lam, rows)  # (B, H_kv, g, N, 2d)
-    return out.view(B, H, N, 2 * d).transpose(1, 2)  # (B, N, H, 2d)
+    grouped (B, H_kv, 2, g, N, d): [q1 | q2] of the g differential heads reading each key/value head, keys
+    (B, H_kv, 2, N, d): [k1 | k2] (V2: one key tensor expanded over both), wide_value (B, H_kv, N, dv) (V1: 2d wide,
+    V2: d), lam () (V1) or (B, N, H) (V2: per token and head); returns (B, N, H, dv), head h = g·(its key/value
+    head) + its index in the group. Rows [i0, i1) see keys [0, i1): the scores right of the diagonal are never
+    formed."""
+    B, H_kv, _, groups, N, d = grouped.shape
+    if lam.dim():
+        lam = lam.transpose(1, 2).reshape(B, H_kv, groups, N, 1)  # (B, H_kv, g, N, 1): one λ per query row
+    out = BlockedDifferentialAttention.apply(grouped * scaling, keys, wide_value, lam, rows)  # (B, H_kv, g, N, dv)
+    return out.view(B, H_kv * groups, N, -1).transpose(1, 2)  # (B, N, H, dv)
 
 
 class DiffAttentionV1(DiffAttention):

@@ -65,20 +65,30 @@ def test_blocked_cpu_prefill_matches_reference(heads, kv_heads, hidden, head_dim
     assert ran and set(ran) == {V1Strategy.BLOCKED_DIFF_MAP}
 
 
-def test_blocked_backward_is_the_gradient():
+@pytest.mark.parametrize("version", [1, 2])
+def test_blocked_backward_is_the_gradient(version):
     """The blocked forward/backward against torch.autograd.gradcheck (float64, finite differences): 2 groups of 2
-    query heads, 7 rows in blocks of 3 (full, partial and diagonal blocks)."""
+    query heads, 7 rows in blocks of 3 (full, partial and diagonal blocks). V1: a key tensor per map, one λ, V 2d
+    wide; V2: one key tensor for both maps (expanded), a λ per query row, V d wide."""
     from diff_transformer.modeling_diff import BlockedDifferentialAttention
 
     torch.manual_seed(0)
     B, H_kv, groups, N, d = 1, 2, 2, 7, 4
-    grouped = torch.randn(B, 2, H_kv, groups, N, d, dtype=torch.float64, requires_grad=True)
-    keys = torch.randn(B, 2, H_kv, N, d, dtype=torch.float64, requires_grad=True)
-    wide_value = torch.randn(B, H_kv, N, 2 * d, dtype=torch.float64, requires_grad=True)
-    lam = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(
-        lambda *t: BlockedDifferentialAttention.apply(*t, 3), (grouped, keys, wide_value, lam)
-    )
+    grouped = torch.randn(B, H_kv, 2, groups, N, d, dtype=torch.float64, requires_grad=True)
+    if version == 1:
+        keys = torch.randn(B, H_kv, 2, N, d, dtype=torch.float64, requires_grad=True)
+        wide_value = torch.randn(B, H_kv, N, 2 * d, dtype=torch.float64, requires_grad=True)
+        lam = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    else:
+        keys = torch.randn(B, H_kv, 1, N, d, dtype=torch.float64, requires_grad=True)
+        wide_value = torch.randn(B, H_kv, N, d, dtype=torch.float64, requires_grad=True)
+        lam = torch.rand(B, H_kv, groups, N, 1, dtype=torch.float64, requires_grad=True)
+
+    def blocked(grouped, keys, wide_value, lam):
+        keys = keys.expand(B, H_kv, 2, N, d)  # V2: stride 0 over the two maps, as DiffAttentionV2 passes it
+        return BlockedDifferentialAttention.apply(grouped, keys, wide_value, lam, 3)
+
+    assert torch.autograd.gradcheck(blocked, (grouped, keys, wide_value, lam))
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 1)])
@@ -110,6 +120,86 @@ def test_blocked_cpu_training_has_the_padded_kernels_gradients(heads, kv_heads, 
     torch.testing.assert_close(loss_b, loss_p, rtol=0, atol=1e-5)
     for name, grad in grads_p.items():
         torch.testing.assert_close(grads_b[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def count_v2_blocked(monkeypatch) -> list:
+    """Record each V2 layer call that took the blocked path (prefill/training with sdpa on CPU in fp32)."""
+    import diff_transformer.modeling_diff as modeling
+
+    ran, blocked = [], modeling.blocked_differential_attention
+    monkeypatch.setattr(modeling, "blocked_differential_attention", lambda *a: ran.append(a[0].shape) or blocked(*a))
+    return ran
+
+
+@pytest.mark.parametrize("heads,kv_heads,hidden,head_dim", GQA_CASES)
+def test_v2_blocked_cpu_prefill_matches_reference(heads, kv_heads, hidden, head_dim, monkeypatch):
+    """V2 on the blocked path (sdpa, fp32, no mask): blocks of 4 queries over 13 tokens, every GQA grouping (pairs
+    of query heads over one key/value head), against the reference."""
+    import diff_transformer.modeling_diff as modeling
+
+    monkeypatch.setattr(modeling, "V2_ROWS", 4)
+    monkeypatch.setattr(modeling, "BLOCKED_MIN_ROWS", 1)
+    ran = count_v2_blocked(monkeypatch)
+    model = tiny_model(
+        2,
+        attn_implementation="sdpa",
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        hidden_size=hidden,
+        head_dim=head_dim,
+        attention_bias=True,
+    )
+    assert_matches_reference(model, torch.randint(3, 97, (2, 13)))
+    assert len(ran) == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 1), (4, 4)])
+def test_v2_blocked_cpu_training_has_the_fused_kernels_gradients(heads, kv_heads, monkeypatch):
+    """A V2 training step's loss and every parameter's gradient (λ's projection included) through the blocked path
+    equal those through PyTorch's fused kernel (one sdpa call over 2H query heads), blocks of 4 over 13 tokens."""
+    import diff_transformer.modeling_diff as modeling
+
+    monkeypatch.setattr(modeling, "V2_ROWS", 4)
+    monkeypatch.setattr(modeling, "BLOCKED_MIN_ROWS", 1)
+    model = tiny_model(2, attn_implementation="sdpa", num_attention_heads=heads, num_key_value_heads=kv_heads).train()
+    ids = torch.randint(3, 97, (2, 13))
+    results, applies = [], modeling.blocked_applies
+    for blocked in (True, False):
+        ran = count_v2_blocked(monkeypatch)
+        monkeypatch.setattr(modeling, "blocked_applies", lambda *a, b=blocked, **k: b and applies(*a, **k))
+        model.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        assert len(ran) == (model.config.num_hidden_layers if blocked else 0)
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (loss_b, grads_b), (loss_f, grads_f) = results
+    torch.testing.assert_close(loss_b, loss_f, rtol=0, atol=1e-5)
+    for name, grad in grads_f.items():
+        torch.testing.assert_close(grads_b[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_v2_blocked_only_where_it_applies(monkeypatch):
+    """V2 takes the blocked path for plain causal self-attention only: an unpadded prompt's prefill, not its decode
+    steps (a cached prefix), not a padded batch, not bf16, not with attention dropout in training."""
+    ran = count_v2_blocked(monkeypatch)
+    model = tiny_model(2, attn_implementation="sdpa")
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(3, 97, (2, 20))
+    model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert len(ran) == layers  # the prefill only
+    ran.clear()
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+        model.to(torch.bfloat16)(ids)
+    assert ran == []
+    dropout = tiny_model(2, attn_implementation="sdpa", attention_dropout=0.1).train()
+    dropout(ids, labels=ids).loss.backward()
+    assert ran == []
+    with torch.no_grad():
+        dropout.eval()(ids)
+    assert len(ran) == layers
 
 
 def test_blocked_cpu_prefill_only_where_it_applies(monkeypatch):
