@@ -285,17 +285,20 @@ class DiffAttentionV2(DiffAttention):
         causal = self.is_causal and is_causal is not False
         if self.training and self.attention_dropout:
             return None
-        implementation = self.config._attn_implementation
-        if not blocked_applies(implementation, query, attention_mask, key.shape[2], causal, rows=V2_ROWS):
-            return None
         B, H, N, H_kv, d = query.shape[0], query.shape[1] // 2, query.shape[2], key.shape[1], self.head_dim
+        # measured (2 cores): a block's scores must stay in cache or the fused kernel wins (at 8k tokens, 1.6x)
+        rows = min(V2_ROWS, V2_BLOCK_SCORES // (query.shape[1] // H_kv * key.shape[2]))  # 2H/H_kv query heads a block
+        if not blocked_applies(
+            self.config._attn_implementation, query, attention_mask, key.shape[2], causal, rows=rows
+        ):
+            return None
         return blocked_differential_attention(
             query.view(B, H_kv, H // H_kv, 2, N, d).transpose(2, 3),  # (B, H_kv, 2, g, N, d): q_2h, q_2h+1
             key.contiguous().unsqueeze(2).expand(B, H_kv, 2, N, d),  # (B, H_kv, 2, N, d): one key tensor for both maps
             value.contiguous(),  # (B, H_kv, N, d): batched products per block without copies
             lam,
             self.scaling,
-            blocked_rows(B * H, N, V2_ROWS),
+            blocked_rows(B * H, N, rows),
         )  # (B, N, H, d)
 
 
@@ -354,6 +357,7 @@ class V1Strategy(enum.Enum):
 BLOCKED_SCORE_BUDGET = 1 << 24  # scores one map's block may hold (fp32: 64 MiB); rows per block shrink to fit
 BLOCKED_ROWS = 128  # queries per block: measured best of 32-256 on CPU (benchmarks/profile_attention.py)
 V2_ROWS = 32  # V2's blocks hold its 2H/H_kv query heads per key/value head, 4 at the benchmark's shapes
+V2_BLOCK_SCORES = 1 << 18  # V2: scores per key/value head's block (fp32: 1 MiB, a core's L2); beyond, fused
 BLOCKED_MIN_ROWS = 16  # below this a block is too thin for GEMM: the padded flash kernel instead
 
 
@@ -487,7 +491,8 @@ def _block_maps(grouped, keys, i0: int, i1: int, above_diagonal) -> tuple[torch.
     else:
         scores = torch.matmul(blocks, keys[:, :, :, :i1].transpose(-1, -2))  # (B, H_kv, 2, g·n, i1)
     scores.view(B, H_kv, 2 * groups, n, i1)[..., i0:i1].add_(above_diagonal[:n, :n])
-    return torch.softmax(scores.view(B, H_kv, 2, groups * n, i1), dim=-1), blocks
+    scores = scores.view(B, H_kv, 2, groups * n, i1)
+    return torch.softmax(scores, dim=-1, out=scores), blocks  # in place: one block of scores per map held, not two
 
 
 def _block_lambda(lam: torch.Tensor, i0: int, i1: int) -> torch.Tensor:
