@@ -286,8 +286,10 @@ class DiffAttentionV2(DiffAttention):
         if self.training and self.attention_dropout:
             return None
         B, H, N, H_kv, d = query.shape[0], query.shape[1] // 2, query.shape[2], key.shape[1], self.head_dim
-        # measured (2 cores): a block's scores must stay in cache or the fused kernel wins (at 8k tokens, 1.6x)
-        rows = min(V2_ROWS, V2_BLOCK_SCORES // (query.shape[1] // H_kv * key.shape[2]))  # 2H/H_kv query heads a block
+        # measured (2 cores, bench_model's shapes): 64 rows beat the fused kernel up to 4k tokens; at 8k tokens it
+        # won against blocks of 64, 32 and 16 rows (more blocks, each over more keys), so longer contexts use it
+        block_scores = query.shape[1] // H_kv * key.shape[2] * V2_ROWS  # 2H/H_kv query heads of a key/value head
+        rows = V2_ROWS if block_scores <= V2_BLOCK_SCORES else 0
         if not blocked_applies(
             self.config._attn_implementation, query, attention_mask, key.shape[2], causal, rows=rows
         ):
@@ -356,8 +358,8 @@ class V1Strategy(enum.Enum):
 
 BLOCKED_SCORE_BUDGET = 1 << 24  # scores one map's block may hold (fp32: 64 MiB); rows per block shrink to fit
 BLOCKED_ROWS = 128  # queries per block: measured best of 32-256 on CPU (benchmarks/profile_attention.py)
-V2_ROWS = 32  # V2's blocks hold its 2H/H_kv query heads per key/value head, 4 at the benchmark's shapes
-V2_BLOCK_SCORES = 1 << 18  # V2: scores per key/value head's block (fp32: 1 MiB, a core's L2); beyond, fused
+V2_ROWS = 64  # V2's blocks hold its 2H/H_kv query heads per key/value head, 4 at the benchmark's shapes
+V2_BLOCK_SCORES = 1 << 20  # V2 blocked while a key/value head's block holds this many scores (4 MiB fp32)
 BLOCKED_MIN_ROWS = 16  # below this a block is too thin for GEMM: the padded flash kernel instead
 
 

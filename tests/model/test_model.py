@@ -181,7 +181,7 @@ def test_v2_blocked_cpu_training_has_the_fused_kernels_gradients(heads, kv_heads
 def test_v2_blocked_only_where_it_applies(monkeypatch):
     """V2 takes the blocked path for plain causal self-attention only: an unpadded prompt's prefill, not its decode
     steps (a cached prefix), not a padded batch, not bf16, not with attention dropout in training, not where a block
-    of at least `BLOCKED_MIN_ROWS` rows would not fit `V2_BLOCK_SCORES` (long contexts)."""
+    of `V2_ROWS` rows would not fit `V2_BLOCK_SCORES` (long contexts)."""
     import diff_transformer.modeling_diff as modeling
 
     ran = count_v2_blocked(monkeypatch)
@@ -204,8 +204,8 @@ def test_v2_blocked_only_where_it_applies(monkeypatch):
         dropout.eval()(ids)
     assert len(ran) == layers
     ran.clear()
-    per_row = 4 * ids.shape[1]  # 2H / H_kv = 4 query heads of a key/value head, each over 20 keys
-    for scores, blocked in ((per_row * 16, True), (per_row * 15, False)):  # 16 rows, 15 rows (< BLOCKED_MIN_ROWS)
+    block = 4 * ids.shape[1] * modeling.V2_ROWS  # 2H / H_kv = 4 query heads of a key/value head, 20 keys, V2_ROWS
+    for scores, blocked in ((block, True), (block - 1, False)):
         monkeypatch.setattr(modeling, "V2_BLOCK_SCORES", scores)
         with torch.no_grad():
             dropout(ids)
