@@ -18,17 +18,22 @@ GQA_CASES = [  # (H, H_kv, hidden, explicit head_dim)
 ]
 
 
-@pytest.mark.parametrize("heads,kv_heads,hidden,head_dim", GQA_CASES)
-def test_matches_reference(diff_version, heads, kv_heads, hidden, head_dim):
-    model = tiny_model(
+def gqa_model(diff_version, heads, kv_heads, hidden, head_dim, **overrides):
+    """A tiny model of one GQA_CASES layout, with attention biases."""
+    return tiny_model(
         diff_version,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         hidden_size=hidden,
         head_dim=head_dim,
         attention_bias=True,
+        **overrides,
     )
-    assert_matches_reference(model, torch.randint(3, 97, (2, 13)))
+
+
+@pytest.mark.parametrize("heads,kv_heads,hidden,head_dim", GQA_CASES)
+def test_matches_reference(diff_version, heads, kv_heads, hidden, head_dim):
+    assert_matches_reference(gqa_model(diff_version, heads, kv_heads, hidden, head_dim), torch.randint(3, 97, (2, 13)))
 
 
 def assert_matches_reference(model, ids):
@@ -51,16 +56,8 @@ def test_blocked_cpu_prefill_matches_reference(heads, kv_heads, hidden, head_dim
     monkeypatch.setattr(modeling, "BLOCKED_MIN_ROWS", 1)
     ran, select = [], modeling.select_v1_strategy
     monkeypatch.setattr(modeling, "select_v1_strategy", lambda *a, **k: ran.append(select(*a, **k)) or ran[-1])
-    model = tiny_model(
-        1,
-        attn_implementation="sdpa",
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        num_noise_heads=kv_heads if grouped_noise else None,  # one noise query per key/value group
-        hidden_size=hidden,
-        head_dim=head_dim,
-        attention_bias=True,
-    )
+    noise_heads = kv_heads if grouped_noise else None  # one noise query per key/value group
+    model = gqa_model(1, heads, kv_heads, hidden, head_dim, attn_implementation="sdpa", num_noise_heads=noise_heads)
     assert_matches_reference(model, torch.randint(3, 97, (2, 13)))
     assert ran and set(ran) == {V1Strategy.BLOCKED_DIFF_MAP}
 
@@ -140,15 +137,7 @@ def test_v2_blocked_cpu_prefill_matches_reference(heads, kv_heads, hidden, head_
     monkeypatch.setattr(modeling, "V2_ROWS", 4)
     monkeypatch.setattr(modeling, "BLOCKED_MIN_ROWS", 1)
     ran = count_v2_blocked(monkeypatch)
-    model = tiny_model(
-        2,
-        attn_implementation="sdpa",
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        hidden_size=hidden,
-        head_dim=head_dim,
-        attention_bias=True,
-    )
+    model = gqa_model(2, heads, kv_heads, hidden, head_dim, attn_implementation="sdpa")
     assert_matches_reference(model, torch.randint(3, 97, (2, 13)))
     assert len(ran) == model.config.num_hidden_layers
 
