@@ -36,9 +36,9 @@ def test_matches_reference(diff_version, heads, kv_heads, hidden, head_dim):
     assert_matches_reference(gqa_model(diff_version, heads, kv_heads, hidden, head_dim), torch.randint(3, 97, (2, 13)))
 
 
-def assert_matches_reference(model, ids, grad=False):
-    with torch.set_grad_enabled(grad):  # grad: the paths that only run when training (V2's blocked attention)
-        logits = model(ids).logits.detach()
+def assert_matches_reference(model, ids):
+    with torch.no_grad():
+        logits = model(ids).logits
     for row in range(ids.shape[0]):
         expected, _ = reference_forward(model, ids[row])
         assert (logits[row] - expected).abs().max() <= 1e-5
@@ -130,15 +130,15 @@ def count_v2_blocked(monkeypatch) -> list:
 
 @pytest.mark.parametrize("heads,kv_heads,hidden,head_dim", GQA_CASES)
 def test_v2_blocked_cpu_prefill_matches_reference(heads, kv_heads, hidden, head_dim, monkeypatch):
-    """V2 on the blocked path (sdpa, fp32, no mask, gradients on): blocks of 4 queries over 13 tokens, every GQA
+    """V2 on the blocked path (sdpa, fp32, no mask, train mode): blocks of 4 queries over 13 tokens, every GQA
     grouping (pairs of query heads over one key/value head), against the reference."""
     import diff_transformer.modeling_diff as modeling
 
     monkeypatch.setattr(modeling, "V2_ROWS", 4)
     monkeypatch.setattr(modeling, "BLOCKED_MIN_ROWS", 1)
     ran = count_v2_blocked(monkeypatch)
-    model = gqa_model(2, heads, kv_heads, hidden, head_dim, attn_implementation="sdpa")
-    assert_matches_reference(model, torch.randint(3, 97, (2, 13)), grad=True)
+    model = gqa_model(2, heads, kv_heads, hidden, head_dim, attn_implementation="sdpa").train()  # no dropout
+    assert_matches_reference(model, torch.randint(3, 97, (2, 13)))
     assert len(ran) == model.config.num_hidden_layers
 
 
@@ -168,10 +168,10 @@ def test_v2_blocked_cpu_training_has_the_fused_kernels_gradients(heads, kv_heads
 
 
 def test_v2_blocked_only_where_it_applies(monkeypatch):
-    """V2 takes the blocked path with gradients on, for plain causal self-attention only: not without gradients
-    (inference keeps the fused call, through which a converted V2 computes its Llama to the last bit), not for a
-    padded batch, not in bf16, not with attention dropout in training, not where a block of `V2_ROWS` rows would not
-    fit `V2_BLOCK_SCORES` (long contexts)."""
+    """V2 takes the blocked path in train mode, for plain causal self-attention only: not in eval mode, gradients or
+    not (there the fused call stays, through which a converted V2 computes its Llama to the last bit), not for a
+    padded batch, not in bf16, not with attention dropout, not where a block of `V2_ROWS` rows would not fit
+    `V2_BLOCK_SCORES` (long contexts)."""
     import diff_transformer.modeling_diff as modeling
 
     ran = count_v2_blocked(monkeypatch)
@@ -179,27 +179,24 @@ def test_v2_blocked_only_where_it_applies(monkeypatch):
     layers = model.config.num_hidden_layers
     ids = torch.randint(3, 97, (2, 20))
     model.generate(ids, max_new_tokens=3, do_sample=False)
-    with torch.no_grad():
-        model(ids)
+    model(ids, labels=ids).loss.backward()  # eval mode with gradients (e.g. attribution)
     assert ran == []
-    model(ids, labels=ids).loss.backward()
+    model.train()(ids, labels=ids).loss.backward()
     assert len(ran) == layers
     ran.clear()
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # left padding
     model(ids, attention_mask=mask, labels=ids).loss.backward()
     model.to(torch.bfloat16)(ids, labels=ids).loss.backward()
-    assert ran == []
     dropout = tiny_model(2, attn_implementation="sdpa", attention_dropout=0.1).train()
     dropout(ids, labels=ids).loss.backward()
     assert ran == []
-    dropout.eval()(ids, labels=ids).loss.backward()
-    assert len(ran) == layers
-    ran.clear()
     block = 4 * ids.shape[1] * modeling.V2_ROWS  # 2H / H_kv = 4 query heads of a key/value head, 20 keys, V2_ROWS
+    model.float()
     for scores, blocked in ((block, True), (block - 1, False)):
         monkeypatch.setattr(modeling, "V2_BLOCK_SCORES", scores)
-        dropout(ids, labels=ids).loss.backward()
+        with torch.no_grad():
+            model(ids)
         assert len(ran) == (layers if blocked else 0)
         ran.clear()
 
