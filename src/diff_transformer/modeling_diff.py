@@ -243,7 +243,7 @@ class DiffAttentionV2(DiffAttention):
 
         lam = self.diff_lambda(hidden_states)  # (B, N, H)
         blocked = self.blocked_attention(query_states, key_states, value_states, lam, attention_mask, **kwargs)
-        if blocked is not None:  # (B, N, H, d): the differential output, no backend call (CPU prefill, training)
+        if blocked is not None:  # (B, N, H, d): the differential output, no backend call (CPU, train mode)
             return self.o_proj(blocked.reshape(*input_shape, -1)), None
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -282,7 +282,6 @@ class DiffAttentionV2(DiffAttention):
         on CPU in fp32, plain causal self-attention, no attention dropout), else None. query (B, 2H, N, d), key and
         value (B, H_kv, L, d), lam (B, N, H). Both heads of a pair read one key/value head (H_kv divides H): one key
         tensor for both maps, and the map meets V once instead of each head's."""
-        causal = self.is_causal and is_causal is not False
         if not self.training or self.attention_dropout:
             # In eval mode the fused call stays: through it a converted V2 computes its Llama's logits to the last
             # bit (tests/evaluation/test_lm_eval.py), which the blocked products, in another order, do not.
@@ -290,11 +289,11 @@ class DiffAttentionV2(DiffAttention):
         B, H, N, H_kv, d = query.shape[0], query.shape[1] // 2, query.shape[2], key.shape[1], self.head_dim
         # measured (2 cores, bench_model's shapes): 64 rows beat the fused kernel up to 4k tokens; at 8k tokens it
         # won against blocks of 64, 32 and 16 rows (more blocks, each over more keys), so longer contexts use it
-        block_scores = query.shape[1] // H_kv * key.shape[2] * V2_ROWS  # 2H/H_kv query heads of a key/value head
-        rows = V2_ROWS if block_scores <= V2_BLOCK_SCORES else 0
-        if not blocked_applies(
-            self.config._attn_implementation, query, attention_mask, key.shape[2], causal, rows=rows
-        ):
+        if query.shape[1] // H_kv * key.shape[2] * V2_ROWS > V2_BLOCK_SCORES:  # 2H/H_kv query heads per key head
+            return None
+        causal = self.is_causal and is_causal is not False
+        implementation = self.config._attn_implementation
+        if not blocked_applies(implementation, query, attention_mask, key.shape[2], causal, rows=V2_ROWS):
             return None
         return blocked_differential_attention(
             query.view(B, H_kv, H // H_kv, 2, N, d).transpose(2, 3),  # (B, H_kv, 2, g, N, d): q_2h, q_2h+1
@@ -302,7 +301,7 @@ class DiffAttentionV2(DiffAttention):
             value.contiguous(),  # (B, H_kv, N, d): batched products per block without copies
             lam,
             self.scaling,
-            blocked_rows(B * H, N, rows),
+            blocked_rows(B * H, N, V2_ROWS),
         )  # (B, N, H, d)
 
 
