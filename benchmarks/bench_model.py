@@ -29,6 +29,10 @@ Default size: hidden D=512, 8 layers, MLP intermediate 1376, vocab 32000, untied
   q 512 + k 256 + v 256 + o 256 = 2.5 D^2, i.e. 3.1M (~5%) fewer parameters than Llama -- not an equal budget.
   It is available as the extra model ``v2h4`` (``--models llama,diffllama,v1,v2,v2h4``) and the V2 head counts
   can be overridden with ``--v2-heads/--v2-kv-heads``. The table prints every model's parameter count.
+* **Diff V2 (map first)** (``v2mf``): the same model with ``map_first_inference=True``, the opt-in that forms each
+  pair's differential map before V in eval mode too (CPU, fp32, no padding). Only its prefill rows differ from
+  V2's: decode steps have a cached prefix and keep the fused call, the memory row's 8,192 tokens exceed the blocked
+  path's budget, and train mode forms the map first for both. Its floor is V2's.
 
 Measurements (ratios are to Llama *measured in the same run*)
 -------------------------------------------------------------
@@ -117,6 +121,7 @@ MODEL_LABELS = {
     "v1": "Diff V1",
     "v2": "Diff V2",
     "v2h4": "Diff V2 (H=4)",
+    "v2mf": "Diff V2 (map first)",
 }
 
 FULL = dict(
@@ -159,10 +164,16 @@ def model_config(name: str, size: dict, v2_heads: int | None = None, v2_kv_heads
     n_h, n_kv = size["heads"], size["kv_heads"]
     if name in ("llama", "diffllama", "v1"):
         return same_matrices_model(name, size, common)
-    if name == "v2":  # H = Llama's heads (2H query heads), H_kv = half Llama's KV heads: 4 D^2 like Llama
+    if name in ("v2", "v2mf"):  # H = Llama's heads (2H query heads), H_kv = half Llama's KV heads: 4 D^2 like Llama
         H = v2_heads or n_h
         H_kv = v2_kv_heads or max(1, n_kv // 2)
-        return DiffForCausalLM, DiffConfig(diff_version=2, num_attention_heads=H, num_key_value_heads=H_kv, **common)
+        return DiffForCausalLM, DiffConfig(
+            diff_version=2,
+            num_attention_heads=H,
+            num_key_value_heads=H_kv,
+            map_first_inference=name == "v2mf",
+            **common,
+        )
     if name == "v2h4":  # 2H = Llama's heads: smaller than Llama (see docstring)
         return DiffForCausalLM, DiffConfig(
             diff_version=2, num_attention_heads=n_h // 2, num_key_value_heads=n_kv // 2, **common
@@ -403,7 +414,7 @@ def report(args, size, names, params, descr, summary, meta) -> tuple[str, list[t
                     ratio("decode", n) >= limit,
                 )
     for metric in [f"prefill_{n}" for n in size["prefill"]] + ["train"]:
-        for n in ("v1", "v2"):
+        for n in ("v1", "v2", "v2mf") if metric != "train" else ("v1", "v2"):  # v2mf trains as v2 does
             if metric in summary and metric in floor and n in names:
                 check(
                     f"{MODEL_LABELS[n]} {metric} within 1.05x of its floor: {ratio(metric, n):.2f}x Llama, floor "
@@ -458,7 +469,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny sizes: a < 1 minute smoke test")
     p.add_argument("--json", metavar="OUT", help="write all results (raw samples included) as JSON")
     p.add_argument("--md", metavar="OUT", help="write the markdown report")
-    p.add_argument("--models", default="llama,diffllama,v1,v2", help="comma list from: " + ",".join(MODEL_LABELS))
+    p.add_argument("--models", default="llama,diffllama,v1,v2,v2mf", help="comma list from: " + ",".join(MODEL_LABELS))
     p.add_argument("--skip", default="", help="comma list of metrics to skip: prefill,decode,memory,train")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable cores)")
     p.add_argument("--v2-heads", type=int, default=None, help="V2 differential heads H (default: Llama heads)")

@@ -41,7 +41,14 @@ PAGE = REPO / "docs" / "performance.md"
 BEGIN = re.compile(r"^<!-- generated: (\w+) -->$", re.M)  # markers are lines of their own
 END = "<!-- end generated -->"
 END_LINE = re.compile(r"^" + re.escape(END) + r"$", re.M)
-LABELS = {"llama": "Llama", "diffllama": "DiffLlama", "v1": "Diff V1", "v2": "Diff V2", "v2wide": "V2 (H=32)"}
+LABELS = {
+    "llama": "Llama",
+    "diffllama": "DiffLlama",
+    "v1": "Diff V1",
+    "v2": "Diff V2",
+    "v2wide": "V2 (H=32)",
+    "v2mf": "V2, map first (opt-in)",
+}
 
 
 # ------------------------------------------------------------------------------------------------------- helpers

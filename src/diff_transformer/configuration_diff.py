@@ -112,6 +112,13 @@ class DiffConfig(PreTrainedConfig):
         use_qk_norm (bool):
             Qwen3's `q_norm` / `k_norm`: an RMSNorm over each d-wide query and key (sub-)head before RoPE, one weight
             of size d shared by all heads (V1: by q1, q2, k1 and k2 alike). Defaults to False.
+        map_first_inference (bool):
+            V2 on CPU (sdpa, fp32, plain causal self-attention: prefill without padding): in eval mode too, form each
+            pair's differential map before V, block of queries by block (`blocked_differential_attention`, what
+            train mode always does) instead of one fused sdpa call over 2H query heads: the AV product for H heads
+            instead of 2H, prefill about 5-9% faster (docs/performance.md). Logits then differ from the fused
+            kernel's in the last bits (about 1e-5), so a fresh conversion no longer reproduces its Llama's logits to
+            the last bit. Defaults to False (the fused call). V1 ignores it (on CPU it always forms its map first).
         conversion (dict | None):
             Provenance of a checkpoint converted from another architecture, written by the converter: `source`,
             `base_model` (Hub id, when known), `source_model_type`, `function_preserving`, `converter` and
@@ -173,6 +180,7 @@ class DiffConfig(PreTrainedConfig):
     num_noise_heads: int | None = None
     lambda_init_depth_offset: int = 0
     subln_eps: float | None = None
+    map_first_inference: bool = False
     conversion: dict | None = None
 
     @classmethod

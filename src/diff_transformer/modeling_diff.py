@@ -243,7 +243,7 @@ class DiffAttentionV2(DiffAttention):
 
         lam = self.diff_lambda(hidden_states)  # (B, N, H)
         blocked = self.blocked_attention(query_states, key_states, value_states, lam, attention_mask, **kwargs)
-        if blocked is not None:  # (B, N, H, d): the differential output, no backend call (CPU, train mode)
+        if blocked is not None:  # (B, N, H, d): the differential output, no backend call (CPU: training, opt-in eval)
             return self.o_proj(blocked.reshape(*input_shape, -1)), None
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -278,13 +278,16 @@ class DiffAttentionV2(DiffAttention):
         return attn_output, attn_weights
 
     def blocked_attention(self, query, key, value, lam, attention_mask, is_causal=None, **kwargs):
-        """(A_2h - λ A_2h+1) V as (B, N, H, d) by `blocked_differential_attention` where it applies (train mode: sdpa
-        on CPU in fp32, plain causal self-attention, no attention dropout), else None. query (B, 2H, N, d), key and
-        value (B, H_kv, L, d), lam (B, N, H). Both heads of a pair read one key/value head (H_kv divides H): one key
-        tensor for both maps, and the map meets V once instead of each head's."""
-        if not self.training or self.attention_dropout:
-            # In eval mode the fused call stays: through it a converted V2 computes its Llama's logits to the last
-            # bit (tests/evaluation/test_lm_eval.py), which the blocked products, in another order, do not.
+        """(A_2h - λ A_2h+1) V as (B, N, H, d) by `blocked_differential_attention` where it applies (train mode, or
+        eval mode with `config.map_first_inference`: sdpa on CPU in fp32, plain causal self-attention, no attention
+        dropout), else None. query (B, 2H, N, d), key and value (B, H_kv, L, d), lam (B, N, H). Both heads of a pair
+        read one key/value head (H_kv divides H): one key tensor for both maps, and the map meets V once instead of
+        each head's."""
+        if self.training and self.attention_dropout:
+            return None
+        if not self.training and not self.config.map_first_inference:
+            # By default the fused call stays in eval mode: through it a converted V2 computes its Llama's logits to
+            # the last bit (tests/evaluation/test_lm_eval.py), which the blocked products, in another order, do not.
             return None
         B, H, N, H_kv, d = query.shape[0], query.shape[1] // 2, query.shape[2], key.shape[1], self.head_dim
         # measured (2 cores, bench_model's shapes): 64 rows beat the fused kernel up to 4k tokens; at 8k tokens it

@@ -166,6 +166,7 @@ INTENDED = {
             "+ num_noise_heads: int | None = None",
             "+ lambda_init_depth_offset: int = 0",
             "+ subln_eps: float | None = None",
+            "+ map_first_inference: bool = False",
             "+ conversion: dict | None = None",
         ],
         "__post_init__": Own("6a8e0fe53c0b"),

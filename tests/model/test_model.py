@@ -201,6 +201,31 @@ def test_v2_blocked_only_where_it_applies(monkeypatch):
         ran.clear()
 
 
+def test_v2_map_first_inference_is_an_opt_in(tmp_path, monkeypatch):
+    """`map_first_inference=True` (from_pretrained's config override) puts eval-mode prefill on the blocked path:
+    logits within the reference tolerance of the fused call's, while decode steps (a cached prefix) keep the fused
+    call, and greedy generation picks the same tokens. The flag is saved with the config and is off by default."""
+    tiny_model(2).save_pretrained(tmp_path)
+    ids = torch.randint(3, 97, (2, 20))
+    fused = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")
+    assert fused.config.map_first_inference is False
+    ran = count_v2_blocked(monkeypatch)
+    opted = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa", map_first_inference=True)
+    with torch.no_grad():
+        expected, logits = fused(ids).logits, opted(ids).logits
+    assert len(ran) == opted.config.num_hidden_layers
+    ran.clear()
+    assert (logits - expected).abs().max() <= 1e-5  # another summation order: close, not bit-identical
+    assert_matches_reference(opted, ids)
+    assert len(ran) == opted.config.num_hidden_layers
+    ran.clear()
+    tokens = opted.generate(ids, max_new_tokens=4, do_sample=False)
+    assert len(ran) == opted.config.num_hidden_layers  # the prefill only
+    assert torch.equal(tokens, fused.generate(ids, max_new_tokens=4, do_sample=False))
+    opted.save_pretrained(tmp_path / "opted")
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "opted").config.map_first_inference is True
+
+
 def test_blocked_cpu_prefill_only_where_it_applies(monkeypatch):
     """The blocked strategy is fp32, unmasked self-attention within the score budget (prefill and training);
     everything else keeps the padded flash kernel (padding masks, a cached prefix, bf16, long contexts)."""
