@@ -348,6 +348,9 @@ class V1Strategy(enum.Enum):
       (`blocked_differential_attention`). It skips the padded strategy's doubled q kᵀ and the second map's product
       with V, and bounds the scores it holds (`BLOCKED_SCORE_BUDGET`); longer contexts fall back to
       PADDED_WIDE_VALUE.
+    * DECODE_DIFF_MAP: no backend call; for sdpa on CPU in fp32 decoding one token without a mask: both maps'
+      scores in one product over the cache as it sits, softmax, A1 - λ A2, one product with both V halves. Two
+      products where SPLIT_VALUE makes four sdpa calls, each map's scores once.
     * FUSED: the attention function registered as "diff_triton" (V1's Triton kernel, registered by the
       diff_transformer package) on a device it runs on: one call that reads each K/V tile once for both maps and
       returns (A1 - λ A2) V; no maps (`output_attentions` needs eager).
@@ -357,6 +360,7 @@ class V1Strategy(enum.Enum):
     PADDED_WIDE_VALUE = "one call per map, V 2d wide, q and k zero-padded to 2d"
     SPLIT_VALUE = "one call per map and per d-wide half of V"
     BLOCKED_DIFF_MAP = "per block of queries: both maps, A1 - λ A2, one product with V"
+    DECODE_DIFF_MAP = "one query: both maps, A1 - λ A2, one product with V's halves"
     FUSED = "one fused call producing (A1 - λ A2) V"
 
 
@@ -393,6 +397,8 @@ def select_v1_strategy(
         if not paged and fused is not None and getattr(fused, "runs_on", lambda device: False)(query.device):
             return V1Strategy.FUSED
         implementation = "sdpa"
+    if decode_map_applies(implementation, query, attention_mask, paged):
+        return V1Strategy.DECODE_DIFF_MAP
     if "flash" in implementation or (query.shape[2] == 1 and implementation != "eager"):
         return V1Strategy.SPLIT_VALUE  # flash kernels (FA2/3/4, kernels-community, paged or not) need V as wide as Q/K
     if implementation == "sdpa" and query.device.type == "cpu":
@@ -419,6 +425,25 @@ def blocked_applies(
     N, heads = query.shape[2], query.shape[0] * query.shape[1] // 2  # B·H differential heads
     plain_causal = causal and attention_mask is None and not paged and (key_length or N) == N
     return plain_causal and blocked_rows(heads, N, rows) >= BLOCKED_MIN_ROWS
+
+
+def decode_map_applies(implementation: str, query: torch.Tensor, attention_mask: torch.Tensor | None, paged: bool):
+    """Whether `decode_differential_attention` replaces the sdpa calls: sdpa on CPU in fp32, one query per sequence
+    (decoding), no mask (every cached key visible: no padding), not paged. `query` (B, 2H, N, d)."""
+    cpu_fp32 = implementation == "sdpa" and query.device.type == "cpu" and query.dtype == torch.float32
+    return cpu_fp32 and query.shape[2] == 1 and attention_mask is None and not paged
+
+
+def decode_differential_attention(queries, keys, values, lam, scaling: float) -> torch.Tensor:
+    """(A1 - λ A2) V for one query per sequence over every cached key: queries (B, 2, H, 1, d), keys and values
+    (B, 2, H_kv, L, d) (the cache as it sits: [k1 | k2], V's two halves), λ (); returns (B, 1, H, 2d)."""
+    B, _, H, _, d = queries.shape
+    H_kv = keys.shape[2]
+    grouped = queries.view(B, 2, H_kv, H // H_kv, d)  # (B, 2, H_kv, g, d): head h reads key head h // g
+    maps = torch.softmax(torch.matmul(grouped * scaling, keys.transpose(-1, -2)), dim=-1)  # (B, 2, H_kv, g, L)
+    differential = torch.addcmul(maps[:, 0], maps[:, 1], lam.to(maps.dtype), value=-1)  # (B, H_kv, g, L)
+    halves = torch.matmul(differential.unsqueeze(1), values)  # (B, 2, H_kv, g, d): the map times each V half
+    return halves.permute(0, 2, 3, 1, 4).reshape(B, 1, H, 2 * d)  # (B, 1, H, 2d): [first | second] half
 
 
 def v1_attention_forward(
@@ -452,6 +477,8 @@ def v1_attention_forward(
         keys = keys.transpose(1, 2).contiguous()  # (B, H_kv, 2, N, d)
         rows = blocked_rows(B * H, N)
         return blocked_differential_attention(grouped, keys, wide_value, lam, module.scaling, rows), None
+    if strategy is V1Strategy.DECODE_DIFF_MAP:
+        return decode_differential_attention(queries, keys, values, lam, module.scaling), None
     if strategy is V1Strategy.FUSED:
         attn_output, _ = attention_interface(
             module,

@@ -62,6 +62,30 @@ def test_blocked_cpu_prefill_matches_reference(heads, kv_heads, hidden, head_dim
     assert ran and set(ran) == {V1Strategy.BLOCKED_DIFF_MAP}
 
 
+@pytest.mark.parametrize("heads,kv_heads,hidden,head_dim", GQA_CASES)
+@pytest.mark.parametrize("grouped_noise", [False, True], ids=["v1", "grouped-noise"])
+def test_v1_cpu_decode_matches_the_full_forward(heads, kv_heads, hidden, head_dim, grouped_noise, monkeypatch):
+    """V1 decoding on CPU (sdpa, fp32, no padding) forms A1 - λ A2 over the cache in two products
+    (`decode_differential_attention`): every step's logits equal the full forward's over the same tokens (the
+    reference-checked prefill path), every GQA grouping and grouped noise heads."""
+    import diff_transformer.modeling_diff as modeling
+    from diff_transformer.modeling_diff import V1Strategy
+
+    ran, select = [], modeling.select_v1_strategy
+    monkeypatch.setattr(modeling, "select_v1_strategy", lambda *a, **k: ran.append(select(*a, **k)) or ran[-1])
+    noise_heads = kv_heads if grouped_noise else None
+    model = gqa_model(1, heads, kv_heads, hidden, head_dim, attn_implementation="sdpa", num_noise_heads=noise_heads)
+    ids = torch.randint(3, 97, (1, 9))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        layers = model.config.num_hidden_layers
+        assert ran.count(V1Strategy.DECODE_DIFF_MAP) == 4 * layers  # every step after the prefill
+        ran.clear()
+        full = model(out.sequences).logits[0, ids.shape[1] - 1 : -1]  # (5, V): the logits each step picked from
+    assert ran == [V1Strategy.BLOCKED_DIFF_MAP] * layers
+    assert (torch.stack(out.logits, dim=1)[0] - full).abs().max() <= 1e-5
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_blocked_backward_is_the_gradient(version):
     """The blocked forward/backward against torch.autograd.gradcheck (float64, finite differences): 2 groups of 2
@@ -241,6 +265,12 @@ def test_blocked_cpu_prefill_only_where_it_applies(monkeypatch):
         assert select_v1_strategy("sdpa", query, causal=False) is padded
         assert select_v1_strategy("sdpa", query.bfloat16()) is padded
         assert select_v1_strategy("eager", query) is V1Strategy.WIDE_VALUE
+        token, split = query[:, :, :1], V1Strategy.SPLIT_VALUE  # decoding one token over a cache
+        assert select_v1_strategy("sdpa", token, key_length=80) is V1Strategy.DECODE_DIFF_MAP
+        assert select_v1_strategy("sdpa", token, key_length=80, paged=True) is split
+        assert select_v1_strategy("sdpa", token, attention_mask=torch.ones(1, 1, 1, 80, dtype=torch.bool)) is split
+        assert select_v1_strategy("sdpa", token.bfloat16(), key_length=80) is split
+        assert select_v1_strategy("flash_attention_2", token, key_length=80) is split
     assert select_v1_strategy("sdpa", query.clone().requires_grad_()) is blocked  # training: its own backward
     monkeypatch.setattr(modeling, "BLOCKED_SCORE_BUDGET", 4 * 64 * 8)  # 4 heads x 64 keys x 8 rows: under 16 rows
     with torch.no_grad():
