@@ -10,8 +10,8 @@
 
 The floor counts what attention kernels compute: each softmax map multiplied by V. Forming a differential map first,
 (A1 - λ A2) V, needs less (V1: Llama's attention work; V2: QKᵀ 2H·d, AV H·d); on CPU in fp32 V1's prefill and
-training and V2's training (train mode) do that (`blocked_differential_attention`), so those rows can sit below
-this floor.
+training, V2's training (train mode) and V2's prefill with `map_first_inference=True` do that
+(`blocked_differential_attention`), so those rows can sit below this floor.
 
 Per model type (d = head_dim):
     llama      QKᵀ Hq·d,      AV Hq·d            (Hq query heads)
