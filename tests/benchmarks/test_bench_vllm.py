@@ -136,3 +136,11 @@ def test_defaults_are_the_short_run():
     assert args.servers == ["vllm"] and args.models == ["llama", "v2", "v1"]
     assert args.mixes == ["decode", "prefill"] and args.prefix_caching == [True, False]
     assert bench.parse_args(["--models", "v1"]).models == ["llama", "v1"]  # the Llama is always measured
+
+
+def test_recorded_arguments_publish_no_directory_of_the_machine(tmp_path):
+    """The committed JSON records the command line: a path outside the repository keeps only its name."""
+    source = tmp_path / "smollm2"
+    inside = REPOSITORY / "benchmarks" / "results" / "out.json"
+    recorded = [bench.recorded_argument(a) for a in ["--source", str(source), "--json", str(inside), "--reps", "3"]]
+    assert recorded == ["--source", "DIR/smollm2", "--json", "benchmarks/results/out.json", "--reps", "3"]
