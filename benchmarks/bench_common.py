@@ -173,6 +173,19 @@ def median_ratio(values, refs) -> float:
     return median(v / r for v, r in zip(values, refs))
 
 
+def recorded_argv(argv) -> list[str]:
+    """The command line as the committed results record it: an absolute path outside the repository becomes
+    DIR/<its name> (the machine's directories are not the results' to publish)."""
+
+    def recorded(argument: str) -> str:
+        path = Path(argument)
+        if not path.is_absolute():
+            return argument
+        return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else f"DIR/{path.name}"
+
+    return [recorded(a) for a in (sys.argv[1:] if argv is None else argv)]
+
+
 def provenance() -> dict:
     """When and with what a run was made: date, the checkout's revision, torch, transformers and Python versions."""
     import transformers

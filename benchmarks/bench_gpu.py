@@ -95,6 +95,7 @@ from bench_common import (  # first: it puts the checkout's src/ first on sys.pa
     proc_status_kb,
     provenance,
     random_ids,
+    recorded_argv,
     reset_peak_rss,
     rotated,
     same_matrices_model,
@@ -1115,7 +1116,7 @@ def environment(dev: Device, dtype, args) -> dict:
         "flash_attn": version("flash_attn"),
         "dtype": str(dtype).replace("torch.", ""),
         "reps": args.reps,
-        "argv": sys.argv[1:],
+        "argv": recorded_argv(None),
     }
 
 

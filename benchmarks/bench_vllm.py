@@ -64,7 +64,15 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench_common import cpu_name, make_log, median, median_ratio, provenance, rotated  # src/ first on sys.path
+from bench_common import (
+    cpu_name,
+    make_log,
+    median,
+    median_ratio,
+    provenance,
+    recorded_argv,
+    rotated,
+)  # src/ first on sys.path
 
 
 # isort: split
@@ -364,16 +372,6 @@ def render(data: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------- main
-def recorded_argument(argument: str) -> str:
-    """An argument as the results record it: an absolute path outside the repository becomes DIR/<its name> (the
-    results are committed; the machine's directories are not theirs to publish)."""
-    path = Path(argument)
-    if not path.is_absolute():
-        return argument
-    repo = TINY_LLAMA.parents[3]
-    return str(path.relative_to(repo)) if path.is_relative_to(repo) else f"DIR/{path.name}"
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--source", type=Path, default=TINY_LLAMA, help="the Llama checkpoint (default: the tiny Llama)")
@@ -561,7 +559,7 @@ def main(argv=None):
             "loadavg": [round(x, 2) for x in loads],
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),  # the servers inherit it
             "wall_s": time.perf_counter() - t_start,
-            "argv": [recorded_argument(a) for a in (sys.argv[1:] if argv is None else argv)],
+            "argv": recorded_argv(argv),
         },
         "setup": {
             "source": "the shipped tiny Llama" if args.source.resolve() == TINY_LLAMA.resolve() else args.source.name,
