@@ -178,10 +178,11 @@ def recorded_argv(argv) -> list[str]:
     DIR/<its name> (the machine's directories are not the results' to publish)."""
 
     def recorded(argument: str) -> str:
-        path = Path(argument)
-        if not path.is_absolute():
-            return argument
-        return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else f"DIR/{path.name}"
+        option, equals, value = argument.partition("=") if argument.startswith("--") else ("", "", argument)
+        path = Path(value)
+        if path.is_absolute():
+            value = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else f"DIR/{path.name}"
+        return option + equals + value
 
     return [recorded(a) for a in (sys.argv[1:] if argv is None else argv)]
 

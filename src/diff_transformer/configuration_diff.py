@@ -113,12 +113,14 @@ class DiffConfig(PreTrainedConfig):
             Qwen3's `q_norm` / `k_norm`: an RMSNorm over each d-wide query and key (sub-)head before RoPE, one weight
             of size d shared by all heads (V1: by q1, q2, k1 and k2 alike). Defaults to False.
         map_first_inference (bool):
-            V2 on CPU (sdpa, fp32, plain causal self-attention: prefill without padding): in eval mode too, form each
-            pair's differential map before V, block of queries by block (`blocked_differential_attention`, what
-            train mode always does) instead of one fused sdpa call over 2H query heads: the AV product for H heads
-            instead of 2H, prefill about 5-9% faster (docs/performance.md). Logits then differ from the fused
+            V2 on CPU (sdpa, fp32, plain causal self-attention: prefill without padding, while a key/value head's
+            block of 64 queries holds at most 2^20 scores, about 4k tokens at 2H/H_kv = 4): in eval mode too, form
+            each pair's differential map before V, block of queries by block (`blocked_differential_attention`, what
+            train mode does) instead of one fused sdpa call over 2H query heads: the AV product for H heads instead
+            of 2H, prefill 2-11% faster at 512-4,096 tokens (docs/performance.md). Logits then differ from the fused
             kernel's in the last bits (about 1e-5), so a fresh conversion no longer reproduces its Llama's logits to
-            the last bit. Defaults to False (the fused call). V1 ignores it (on CPU it always forms its map first).
+            the last bit. Defaults to False (the fused call). V1 ignores it: on CPU it forms its map first wherever
+            its own strategies apply (`V1Strategy`), in either mode.
         conversion (dict | None):
             Provenance of a checkpoint converted from another architecture, written by the converter: `source`,
             `base_model` (Hub id, when known), `source_model_type`, `function_preserving`, `converter` and

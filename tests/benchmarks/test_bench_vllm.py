@@ -142,5 +142,5 @@ def test_recorded_arguments_publish_no_directory_of_the_machine(tmp_path):
     """The committed JSON records the command line: a path outside the repository keeps only its name."""
     source = tmp_path / "smollm2"
     inside = REPOSITORY / "benchmarks" / "results" / "out.json"
-    recorded = bench.recorded_argv(["--source", str(source), "--json", str(inside), "--reps", "3"])
-    assert recorded == ["--source", "DIR/smollm2", "--json", "benchmarks/results/out.json", "--reps", "3"]
+    recorded = bench.recorded_argv(["--source", str(source), f"--json={inside}", "--reps", "3", "--out=x"])
+    assert recorded == ["--source", "DIR/smollm2", "--json=benchmarks/results/out.json", "--reps", "3", "--out=x"]

@@ -67,7 +67,7 @@ def test_blocked_cpu_prefill_matches_reference(heads, kv_heads, hidden, head_dim
 def test_v1_cpu_decode_matches_the_full_forward(heads, kv_heads, hidden, head_dim, grouped_noise, monkeypatch):
     """V1 decoding on CPU (sdpa, fp32, no padding) forms A1 - λ A2 over the cache in two products
     (`decode_differential_attention`): every step's logits equal the full forward's over the same tokens (the
-    reference-checked prefill path), every GQA grouping and grouped noise heads."""
+    reference-checked prefill path), every GQA grouping and grouped noise heads; a padded batch keeps sdpa."""
     import diff_transformer.modeling_diff as modeling
     from diff_transformer.modeling_diff import V1Strategy
 
@@ -75,15 +75,20 @@ def test_v1_cpu_decode_matches_the_full_forward(heads, kv_heads, hidden, head_di
     monkeypatch.setattr(modeling, "select_v1_strategy", lambda *a, **k: ran.append(select(*a, **k)) or ran[-1])
     noise_heads = kv_heads if grouped_noise else None
     model = gqa_model(1, heads, kv_heads, hidden, head_dim, attn_implementation="sdpa", num_noise_heads=noise_heads)
-    ids = torch.randint(3, 97, (1, 9))
+    ids = torch.randint(3, 97, (2, 9))  # two sequences, no padding
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
         layers = model.config.num_hidden_layers
         assert ran.count(V1Strategy.DECODE_DIFF_MAP) == 4 * layers  # every step after the prefill
         ran.clear()
-        full = model(out.sequences).logits[0, ids.shape[1] - 1 : -1]  # (5, V): the logits each step picked from
-    assert ran == [V1Strategy.BLOCKED_DIFF_MAP] * layers
-    assert (torch.stack(out.logits, dim=1)[0] - full).abs().max() <= 1e-5
+        full = model(out.sequences).logits[:, ids.shape[1] - 1 : -1]  # (2, 5, V): the logits each step picked from
+        assert ran == [V1Strategy.BLOCKED_DIFF_MAP] * layers
+        assert (torch.stack(out.logits, dim=1) - full).abs().max() <= 1e-5
+        ran.clear()
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0  # left padding: transformers hands the decode steps a mask, so the four sdpa calls stay
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    assert ran and V1Strategy.DECODE_DIFF_MAP not in ran
 
 
 @pytest.mark.parametrize("version", [1, 2])
