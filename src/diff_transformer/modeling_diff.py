@@ -408,6 +408,11 @@ def select_v1_strategy(
     return V1Strategy.WIDE_VALUE
 
 
+def replaces_cpu_sdpa(implementation: str, query: torch.Tensor) -> bool:
+    """Where the package's own CPU attention paths may replace the backend (both versions): sdpa on CPU in fp32."""
+    return implementation == "sdpa" and query.device.type == "cpu" and query.dtype == torch.float32
+
+
 def blocked_applies(
     implementation: str,
     query: torch.Tensor,
@@ -420,7 +425,7 @@ def blocked_applies(
     """Whether `blocked_differential_attention` replaces the sdpa call (both versions): sdpa on CPU in fp32, plain
     causal self-attention (no mask, no cached prefix, not paged: sdpa's `is_causal`) and, under the score budget, at
     least `BLOCKED_MIN_ROWS` rows per block. `query` (B, 2H, N, d); `rows` the version's rows per block."""
-    if implementation != "sdpa" or query.device.type != "cpu" or query.dtype != torch.float32:
+    if not replaces_cpu_sdpa(implementation, query):
         return False
     N, heads = query.shape[2], query.shape[0] * query.shape[1] // 2  # B·H differential heads
     plain_causal = causal and attention_mask is None and not paged and (key_length or N) == N
@@ -430,8 +435,8 @@ def blocked_applies(
 def decode_map_applies(implementation: str, query: torch.Tensor, attention_mask: torch.Tensor | None, paged: bool):
     """Whether `decode_differential_attention` replaces the sdpa calls: sdpa on CPU in fp32, one query per sequence
     (decoding), no mask (every cached key visible: no padding), not paged. `query` (B, 2H, N, d)."""
-    cpu_fp32 = implementation == "sdpa" and query.device.type == "cpu" and query.dtype == torch.float32
-    return cpu_fp32 and query.shape[2] == 1 and attention_mask is None and not paged
+    decoding = query.shape[2] == 1 and attention_mask is None and not paged
+    return decoding and replaces_cpu_sdpa(implementation, query)
 
 
 def decode_differential_attention(queries, keys, values, lam, scaling: float) -> torch.Tensor:
