@@ -172,7 +172,7 @@ CONFIG_FIELDS = [
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_parameters", "lambda_init",
     "lambda_std", "lambda_floor", "attention_dropout", "hidden_act", "pad_token_id", "eos_token_id", "diff_version",
-    "tie_word_embeddings", "initializer_range", "torch_dtype", "architectures",
+    "tie_word_embeddings", "initializer_range", "torch_dtype", "architectures", "map_first_inference",
 ]  # fmt: skip
 
 
