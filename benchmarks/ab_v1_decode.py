@@ -18,7 +18,7 @@ import bench_model  # first: through bench_common it puts the checkout's src/ fi
 # isort: split
 import torch
 
-import diff_transformer.modeling_diff as modeling
+import diff_transformer.integrations.cpu_attention as cpu
 
 from bench_common import median, random_ids
 
@@ -33,10 +33,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     lm = bench_model.build("v1", dict(bench_model.FULL), types.SimpleNamespace(v2_heads=None, v2_kv_heads=None))
     ids = random_ids(args.prompt, bench_model.FULL["vocab"], 3)
-    applies = modeling.decode_map_applies
+    select = cpu.select_cpu_strategy
+
+    def without_decode_map(*args, **kwargs):  # the plain calls instead: four sdpa calls on the cache's V halves
+        strategy = select(*args, **kwargs)
+        return None if strategy is cpu.CpuStrategy.DECODE_DIFF_MAP else strategy
 
     def tokens_per_s(decode_map: bool) -> float:
-        modeling.decode_map_applies = applies if decode_map else (lambda *a, **k: False)
+        cpu.select_cpu_strategy = select if decode_map else without_decode_map
         return bench_model.time_decode(lm, ids, args.new_tokens)["tok_s"]
 
     tokens_per_s(True), tokens_per_s(False)  # warm-up
@@ -47,7 +51,7 @@ def main(argv=None) -> int:
         ratios.append(rate[True] / rate[False])
         print(f"pair {pair + 1}: DECODE_DIFF_MAP {rate[True]:.1f} tok/s, SPLIT_VALUE {rate[False]:.1f} tok/s, "
               f"ratio {ratios[-1]:.3f} (load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
-    modeling.decode_map_applies = applies
+    cpu.select_cpu_strategy = select
     print(f"DECODE_DIFF_MAP / SPLIT_VALUE tokens/s: median {median(ratios):.3f}, {min(ratios):.3f}-{max(ratios):.3f}")
     return 0
 

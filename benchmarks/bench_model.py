@@ -29,10 +29,10 @@ Default size: hidden D=512, 8 layers, MLP intermediate 1376, vocab 32000, untied
   q 512 + k 256 + v 256 + o 256 = 2.5 D^2, i.e. 3.1M (~5%) fewer parameters than Llama -- not an equal budget.
   It is available as the extra model ``v2h4`` (``--models llama,diffllama,v1,v2,v2h4``) and the V2 head counts
   can be overridden with ``--v2-heads/--v2-kv-heads``. The table prints every model's parameter count.
-* **Diff V2 (map first)** (``v2mf``): the same model with ``map_first_inference=True``, the opt-in that forms each
-  pair's differential map before V in eval mode too (CPU, fp32, no padding). Only its prefill rows differ from
-  V2's: decode steps have a cached prefix and keep the fused call, the memory row's 8,192 tokens exceed the blocked
-  path's budget, and train mode forms the map first for both. Its floor is V2's.
+* **Diff V2 (map first)** (``v2mf``): the same model with ``attn_implementation="diff_map_first"``, the opt-in
+  backend that forms each pair's differential map before V in eval mode too (CPU, fp32, no padding). Only its
+  prefill rows differ from V2's: decode steps have a cached prefix and keep the fused call, the memory row's 8,192
+  tokens exceed the blocked path's budget, and train mode forms the map first for both. Its floor is V2's.
 
 Measurements (ratios are to Llama *measured in the same run*)
 -------------------------------------------------------------
@@ -171,7 +171,6 @@ def model_config(name: str, size: dict, v2_heads: int | None = None, v2_kv_heads
             diff_version=2,
             num_attention_heads=H,
             num_key_value_heads=H_kv,
-            map_first_inference=name == "v2mf",
             **common,
         )
     if name == "v2h4":  # 2H = Llama's heads: smaller than Llama (see docstring)
@@ -184,8 +183,9 @@ def model_config(name: str, size: dict, v2_heads: int | None = None, v2_kv_heads
 def build(name: str, size: dict, args, seed: int = 0, base_only: bool = False):
     cls, config = model_config(name, size, args.v2_heads, args.v2_kv_heads)
     torch.manual_seed(seed)
-    model = cls._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
+    backend = "diff_map_first" if name == "v2mf" else "sdpa"
+    model = cls._from_config(config, attn_implementation=backend, dtype=torch.float32)
+    assert model.config._attn_implementation == backend, model.config._attn_implementation
     model.eval()
     if base_only:
         model = model.model

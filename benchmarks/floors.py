@@ -10,7 +10,7 @@
 
 The floor counts what attention kernels compute: each softmax map multiplied by V. Forming a differential map first,
 (A1 - λ A2) V, needs less (V1: Llama's attention work; V2: QKᵀ 2H·d, AV H·d); on CPU in fp32 V1's prefill and
-training, V2's training (train mode) and V2's prefill with `map_first_inference=True` do that
+training, V2's training (train mode) and V2's prefill with `attn_implementation="diff_map_first"` do that
 (`blocked_differential_attention`), so those rows can sit below this floor.
 
 Per model type (d = head_dim):

@@ -23,7 +23,11 @@ from huggingface_hub.dataclasses import strict
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
+from transformers.utils import logging
 
+
+logger = logging.get_logger(__name__)
+_MAP_FIRST_INFERENCE = "map_first_inference"
 
 # `hidden_act` of Motif's PolyNorm activation (a module with weights, not an ACT2FN entry: modeling_diff.DiffPolyNorm).
 POLY_NORM = "poly_norm"
@@ -112,15 +116,6 @@ class DiffConfig(PreTrainedConfig):
         use_qk_norm (bool):
             Qwen3's `q_norm` / `k_norm`: an RMSNorm over each d-wide query and key (sub-)head before RoPE, one weight
             of size d shared by all heads (V1: by q1, q2, k1 and k2 alike). Defaults to False.
-        map_first_inference (bool):
-            V2 on CPU (sdpa, fp32, plain causal self-attention: prefill without padding, while a key/value head's
-            block of 64 queries holds at most 2^20 scores, about 4k tokens at 2H/H_kv = 4): in eval mode too, form
-            each pair's differential map before V, block of queries by block (`blocked_differential_attention`, what
-            train mode does) instead of one fused sdpa call over 2H query heads: the AV product for H heads instead
-            of 2H, prefill 2-11% faster at 512-4,096 tokens (docs/performance.md). Logits then differ from the fused
-            kernel's in the last bits (about 1e-5), so a fresh conversion no longer reproduces its Llama's logits to
-            the last bit. Defaults to False (the fused call). V1 ignores it: on CPU it forms its map first wherever
-            its own strategies apply (`V1Strategy`), in either mode.
         conversion (dict | None):
             Provenance of a checkpoint converted from another architecture, written by the converter: `source`,
             `base_model` (Hub id, when known), `source_model_type`, `function_preserving`, `converter` and
@@ -182,7 +177,6 @@ class DiffConfig(PreTrainedConfig):
     num_noise_heads: int | None = None
     lambda_init_depth_offset: int = 0
     subln_eps: float | None = None
-    map_first_inference: bool = False
     conversion: dict | None = None
 
     @classmethod
@@ -191,6 +185,16 @@ class DiffConfig(PreTrainedConfig):
         # the class default): they stay V1. `to_dict` always writes the field, so no new checkpoint relies on this.
         if "diff_version" not in config_dict:
             config_dict = {**config_dict, "diff_version": 1}
+        # `map_first_inference` was a config field until it became the backend "diff_map_first": a config.json (or a
+        # from_pretrained keyword) that names it still loads, and the one that asked for it is told how to ask now.
+        asked = [config_dict.get(_MAP_FIRST_INFERENCE), kwargs.pop(_MAP_FIRST_INFERENCE, None)]
+        config_dict = {key: value for key, value in config_dict.items() if key != _MAP_FIRST_INFERENCE}
+        if any(asked):
+            logger.warning(
+                f"{_MAP_FIRST_INFERENCE}=True is no longer a config field and is ignored: V2's map-first CPU path is "
+                "now the attention backend 'diff_map_first' (from_pretrained(..., attn_implementation="
+                "'diff_map_first') with the diff_transformer package installed)."
+            )
         return super().from_dict(config_dict, **kwargs)
 
     def __post_init__(self, **kwargs):

@@ -8,16 +8,16 @@ Two variants, selected by `config.diff_version` (docs/design.md has the exact ma
   `a_2h - sigmoid(W_λ x)_h a_2h+1`.
 
 Both attend through standard backends from `ALL_ATTENTION_FUNCTIONS` (eager, sdpa, flash, flex, paged): V2 in one
-call per layer, V1 in one call per map (or per map and V half where a kernel needs it, see `DiffAttentionV1`).
+call per layer, V1 in one call per map (or per map and V half where a kernel needs it, see `DiffAttentionV1`), unless
+the backend has a differential attention function (`differential_attention_function`: one call for the whole
+differential step), as the `diff_transformer` package registers for its CPU paths and V1's fused Triton kernel.
 Module names follow Llama's so Llama tooling (PEFT target modules, TP plans, conversion scripts) applies unchanged.
 
 Only torch, transformers and the sibling configuration file are imported: this file is copied into saved checkpoints
-as Hub custom code. V1's fused Triton kernel is the attention function the `diff_transformer` package registers as
-"diff_triton" (`integrations/attention.py`); this file only looks it up by name.
+as Hub custom code, and holds the model only.
 """
 
 import copy
-import enum
 from collections.abc import Callable
 
 import torch
@@ -242,9 +242,21 @@ class DiffAttentionV2(DiffAttention):
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
         lam = self.diff_lambda(hidden_states)  # (B, N, H)
-        blocked = self.blocked_attention(query_states, key_states, value_states, lam, attention_mask, **kwargs)
-        if blocked is not None:  # (B, N, H, d): the differential output, no backend call (CPU: training, opt-in eval)
-            return self.o_proj(blocked.reshape(*input_shape, -1)), None
+        differential = differential_attention_function(self.config._attn_implementation)
+        if differential is not None:
+            result = differential(
+                self,
+                query_states,
+                key_states,
+                value_states,
+                attention_mask,
+                dropout=0.0 if not self.training else self.attention_dropout,
+                scaling=self.scaling,
+                differential_lambda=lam,
+                **kwargs,
+            )
+            if result is not None:  # (B, N, H, d): the differential output in one call
+                return self.o_proj(result[0].reshape(*input_shape, -1)), result[1]
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -271,41 +283,11 @@ class DiffAttentionV2(DiffAttention):
             attn_output = _output_from_map(attn_weights, value_states)  # (B, N, H, d)
         else:
             pair = attn_output.view(*input_shape, -1, 2, self.head_dim)  # (B, N, H, 2, d): query heads (2h, 2h+1)
-            attn_output = pair[..., 0, :] - lam.unsqueeze(-1).to(pair.dtype) * pair[..., 1, :]  # (B, N, H, d)
+            attn_output = torch.addcmul(pair[..., 0, :], pair[..., 1, :], lam.unsqueeze(-1).to(pair.dtype), value=-1)
 
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
-
-    def blocked_attention(self, query, key, value, lam, attention_mask, is_causal=None, **kwargs):
-        """(A_2h - λ A_2h+1) V as (B, N, H, d) by `blocked_differential_attention` where it applies (train mode, or
-        eval mode with `config.map_first_inference`: sdpa on CPU in fp32, plain causal self-attention, no attention
-        dropout), else None. query (B, 2H, N, d), key and value (B, H_kv, L, d), lam (B, N, H). Both heads of a pair
-        read one key/value head (H_kv divides H): one key tensor for both maps, and the map meets V once instead of
-        each head's."""
-        if self.training and self.attention_dropout:
-            return None
-        if not self.training and not self.config.map_first_inference:
-            # By default the fused call stays in eval mode: through it a converted V2 computes its Llama's logits to
-            # the last bit (tests/evaluation/test_lm_eval.py), which the blocked products, in another order, do not.
-            return None
-        B, H, N, H_kv, d = query.shape[0], query.shape[1] // 2, query.shape[2], key.shape[1], self.head_dim
-        # measured (2 cores, bench_model's shapes): 64 rows beat the fused kernel up to 4k tokens; at 8k tokens it
-        # won against blocks of 64, 32 and 16 rows (more blocks, each over more keys), so longer contexts use it
-        if query.shape[1] // H_kv * key.shape[2] * V2_ROWS > V2_BLOCK_SCORES:  # 2H/H_kv query heads per key head
-            return None
-        causal = self.is_causal and is_causal is not False
-        implementation = self.config._attn_implementation
-        if not blocked_applies(implementation, query, attention_mask, key.shape[2], causal, rows=V2_ROWS):
-            return None
-        return blocked_differential_attention(
-            query.view(B, H_kv, H // H_kv, 2, N, d).transpose(2, 3),  # (B, H_kv, 2, g, N, d): q_2h, q_2h+1
-            key.contiguous().unsqueeze(2).expand(B, H_kv, 2, N, d),  # (B, H_kv, 2, N, d): one key tensor for both maps
-            value.contiguous(),  # (B, H_kv, N, d): batched products per block without copies
-            lam,
-            self.scaling,
-            blocked_rows(B * H, N, V2_ROWS),
-        )  # (B, N, H, d)
 
 
 def v1_component_major(pairs: torch.Tensor) -> torch.Tensor:
@@ -331,141 +313,42 @@ def gda_component_major(groups: torch.Tensor) -> torch.Tensor:
     return v1_component_major(pairs.flatten(2, 3))  # (B, 2H, N, d)
 
 
-class V1Strategy(enum.Enum):
-    """How V1 computes `(A1 - λ A2) V` with V 2d wide on a given backend (docs/design.md, "V1's backend strategy").
+def differential_attention_function(implementation: str) -> Callable | None:
+    """The differential attention function registered for the backend `implementation`, or None.
 
-    * WIDE_VALUE: one call per map with the two V halves concatenated to 2d (eager, sdpa on GPU, flex). Two calls,
-      each map's scores computed once.
-    * PADDED_WIDE_VALUE: the same with q and k zero-padded to 2d, for sdpa on CPU where BLOCKED_DIFF_MAP does not
-      apply: PyTorch's fused CPU kernel needs equal head dims, and without it SDPA falls back to the math kernel
-      that materialises every (N, L) map. Padding leaves q kᵀ unchanged (the scale is passed explicitly).
-    * SPLIT_VALUE: one call per map and per V half, everything d wide. Flash kernels need V as wide as Q/K; and when
-      decoding (one query) with any backend but eager, attending on views of the cache beats copying it into a
-      2d-wide V every step. Four calls: each map's scores are computed twice.
-    * BLOCKED_DIFF_MAP: no backend call; for sdpa on CPU in fp32 without a mask (plain causal self-attention:
-      prefill and training): per block of queries, both maps' scores d wide, softmax, the differential map
-      A1 - λ A2, then one product with the 2d-wide V; the backward recomputes each block
-      (`blocked_differential_attention`). It skips the padded strategy's doubled q kᵀ and the second map's product
-      with V, and bounds the scores it holds (`BLOCKED_SCORE_BUDGET`); longer contexts fall back to
-      PADDED_WIDE_VALUE.
-    * DECODE_DIFF_MAP: no backend call; for sdpa on CPU in fp32 decoding one token without a mask: both maps'
-      scores in one product over the cache as it sits, softmax, A1 - λ A2, one product with both V halves. Two
-      products where SPLIT_VALUE makes four sdpa calls, each map's scores once.
-    * FUSED: the attention function registered as "diff_triton" (V1's Triton kernel, registered by the
-      diff_transformer package) on a device it runs on: one call that reads each K/V tile once for both maps and
-      returns (A1 - λ A2) V; no maps (`output_attentions` needs eager).
-    """
-
-    WIDE_VALUE = "one call per map, V 2d wide"
-    PADDED_WIDE_VALUE = "one call per map, V 2d wide, q and k zero-padded to 2d"
-    SPLIT_VALUE = "one call per map and per d-wide half of V"
-    BLOCKED_DIFF_MAP = "per block of queries: both maps, A1 - λ A2, one product with V"
-    DECODE_DIFF_MAP = "one query: both maps, A1 - λ A2, one product with V's halves"
-    FUSED = "one fused call producing (A1 - λ A2) V"
+    The protocol between this model and attention backends that know differential attention: under the key
+    `"differential:" + implementation` of transformers' `AttentionInterface`, a function
+    `f(module, query, key, value, attention_mask, scaling=, differential_lambda=λ, **kwargs)` computes a layer's
+    (A1 - λ A2) V in one call and returns `(output, None)`, or None where it does not apply (the layer then attends
+    through the backend's plain calls). V1: query (B, 2H, N, d) = [q1 | q2], key and value (B, 2H_kv, L, d) = [k1 | k2]
+    and v's two halves, λ () -> (B, N, H, 2d); V2: query (B, 2H, N, d), key and value (B, H_kv, L, d), λ (B, N, H) ->
+    (B, N, H, d). The diff_transformer package registers its CPU paths and V1's fused kernel this way; loaded as Hub
+    custom code without it, nothing is registered and every layer takes the plain path."""
+    return ALL_ATTENTION_FUNCTIONS.get(f"differential:{implementation}")
 
 
-BLOCKED_SCORE_BUDGET = 1 << 24  # scores one map's block may hold (fp32: 64 MiB); rows per block shrink to fit
-BLOCKED_ROWS = 128  # queries per block: measured best of 32-256 on CPU (benchmarks/profile_attention.py)
-V2_ROWS = 64  # V2's blocks hold its 2H/H_kv query heads per key/value head, 4 at the benchmark's shapes
-V2_BLOCK_SCORES = 1 << 20  # V2 blocked while a key/value head's block holds this many scores (4 MiB fp32)
-BLOCKED_MIN_ROWS = 16  # below this a block is too thin for GEMM: the padded flash kernel instead
-
-
-def blocked_rows(batch_heads: int, key_length: int, rows: int = BLOCKED_ROWS) -> int:
-    """Queries per block of `blocked_differential_attention`: at most `rows`, and B·H differential heads over
-    `key_length` keys, one map's block of scores within the budget."""
-    return min(rows, BLOCKED_SCORE_BUDGET // max(1, batch_heads * key_length))
-
-
-def select_v1_strategy(
-    implementation: str,
-    query: torch.Tensor,
-    paged: bool = False,
-    attention_mask: torch.Tensor | None = None,
-    key_length: int | None = None,
-    causal: bool = True,
-) -> V1Strategy:
-    """The one place that decides how a V1 layer attends: `implementation` is the attention backend's name,
-    `query` (B, 2H, N, d), `paged` whether a paged cache (continuous batching) holds the keys, `attention_mask` the
-    mask built for the backend, `key_length` L (default N), `causal` False where the caller asked for bidirectional
-    attention.
-
-    "diff_triton" is fused where the function registered under that name says it runs (`runs_on(device)`) and
-    otherwise attends as sdpa, which is what that function does for every call without a λ."""
-    if implementation == "diff_triton":
-        fused = ALL_ATTENTION_FUNCTIONS.get(implementation)
-        if not paged and fused is not None and getattr(fused, "runs_on", lambda device: False)(query.device):
-            return V1Strategy.FUSED
-        implementation = "sdpa"
-    if decode_map_applies(implementation, query, attention_mask, paged):
-        return V1Strategy.DECODE_DIFF_MAP
-    if "flash" in implementation or (query.shape[2] == 1 and implementation != "eager"):
-        return V1Strategy.SPLIT_VALUE  # flash kernels (FA2/3/4, kernels-community, paged or not) need V as wide as Q/K
-    if implementation == "sdpa" and query.device.type == "cpu":
-        if blocked_applies(implementation, query, attention_mask, key_length, causal, paged):
-            return V1Strategy.BLOCKED_DIFF_MAP
-        return V1Strategy.PADDED_WIDE_VALUE
-    return V1Strategy.WIDE_VALUE
-
-
-def replaces_cpu_sdpa(implementation: str, query: torch.Tensor) -> bool:
-    """Where the package's own CPU attention paths may replace the backend (both versions): sdpa on CPU in fp32."""
-    return implementation == "sdpa" and query.device.type == "cpu" and query.dtype == torch.float32
-
-
-def blocked_applies(
-    implementation: str,
-    query: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    key_length: int | None,
-    causal: bool,
-    paged: bool = False,
-    rows: int = BLOCKED_ROWS,
-) -> bool:
-    """Whether `blocked_differential_attention` replaces the sdpa call (both versions): sdpa on CPU in fp32, plain
-    causal self-attention (no mask, no cached prefix, not paged: sdpa's `is_causal`) and, under the score budget, at
-    least `BLOCKED_MIN_ROWS` rows per block. `query` (B, 2H, N, d); `rows` the version's rows per block."""
-    if not replaces_cpu_sdpa(implementation, query):
-        return False
-    N, heads = query.shape[2], query.shape[0] * query.shape[1] // 2  # B·H differential heads
-    plain_causal = causal and attention_mask is None and not paged and (key_length or N) == N
-    return plain_causal and blocked_rows(heads, N, rows) >= BLOCKED_MIN_ROWS
-
-
-def decode_map_applies(implementation: str, query: torch.Tensor, attention_mask: torch.Tensor | None, paged: bool):
-    """Whether `decode_differential_attention` replaces the sdpa calls: sdpa on CPU in fp32, one query per sequence
-    (decoding), no mask (every cached key visible: no padding), not paged. `query` (B, 2H, N, d)."""
-    decoding = query.shape[2] == 1 and attention_mask is None and not paged
-    return decoding and replaces_cpu_sdpa(implementation, query)
-
-
-def decode_differential_attention(queries, keys, values, lam, scaling: float) -> torch.Tensor:
-    """(A1 - λ A2) V for one query per sequence over every cached key: queries (B, 2, H, 1, d), keys and values
-    (B, 2, H_kv, L, d) (the cache as it sits: [k1 | k2], V's two halves), λ (); returns (B, 1, H, 2d)."""
-    B, _, H, _, d = queries.shape
-    H_kv = keys.shape[2]
-    grouped = queries.view(B, 2, H_kv, H // H_kv, d)  # (B, 2, H_kv, g, d): head h reads key head h // g
-    maps = torch.softmax(torch.matmul(grouped * scaling, keys.transpose(-1, -2)), dim=-1)  # (B, 2, H_kv, g, L)
-    differential = torch.addcmul(maps[:, 0], maps[:, 1], lam.to(maps.dtype), value=-1)  # (B, H_kv, g, L)
-    halves = torch.matmul(differential.unsqueeze(1), values)  # (B, 2, H_kv, g, d): the map times each V half
-    return halves.permute(0, 2, 3, 1, 4).reshape(B, 1, H, 2 * d)  # (B, 1, H, 2d): [first | second] half
+def needs_equal_head_sizes(implementation: str) -> bool:
+    """Whether a backend needs V as wide as q and k: the flash kernels (FA2/3/4, kernels-community, paged or not)."""
+    return "flash" in implementation
 
 
 def v1_attention_forward(
     module: nn.Module,
     attention_interface: Callable,
-    strategy: V1Strategy,
     queries: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     lam: torch.Tensor,
     attention_mask: torch.Tensor | None,
+    split_value: bool = False,
     output_from_map: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(A1 - λ A2) V as (B, N, H, 2d) through standard attention calls, and the differential map A1 - λ A2 when the
+    """(A1 - λ A2) V as (B, N, H, 2d) through a standard backend's calls, and the differential map A1 - λ A2 when the
     backend returns maps. queries (B, 2, H, N, d) = [q1 | q2], keys (B, 2, H_kv, L, d) = [k1 | k2], values
-    (B, 2, H_kv, L, d) = the two d-wide halves of v; λ a () fp32 scalar. Every call sees one map's q_c and k_c only.
+    (B, 2, H_kv, L, d) = the two d-wide halves of v; λ a () fp32 scalar. Every call sees one map's q_c and k_c only:
+    one call per map with V 2d wide, or with `split_value` one per map and per V half (flash kernels need V as wide
+    as q and k; decoding attends on the cache's halves as they sit instead of copying them into a 2d-wide V).
     `output_from_map` (eager): compute the output from the returned map, as Llama's eager attention does, so maps
     are on the gradient path."""
 
@@ -474,165 +357,27 @@ def v1_attention_forward(
             module, query, key, value, attention_mask, dropout=0.0, scaling=module.scaling, **kwargs
         )
 
-    if strategy is V1Strategy.BLOCKED_DIFF_MAP:
-        B, _, H, N, d = queries.shape
-        H_kv = keys.shape[2]
-        wide_value = torch.cat((values[:, 0], values[:, 1]), dim=-1)  # (B, H_kv, N, 2d)
-        grouped = queries.view(B, 2, H_kv, H // H_kv, N, d).transpose(1, 2)  # (B, H_kv, 2, g, N, d)
-        keys = keys.transpose(1, 2).contiguous()  # (B, H_kv, 2, N, d)
-        rows = blocked_rows(B * H, N)
-        return blocked_differential_attention(grouped, keys, wide_value, lam, module.scaling, rows), None
-    if strategy is V1Strategy.DECODE_DIFF_MAP:
-        return decode_differential_attention(queries, keys, values, lam, module.scaling), None
-    if strategy is V1Strategy.FUSED:
-        attn_output, _ = attention_interface(
-            module,
-            queries.flatten(1, 2),  # (B, 2H, N, d)
-            keys.flatten(1, 2),  # (B, 2H_kv, L, d)
-            values.flatten(1, 2),  # (B, 2H_kv, L, d)
-            attention_mask,
-            scaling=module.scaling,
-            differential_lambda=lam,
-        )  # (B, N, H, 2d)
-        return attn_output, None
-    if strategy is V1Strategy.SPLIT_VALUE:
+    if split_value:
         outputs = [  # per map c: (B, N, H, 2d)
             torch.cat([attend(queries[:, c], keys[:, c], values[:, v])[0] for v in (0, 1)], dim=-1) for c in (0, 1)
         ]
         maps = [None, None]
     else:
         wide_value = torch.cat((values[:, 0], values[:, 1]), dim=-1)  # (B, H_kv, L, 2d)
-        outputs, maps = [], []
-        for c in (0, 1):
-            query_c, key_c = queries[:, c], keys[:, c]  # (B, H, N, d), (B, H_kv, L, d)
-            if strategy is V1Strategy.PADDED_WIDE_VALUE:
-                d = query_c.shape[-1]
-                query_c, key_c = nn.functional.pad(query_c, (0, d)), nn.functional.pad(key_c, (0, d))  # (.., 2d)
-            output_c, map_c = attend(query_c, key_c, wide_value)  # (B, N, H, 2d), (B, H, N, L) or None
-            outputs.append(output_c)
-            maps.append(map_c)
+        outputs, maps = zip(*(attend(queries[:, c], keys[:, c], wide_value) for c in (0, 1)))  # (B, N, H, 2d), map
 
     attn_weights = None if maps[0] is None else maps[0] - lam.to(maps[0].dtype) * maps[1]  # (B, H, N, L)
     if attn_weights is not None and output_from_map:
         return _output_from_map(attn_weights, wide_value), attn_weights  # (B, N, H, 2d)
-    return outputs[0] - lam.to(outputs[0].dtype) * outputs[1], attn_weights  # (B, N, H, 2d)
-
-
-def _block_maps(grouped, keys, i0: int, i1: int, above_diagonal) -> tuple[torch.Tensor, torch.Tensor]:
-    """A1 and A2 for query rows [i0, i1) over keys [0, i1), (B, H_kv, 2, g·n, i1), and the query blocks they came
-    from, (B, H_kv, 2, g·n, d); grouped (B, H_kv, 2, g, N, d) holds the scaled queries, keys (B, H_kv, 2, N, d)."""
-    B, H_kv, _, groups, _, d = grouped.shape
-    n = i1 - i0
-    blocks = grouped[..., i0:i1, :].reshape(B, H_kv, 2, groups * n, d)  # (B, H_kv, 2, g·n, d)
-    if keys.stride(2) == 0:  # V2: both maps over one key tensor: one product with twice the rows
-        scores = torch.matmul(blocks.reshape(B, H_kv, 2 * groups * n, d), keys[:, :, 0, :i1].transpose(-1, -2))
-    else:
-        scores = torch.matmul(blocks, keys[:, :, :, :i1].transpose(-1, -2))  # (B, H_kv, 2, g·n, i1)
-    scores.view(B, H_kv, 2 * groups, n, i1)[..., i0:i1].add_(above_diagonal[:n, :n])
-    scores = scores.view(B, H_kv, 2, groups * n, i1)
-    return torch.softmax(scores, dim=-1, out=scores), blocks  # in place: one block of scores per map held, not two
-
-
-def _block_lambda(lam: torch.Tensor, i0: int, i1: int) -> torch.Tensor:
-    """λ for query rows [i0, i1): V1's () scalar as is, V2's per-row λ (B, H_kv, g, N, 1) as (B, H_kv, g·n, 1)."""
-    if lam.dim() == 0:
-        return lam
-    return lam[:, :, :, i0:i1].reshape(lam.shape[0], lam.shape[1], -1, 1)  # (B, H_kv, g·n, 1)
-
-
-class BlockedDifferentialAttention(torch.autograd.Function):
-    """(A1 - λ A2) V block of query rows by block, forward and backward (`blocked_differential_attention`). Nothing
-    of size (N, L) is kept: the backward recomputes each block's maps, as flash attention's does."""
-
-    @staticmethod
-    def forward(ctx, grouped, keys, wide_value, lam, rows: int):
-        """grouped (B, H_kv, 2, g, N, d) scaled queries, keys (B, H_kv, 2, N, d), wide_value (B, H_kv, N, dv),
-        lam () (V1) or (B, H_kv, g, N, 1) (V2: per query row) -> (B, H_kv, g, N, dv)."""
-        B, H_kv, _, groups, N, _ = grouped.shape
-        above_diagonal = torch.full((rows, rows), float("-inf"), device=grouped.device).triu_(1)  # (rows, rows)
-        out = wide_value.new_empty(B, H_kv, groups, N, wide_value.shape[-1])  # (B, H_kv, g, N, dv)
-        for i0 in range(0, N, rows):
-            i1 = min(N, i0 + rows)
-            first, second = _block_maps(grouped, keys, i0, i1, above_diagonal)[0].unbind(2)  # (B, H_kv, g·n, i1)
-            differential = first.addcmul_(second, -_block_lambda(lam, i0, i1))  # A1 - λ A2
-            out[:, :, :, i0:i1] = torch.matmul(differential, wide_value[:, :, :i1]).view(B, H_kv, groups, i1 - i0, -1)
-        ctx.save_for_backward(grouped, keys, wide_value, lam)
-        ctx.above_diagonal = above_diagonal
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        grouped, keys, wide_value, lam = ctx.saved_tensors
-        B, H_kv, _, groups, N, d = grouped.shape
-        above_diagonal = ctx.above_diagonal  # (rows, rows)
-        rows = above_diagonal.shape[0]
-        shared_keys = keys.stride(2) == 0  # V2: autograd sums grad_k over the expanded map dimension
-        dense = torch.contiguous_format  # the in-place products below view (B, H_kv) as one batch dimension
-        grad_q, grad_k = torch.zeros_like(grouped, memory_format=dense), torch.zeros_like(keys, memory_format=dense)
-        grad_v, grad_lam = torch.zeros_like(wide_value, memory_format=dense), torch.zeros_like(lam)
-        for i0 in range(0, N, rows):
-            i1 = min(N, i0 + rows)
-            n = i1 - i0
-            maps, blocks = _block_maps(grouped, keys, i0, i1, above_diagonal)  # (B, H_kv, 2, g·n, i1 or d)
-            first, second = maps.unbind(2)  # (B, H_kv, g·n, i1)
-            lam_rows = _block_lambda(lam, i0, i1)  # () or (B, H_kv, g·n, 1)
-            grad_block = grad_out[:, :, :, i0:i1].reshape(B, H_kv, groups * n, -1)  # (B, H_kv, g·n, dv)
-            grad_map = torch.matmul(grad_block, wide_value[:, :, :i1].transpose(-1, -2))  # dO Vᵀ, (B, H_kv, g·n, i1)
-            second_rowsum = (grad_map * second).sum(-1, keepdim=True)  # rowsum(dP ∘ A2) = -dλ per row
-            if lam.dim() == 0:
-                grad_lam -= second_rowsum.sum()
-            else:
-                grad_lam[:, :, :, i0:i1] = -second_rowsum.view(B, H_kv, groups, n, 1)
-            differential = torch.addcmul(first, second, -lam_rows)  # A1 - λ A2
-            # accumulated in place (beta = 1): (B·H_kv, i1, dv) += (A1 - λ A2)ᵀ dO
-            grad_v[:, :, :i1].view(B * H_kv, i1, -1).baddbmm_(differential.flatten(0, 1).mT, grad_block.flatten(0, 1))
-            # softmax's backward, dS = A ∘ (dA - rowsum(dA ∘ A)), in place: dA1 = dP, dA2 = -λ dP (λ constant per row)
-            first.mul_(grad_map - (grad_map * first).sum(-1, keepdim=True))
-            second.mul_(grad_map - second_rowsum).mul_(-lam_rows)
-            if shared_keys:  # dQ = dS K, dK = dSᵀ Q, both maps in one product each
-                grad_scores = maps.view(B, H_kv, 2 * groups * n, i1)
-                grad_block_q = torch.matmul(grad_scores, keys[:, :, 0, :i1])  # (B, H_kv, 2g·n, d)
-                grad_k[:, :, 0, :i1].view(B * H_kv, i1, d).baddbmm_(  # (B·H_kv, i1, d) += dSᵀ Q
-                    grad_scores.flatten(0, 1).mT, blocks.reshape(B * H_kv, -1, d)
-                )
-            else:
-                grad_block_q = torch.matmul(maps, keys[:, :, :, :i1])  # (B, H_kv, 2, g·n, d)
-                grad_k[:, :, :, :i1].view(B * H_kv * 2, i1, d).baddbmm_(  # (B·H_kv·2, i1, d) += dSᵀ Q
-                    maps.flatten(0, 2).mT, blocks.flatten(0, 2)
-                )
-            grad_q[..., i0:i1, :] = grad_block_q.view(B, H_kv, 2, groups, n, d)
-        return grad_q, grad_k, grad_v, grad_lam, None
-
-
-def blocked_differential_attention(
-    grouped: torch.Tensor,
-    keys: torch.Tensor,
-    wide_value: torch.Tensor,
-    lam: torch.Tensor,
-    scaling: float,
-    rows: int,
-) -> torch.Tensor:
-    """(A1 - λ A2) V for causal self-attention (N = L, no mask), block of queries by block (`blocked_applies`):
-    V1's `BLOCKED_DIFF_MAP`, and V2 on the same terms.
-
-    grouped (B, H_kv, 2, g, N, d): [q1 | q2] of the g differential heads reading each key/value head, keys
-    (B, H_kv, 2, N, d): [k1 | k2] (V2: one key tensor expanded over both), wide_value (B, H_kv, N, dv) (V1: 2d wide,
-    V2: d), lam () (V1) or (B, N, H) (V2: per token and head); returns (B, N, H, dv), head h = g·(its key/value
-    head) + its index in the group. Rows [i0, i1) see keys [0, i1): the scores right of the diagonal are never
-    formed."""
-    B, H_kv, _, groups, N, d = grouped.shape
-    if lam.dim():
-        lam = lam.transpose(1, 2).reshape(B, H_kv, groups, N, 1)  # (B, H_kv, g, N, 1): one λ per query row
-    out = BlockedDifferentialAttention.apply(grouped * scaling, keys, wide_value, lam, rows)  # (B, H_kv, g, N, dv)
-    return out.view(B, H_kv * groups, N, -1).transpose(1, 2)  # (B, N, H, dv)
+    return torch.addcmul(outputs[0], outputs[1], lam.to(outputs[0].dtype), value=-1), attn_weights  # (B, N, H, 2d)
 
 
 class DiffAttentionV1(DiffAttention):
     """V1 (the paper): head h computes `RMSNorm((A1 - λ A2) V) (1 - λ_init)`, A_c = softmax(q_c k_cᵀ / √d), V 2d wide.
 
-    The forward is `LlamaAttention.forward` with V1's head layout (`v1_component_major`) and the differential step
-    (`select_v1_strategy`, `v1_attention_forward`) in place of the attention call. V is cached as 2 H_kv heads
+    The forward is `LlamaAttention.forward` with V1's head layout (`v1_component_major`) and the differential step in
+    place of the attention call: the backend's differential attention function where one is registered
+    (`differential_attention_function`), else its plain calls (`v1_attention_forward`). V is cached as 2 H_kv heads
     of size d (its two halves), so every cache (dynamic, static, paged) holds what a Llama with 2 H_kv key/value heads
     of size d holds.
     """
@@ -701,32 +446,36 @@ class DiffAttentionV1(DiffAttention):
                 implementation = "eager"
         elif past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-
-        H, H_kv, d = query.shape[1] // 2, key.shape[1] // 2, self.head_dim
-        batch, L = key.shape[0], key.shape[2]  # the paged cache packs every sequence into one batch row
-        attn_output, attn_weights = v1_attention_forward(
-            self,
-            attention_interface,
-            select_v1_strategy(
-                implementation,
-                query,
-                paged=paged_cache is not None,
-                attention_mask=attention_mask,
-                key_length=L,
-                causal=self.is_causal and kwargs.get("is_causal") is not False,
-            ),
-            query.view(B, 2, H, N, d),  # [q1 | q2] of every head
-            key.view(batch, 2, H_kv, L, d),  # [k1 | k2] of every group
-            value.view(batch, 2, H_kv, L, d),  # [first | second] d-wide half of v_g
-            self.diff_lambda(),  # () fp32
-            attention_mask,
-            output_from_map=self.config._attn_implementation == "eager",
-            **kwargs,
-        )  # (B, N, H, 2d), (B, H, N, L) or None
+        lam = self.diff_lambda()  # () fp32
+        differential = None if paged_cache is not None else differential_attention_function(implementation)
+        result = None
+        if differential is not None:
+            result = differential(
+                self, query, key, value, attention_mask, scaling=self.scaling, differential_lambda=lam, **kwargs
+            )
+        if result is not None:  # (B, N, H, 2d): the differential output in one call
+            attn_output, attn_weights = result
+        else:
+            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                implementation, eager_attention_forward
+            )
+            H, H_kv, d = query.shape[1] // 2, key.shape[1] // 2, self.head_dim
+            batch, L = key.shape[0], key.shape[2]  # the paged cache packs every sequence into one batch row
+            attn_output, attn_weights = v1_attention_forward(
+                self,
+                attention_interface,
+                query.view(B, 2, H, N, d),  # [q1 | q2] of every head
+                key.view(batch, 2, H_kv, L, d),  # [k1 | k2] of every group
+                value.view(batch, 2, H_kv, L, d),  # [first | second] d-wide half of v_g
+                lam,
+                attention_mask,
+                split_value=needs_equal_head_sizes(implementation) or (N == 1 and implementation != "eager"),
+                output_from_map=self.config._attn_implementation == "eager",
+                **kwargs,
+            )  # (B, N, H, 2d), (B, H, N, L) or None
 
         attn_output = self.subln(attn_output) * (1.0 - self.lambda_init)
-        attn_output = self.o_proj(attn_output.reshape(B, N, H * 2 * d))
+        attn_output = self.o_proj(attn_output.reshape(B, N, -1))
         return attn_output, attn_weights
 
 

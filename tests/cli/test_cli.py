@@ -350,3 +350,35 @@ def test_every_option_s_help_shows_its_default():
     generate = " ".join(commands["generate"].format_help().split())
     assert "--temperature TEMPERATURE 0 = greedy; sampling: at least 1e-4 (default: 0.0)" in generate
     assert "--device DEVICE" in generate and "(default: auto)" in generate
+
+
+def test_attn_implementation_is_one_option_of_every_loading_command(refused, tmp_path, capsys):
+    """generate, inspect, niah and train take the same --attn-implementation (serve passes it to transformers'
+    server): an unknown or unavailable backend is refused in one line before anything loads or listens; the package's
+    own backends work (diff_map_first: V2's map first, the same greedy tokens as sdpa on this model)."""
+    import torch
+
+    from diff_transformer import cli
+    from tests.helpers.tiny import tiny_model
+
+    model = str(tmp_path / "model")
+    tiny_model(2).save_pretrained(model)
+    (tmp_path / "data.txt").write_text("5 6 7 8 9 10 11 12 " * 40)
+    bases = {
+        "generate": ["generate", model, "5 6 7"],
+        "inspect": ["inspect", model, "5 6 7 8", "--json", str(tmp_path / "maps.json")],
+        "niah": ["niah", model, "--out", str(tmp_path / "niah"), "--lengths", "4", "--depths", "0", "--needles", "1"],
+        "train": ["train", model, "--data", str(tmp_path / "data.txt"), "--output", str(tmp_path / "run")],
+        "serve": ["serve", model, "--port", "0"],  # the option serve passes on to transformers' server
+    }
+    refused([*bases["serve"], "--attn-implementation=fast"], "--attn-implementation 'fast'")
+    for argv in bases.values():
+        refused([*argv, "--attn-implementation", "fast"], "--attn-implementation 'fast'", "sdpa", "diff_map_first")
+        if not torch.cuda.is_available():
+            refused([*argv, "--attn-implementation", "flash_attention_2"], "needs a CUDA GPU", "use sdpa")
+    tokens = {}
+    for backend in ("sdpa", "diff_map_first"):
+        capsys.readouterr()
+        assert cli.main([*bases["generate"], "--max-new-tokens", "4", "--attn-implementation", backend]) == 0
+        tokens[backend] = capsys.readouterr().out
+    assert tokens["sdpa"].strip() and tokens["sdpa"] == tokens["diff_map_first"]

@@ -33,11 +33,12 @@ VALUES = st.one_of(st.sampled_from(SPECIAL), st.text(min_size=0, max_size=12), s
 COMMANDS = {
     "generate": (
         ["generate", "{model}", "5 6 7", "--max-new-tokens", "2"],
-        ["--max-new-tokens", "--temperature", "--repetition-penalty", "--seed", "--top-p", "--top-k", "--system"],
+        ["--max-new-tokens", "--temperature", "--repetition-penalty", "--seed", "--top-p", "--top-k", "--system"]
+        + ["--attn-implementation"],
     ),
     "inspect": (
         ["inspect", "{model}", "5 6 7 8", "--json", "out/maps.json"],
-        ["--layer", "--head", "--span", "--dpi", "--max-memory-gb", "--metric"],
+        ["--layer", "--head", "--span", "--dpi", "--max-memory-gb", "--metric", "--attn-implementation"],
     ),
     "niah": (
         ["niah", "{model}", "--out", "out/niah", "--lengths", "4", "--depths", "0", "--needles", "1"],
@@ -52,6 +53,7 @@ COMMANDS = {
             "--dtype",
             "--backend",
             "--haystack",
+            "--attn-implementation",
         ],
     ),
     "train": (

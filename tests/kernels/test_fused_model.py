@@ -6,10 +6,11 @@ test_kernels.py."""
 import pytest
 import torch
 
-import diff_transformer.modeling_diff as modeling
+import diff_transformer.integrations.attention as attention
+import diff_transformer.integrations.cpu_attention as cpu
 from diff_transformer import DiffForCausalLM
-from diff_transformer.integrations.attention import diff_triton_attention_forward
-from diff_transformer.modeling_diff import V1Strategy
+from diff_transformer.integrations.attention import diff_triton_differential_attention
+from diff_transformer.integrations.cpu_attention import CpuStrategy
 from tests.helpers.tiny import tiny_model
 
 
@@ -26,18 +27,22 @@ def fused_twin(model):
     return twin.eval()
 
 
+FUSED = "the fused kernel"
+
+
 @pytest.fixture
 def strategies(monkeypatch):
-    """What each V1 layer call ran (V2 has one strategy: one standard call)."""
-    ran, select = [], modeling.select_v1_strategy
-    monkeypatch.setattr(modeling, "select_v1_strategy", lambda *a, **k: ran.append(select(*a, **k)) or ran[-1])
+    """What each layer call under "diff_triton" ran: FUSED, or the CPU function's strategy (None: plain calls)."""
+    ran, select, fused = [], cpu.select_cpu_strategy, attention.kernels.triton_v1_attention
+    monkeypatch.setattr(cpu, "select_cpu_strategy", lambda *a, **k: ran.append(select(*a, **k)) or ran[-1])
+    monkeypatch.setattr(attention.kernels, "triton_v1_attention", lambda *a, **k: ran.append(FUSED) or fused(*a, **k))
     return ran
 
 
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
     """Let the kernel run on CPU tensors (Triton's interpreter) as it would on CUDA ones."""
-    monkeypatch.setattr(diff_triton_attention_forward, "runs_on", lambda device: True)
+    monkeypatch.setattr(diff_triton_differential_attention, "runs_on", lambda device: True)
 
 
 def padded_batch(model, lengths=(13, 9, 4)):
@@ -64,7 +69,7 @@ def test_fused_v1_matches_eager_on_a_padded_batch(strategies, fused_on_cpu, head
     with torch.no_grad():
         expected = model(ids, attention_mask=mask).logits
         fused = twin(ids, attention_mask=mask).logits
-    assert strategies and set(strategies) == {V1Strategy.FUSED}
+    assert strategies and set(strategies) == {FUSED}
     real = mask.bool()  # padded positions attend nothing real; their logits are not compared
     torch.testing.assert_close(fused[real], expected[real], **TOLERANCE)
     ids = ids[:1, -7:]  # no padding: transformers passes no mask and the kernel runs plain causal
@@ -92,7 +97,7 @@ def test_fused_v1_generates_what_eager_generates(strategies, fused_on_cpu, cache
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation=cache_implementation)
     expected = model.generate(ids, **kwargs)
     assert torch.equal(twin.generate(ids, **kwargs), expected)
-    assert set(strategies) == {V1Strategy.FUSED}  # the prompt and every one-token step
+    assert set(strategies) == {FUSED}  # the prompt and every one-token step
 
 
 def test_diff_triton_runs_as_sdpa_where_the_kernel_does_not(strategies, diff_version):
@@ -105,15 +110,15 @@ def test_diff_triton_runs_as_sdpa_where_the_kernel_does_not(strategies, diff_ver
             twin(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits, rtol=0, atol=0
         )
     if diff_version == 1:
-        assert strategies and V1Strategy.FUSED not in strategies
-        assert set(strategies) == {V1Strategy.PADDED_WIDE_VALUE}  # what sdpa on CPU runs
+        assert strategies and FUSED not in strategies
+        assert set(strategies) == {CpuStrategy.PADDED_WIDE_VALUE}  # what sdpa on CPU runs
 
 
 def test_diff_triton_is_a_transformers_backend_name():
     from transformers import AttentionInterface, AttentionMaskInterface
 
-    assert "diff_triton" in AttentionInterface._global_mapping
-    assert "diff_triton" in AttentionMaskInterface._global_mapping
+    for name in ("diff_triton", "diff_map_first"):
+        assert name in AttentionInterface._global_mapping and name in AttentionMaskInterface._global_mapping
     model = tiny_model(1, attn_implementation="sdpa")
     model.set_attn_implementation("diff_triton")
     assert model.config._attn_implementation == "diff_triton"
@@ -138,7 +143,7 @@ def test_fused_v1_on_cuda_matches_eager(strategies, dtype, heads):
     with torch.no_grad():
         expected = model(ids, attention_mask=mask).logits
         fused = twin(ids, attention_mask=mask).logits.float()
-    assert strategies and set(strategies) == {V1Strategy.FUSED}
+    assert strategies and set(strategies) == {FUSED}
     real = mask.bool()
     torch.testing.assert_close(fused[real], expected[real], **CUDA_TOLERANCE[dtype])
     twin.train()

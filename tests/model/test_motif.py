@@ -8,11 +8,11 @@ import re
 import pytest
 import torch
 
-import diff_transformer.modeling_diff as modeling
 from diff_transformer import DiffConfig, DiffForCausalLM
 from diff_transformer.analysis import attention_maps
+from diff_transformer.integrations.cpu_attention import CpuStrategy
 from diff_transformer.integrations.vllm import fields
-from diff_transformer.modeling_diff import DiffPolyNorm, V1Strategy
+from diff_transformer.modeling_diff import DiffPolyNorm
 from tests.helpers.tiny import tiny_model
 
 
@@ -123,9 +123,11 @@ def test_grouped_model_runs_in_bf16():
 
 
 def test_diff_triton_without_a_kernel_falls_back_for_grouped_attention(monkeypatch):
-    """On CPU the fused kernel does not run: "diff_triton" attends as sdpa (V1Strategy selection), same logits."""
-    ran, select = [], modeling.select_v1_strategy
-    monkeypatch.setattr(modeling, "select_v1_strategy", lambda *a, **k: ran.append(select(*a, **k)) or ran[-1])
+    """On CPU the fused kernel does not run: "diff_triton" attends as sdpa (its CPU strategies), same logits."""
+    import diff_transformer.integrations.cpu_attention as cpu
+
+    ran, select = [], cpu.select_cpu_strategy
+    monkeypatch.setattr(cpu, "select_cpu_strategy", lambda *a, **k: ran.append(select(*a, **k)) or ran[-1])
     model = gda_model(attn_implementation="sdpa")
     twin = DiffForCausalLM._from_config(model.config, attn_implementation="diff_triton")
     twin.load_state_dict(model.state_dict())
@@ -134,16 +136,16 @@ def test_diff_triton_without_a_kernel_falls_back_for_grouped_attention(monkeypat
         expected = model(ids).logits
         ran.clear()
         torch.testing.assert_close(twin.eval()(ids).logits, expected, rtol=0, atol=0)
-    assert ran and set(ran) == {V1Strategy.BLOCKED_DIFF_MAP}  # CPU prefill without gradients or mask
+    assert ran and set(ran) == {CpuStrategy.BLOCKED_DIFF_MAP}  # CPU prefill without gradients or mask
 
 
 def test_fused_kernel_computes_grouped_attention(monkeypatch):
     """The kernel gets V1's inputs (each signal head's q2 is its group's noise query): through Triton's interpreter
     on CPU it computes what eager computes."""
     pytest.importorskip("triton", reason="the fused kernel needs triton (in the test extra)")
-    from diff_transformer.integrations.attention import diff_triton_attention_forward
+    from diff_transformer.integrations.attention import diff_triton_differential_attention
 
-    monkeypatch.setattr(diff_triton_attention_forward, "runs_on", lambda device: True)
+    monkeypatch.setattr(diff_triton_differential_attention, "runs_on", lambda device: True)
     model = gda_model()
     twin = DiffForCausalLM._from_config(model.config, attn_implementation="diff_triton")
     twin.load_state_dict(model.state_dict())

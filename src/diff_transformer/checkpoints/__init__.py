@@ -7,6 +7,7 @@ fix (`CheckpointError`).
 * `weights.py`: the safetensors files of a checkpoint and their headers (names, shapes, dtypes; no tensor data).
 * `loading.py`: a Diff checkpoint's config held against its weights; `load_causal_lm`.
 * `adapters.py`: PEFT adapter directories as MODEL (their base, loading, merging, their card).
+* `backends.py`: `--attn-implementation`, the attention backend a model is loaded with.
 
 Nothing is imported here, so naming this package costs nothing.
 """

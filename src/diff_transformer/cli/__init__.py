@@ -8,6 +8,7 @@ import argparse
 import logging
 import sys
 
+from diff_transformer.checkpoints.backends import check_attn_implementation, requested_attn_implementation
 from diff_transformer.cli import convert, demo, generate, inspect, merge, niah, serve, train
 from diff_transformer.cli.options import DefaultsHelpFormatter, output_settings
 from diff_transformer.errors import UserError, as_one_line, library_failure, one_line
@@ -57,6 +58,9 @@ def main(argv=None) -> int:
 
     diff_transformer._load()  # what `import diff_transformer` does outside the command (the Auto classes)
     try:
+        backend = requested_attn_implementation(args)
+        if backend is not None:
+            check_attn_implementation(backend)
         with output_settings(getattr(args, "quiet", False)):
             return args.func(args)
     except UserError as error:

@@ -3,9 +3,16 @@ checked before the weights load."""
 
 import math
 
+from ..checkpoints.backends import add_attn_option
 from ..checkpoints.configs import MIN_TEMPERATURE
 from ..errors import UserError, check_seed
-from .options import add_base_option, add_device_options, add_quiet_option, load_kwargs, resolve_device
+from .options import (
+    add_base_option,
+    add_device_options,
+    add_quiet_option,
+    load_kwargs,
+    resolve_device,
+)
 
 
 def add_parser(commands) -> None:
@@ -40,6 +47,7 @@ def add_parser(commands) -> None:
         "--stream", action="store_true", help="print the answer token by token as it is generated (needs a tokenizer)"
     )
     add_device_options(generate, "generate")
+    add_attn_option(generate)
     add_base_option(generate)
     add_quiet_option(generate)
     generate.set_defaults(func=run)
@@ -109,7 +117,7 @@ def run(args) -> int:
         )
     if args.stream and tokenizer is None:
         raise UserError(f"--stream prints text, and MODEL {args.model} has no tokenizer: drop --stream.")
-    model = adapters.load(source, **load_kwargs(args.dtype)).eval().to(device)
+    model = adapters.load(source, **load_kwargs(args.dtype, args.attn_implementation)).eval().to(device)
     inputs = {name: value.to(device) for name, value in inputs.items()}
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
     if args.temperature > 0:

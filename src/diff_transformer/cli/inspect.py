@@ -8,8 +8,15 @@ import tempfile
 from pathlib import Path
 
 from ..checkpoints.adapters import load_tokenizer
+from ..checkpoints.backends import add_attn_option
 from ..errors import UserError, one_line
-from .options import add_base_option, add_device_options, add_quiet_option, load_kwargs, resolve_device
+from .options import (
+    add_base_option,
+    add_device_options,
+    add_quiet_option,
+    load_kwargs,
+    resolve_device,
+)
 
 
 INSPECT_MAX_DPI = 600
@@ -48,6 +55,7 @@ def add_parser(commands) -> None:
     )
     inspect.add_argument("--overwrite", action="store_true", help="replace an existing --out / --json file")
     add_device_options(inspect)
+    add_attn_option(inspect)
     add_base_option(inspect)
     add_quiet_option(inspect)
     inspect.set_defaults(func=run)
@@ -246,7 +254,7 @@ def run(args) -> int:
             )
     need_metrics = json_out is not None or grid_out is not None
     _check_inspect_size(args, ids.shape[1], config, kind, all_layers=need_metrics)
-    model = adapters.load(source, merge=True, **load_kwargs(args.dtype))  # an adapter merged: the maps it makes
+    model = adapters.load(source, merge=True, **load_kwargs(args.dtype, args.attn_implementation))  # merged: its maps
     model = model.eval().to(device)
     entries, metrics = _inspect_maps(model, ids.to(device), args.layer, span, need_metrics)
     if tokenizer is not None:

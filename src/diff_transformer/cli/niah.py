@@ -3,6 +3,7 @@ for each model (any causal LM transformers loads: a source Llama and its Diff co
 
 import sys
 
+from ..checkpoints.backends import add_attn_option
 from ..errors import UserError, install_command, installed
 from .options import add_device_options, add_quiet_option, load_kwargs, resolve_device
 
@@ -56,6 +57,7 @@ def add_parser(commands) -> None:
     niah.add_argument("--batch-size", type=int, default=1, help="prompts per forward (default 1)")
     niah.add_argument("--max-new-tokens", type=int, default=16, help="tokens of each greedy answer (default 16)")
     add_device_options(niah, "run the models")
+    add_attn_option(niah)
     add_quiet_option(niah)
     niah.set_defaults(func=run)
 
@@ -146,7 +148,7 @@ def run(args) -> int:
                     source.location, tokenizer, prompts, max_new_tokens=args.max_new_tokens, dtype=dtype
                 )
             else:
-                model = adapters.load(source, **load_kwargs(args.dtype)).eval().to(device)
+                model = adapters.load(source, **load_kwargs(args.dtype, args.attn_implementation)).eval().to(device)
 
                 def progress(done, total, prompt, text=text):
                     if not args.quiet:

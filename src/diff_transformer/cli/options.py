@@ -143,8 +143,14 @@ def resolve_device(name: str | None = "auto", option: str = "--device") -> str:
     return name
 
 
-def load_kwargs(dtype: str | None) -> dict:
-    """`from_pretrained` keyword arguments of --dtype ("auto" or None: the dtype the weights were saved in)."""
+def load_kwargs(dtype: str | None, attn_implementation: str | None = None) -> dict:
+    """`from_pretrained` keyword arguments of --dtype ("auto" or None: the dtype the weights were saved in) and
+    --attn-implementation (None: transformers' choice)."""
     import torch
 
-    return {"dtype": "auto" if dtype in (None, "auto") else getattr(torch, dtype)}
+    kwargs = {"dtype": "auto" if dtype in (None, "auto") else getattr(torch, dtype)}
+    if attn_implementation is not None:
+        from ..checkpoints.backends import check_attn_implementation
+
+        kwargs["attn_implementation"] = check_attn_implementation(attn_implementation)
+    return kwargs

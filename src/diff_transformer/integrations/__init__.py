@@ -1,7 +1,8 @@
 """What connects the Diff model to other libraries, kept out of the checkpoint's custom code (`configuration_diff.py`
 and `modeling_diff.py` import only torch, transformers and each other):
 
-* `attention`: `attn_implementation="diff_triton"` (V1's fused kernel) registered with transformers;
+* `attention`, `cpu_attention`: the attention backends ("diff_triton", "diff_map_first" and the CPU paths of sdpa)
+  registered with transformers;
 * `bitsandbytes`: CPU 4-bit layers keep their differentiable kernel after `eval()` (QLoRA on CPU keeps learning);
 * `hub`: the model card, written by `save_pretrained`, `push_to_hub` and the converter;
 * `peft`: PEFT's default target modules for `model_type="diff"`;
@@ -10,14 +11,14 @@ and `modeling_diff.py` import only torch, transformers and each other):
 `install()` applies the first four to the package's model classes; `import diff_transformer` calls it.
 """
 
-from .attention import register_diff_triton
+from .attention import register_attention_backends
 from .bitsandbytes import install_bitsandbytes_hooks
 from .hub import install_card_hooks
 from .peft import install_peft_hooks
 
 
 def install() -> None:
-    register_diff_triton()
+    register_attention_backends()
     install_bitsandbytes_hooks()
     install_card_hooks()
     install_peft_hooks()

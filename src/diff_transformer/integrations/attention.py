@@ -1,11 +1,18 @@
-"""`attn_implementation="diff_triton"`: V1's fused Triton kernel (`diff_transformer.kernels`) as an attention function
-registered with transformers' `AttentionInterface`, so the name works in `from_pretrained`, `from_config` and
-`set_attn_implementation` like any backend.
+"""The attention backends the package adds to transformers' `AttentionInterface`, registered in one place
+(`register_attention_backends`, run by `import diff_transformer`):
 
-A V1 layer calls it once with both maps' queries and keys and its λ (`differential_lambda`), where `runs_on` says the
-kernel runs (`modeling_diff.select_v1_strategy`); every other call made under the name (V2 layers, V1 layers on a
-device the kernel does not run on, any other model) has no λ and is plain sdpa. Masks are built as for sdpa: the form
-the kernel reads.
+* `"differential:sdpa"`: the differential attention function of transformers' default backend, sdpa: the CPU paths
+  of `cpu_attention` (elsewhere None: the layer's plain sdpa calls).
+* `"diff_map_first"`: sdpa, with V2's differential map formed before V in eval mode too (CPU, fp32; opt-in: logits
+  then differ from the fused call's in the last bits).
+* `"diff_triton"`: V1's fused Triton kernel (`diff_transformer.kernels`) where it runs (CUDA with triton), else
+  what "sdpa" does. Every call without a λ (V2 layers, any other model) is plain sdpa, so a model set to it runs on
+  any machine.
+
+The model file asks for a backend's differential attention function under `"differential:" + name`
+(`modeling_diff.differential_attention_function`); each name is also registered as a plain backend (its calls without
+a λ are sdpa's) and with sdpa's mask builder, so it works in `from_pretrained`, `from_config` and
+`set_attn_implementation` like any backend.
 """
 
 import torch
@@ -14,28 +21,29 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .. import kernels
+from .cpu_attention import cpu_differential_attention, map_first_differential_attention
 
 
 DIFF_TRITON = "diff_triton"
+DIFF_MAP_FIRST = "diff_map_first"
 
 
-def diff_triton_attention_forward(
+def diff_triton_differential_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
-    dropout: float = 0.0,
     differential_lambda: torch.Tensor | None = None,
     **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """With `differential_lambda`: V1's (A1 - λ A2) V, query (B, 2H, N, d) = [q1 | q2], key (B, 2H_kv, L, d) =
-    [k1 | k2], value (B, 2H_kv, L, d) = v's two halves -> (B, N, H, 2d). Without: sdpa."""
-    if differential_lambda is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
+) -> tuple[torch.Tensor, None] | None:
+    """V1's (A1 - λ A2) V in one fused call where the kernel runs: query (B, 2H, N, d) = [q1 | q2], key
+    (B, 2H_kv, L, d) = [k1 | k2], value (B, 2H_kv, L, d) = v's two halves -> (B, N, H, 2d). Elsewhere, and for V2
+    (λ per token), what "sdpa" does."""
+    if differential_lambda.dim() or not diff_triton_differential_attention.runs_on(query.device):
+        lam = differential_lambda
+        return cpu_differential_attention(module, query, key, value, attention_mask, scaling, lam, **kwargs)
     # transformers' sdpa mask is None exactly when plain causal attention over the last N of L keys is right.
     output = kernels.triton_v1_attention(
         query,
@@ -49,9 +57,24 @@ def diff_triton_attention_forward(
     return output, None
 
 
-diff_triton_attention_forward.runs_on = kernels.is_available  # devices where the fused call is possible
+diff_triton_differential_attention.runs_on = kernels.is_available  # devices where the fused call is possible
 
 
-def register_diff_triton() -> None:
-    AttentionInterface.register(DIFF_TRITON, diff_triton_attention_forward)
-    AttentionMaskInterface.register(DIFF_TRITON, sdpa_mask)
+def plain_sdpa(*args, differential_lambda=None, **kwargs):
+    """A package backend's calls without a λ: sdpa."""
+    return sdpa_attention_forward(*args, **kwargs)
+
+
+DIFFERENTIAL_ATTENTION_FUNCTIONS = {  # backend name -> its differential attention function
+    "sdpa": cpu_differential_attention,
+    DIFF_MAP_FIRST: map_first_differential_attention,
+    DIFF_TRITON: diff_triton_differential_attention,
+}
+
+
+def register_attention_backends() -> None:
+    for name, differential in DIFFERENTIAL_ATTENTION_FUNCTIONS.items():
+        if name != "sdpa":
+            AttentionInterface.register(name, plain_sdpa)
+            AttentionMaskInterface.register(name, sdpa_mask)
+        AttentionInterface.register(f"differential:{name}", differential)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..checkpoints.backends import add_attn_option
+
 
 SCHEDULERS = (
     "cosine",
@@ -110,11 +112,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     run.add_argument(
         "--gradient-checkpointing", action="store_true", help="recompute activations: less memory, slower"
     )
-    run.add_argument(
-        "--attn-implementation",
-        default=None,
-        help="eager, sdpa, flash_attention_2, ... (default: transformers' choice)",
-    )
+    add_attn_option(run)
 
     log = p.add_argument_group("evaluation, logging, checkpoints")
     log.add_argument("--eval-steps", type=int, default=None, help="evaluate every N steps (default: only at the end)")

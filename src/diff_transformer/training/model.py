@@ -7,6 +7,7 @@ import torch
 from transformers import AutoConfig
 
 from ..checkpoints import adapters
+from ..checkpoints.backends import check_attn_implementation
 from ..checkpoints.loading import check_diff_checkpoint, load_causal_lm
 from . import TrainingError
 from .args import parse_train_args
@@ -70,7 +71,7 @@ def continue_adapter(args, source: adapters.Source) -> None:
 def load_model(args, training_args):
     kwargs = {"dtype": getattr(torch, args.dtype)}
     if args.attn_implementation:
-        kwargs["attn_implementation"] = args.attn_implementation
+        kwargs["attn_implementation"] = check_attn_implementation(args.attn_implementation)
     if args.load_in_4bit:
         from transformers import BitsAndBytesConfig
 

@@ -42,7 +42,6 @@ NOT_USED = (
     "bos_token_id",
     "eos_token_id",
     "conversion",  # provenance
-    "map_first_inference",  # how the transformers model attends on CPU in eval mode; vLLM has its own backends
 )
 
 
