@@ -2,8 +2,8 @@
 """Census of the work each model dispatches per decoder layer, on the code path a GPU takes, on any machine.
 
 For Llama, transformers' DiffLlama, Diff V1 (sdpa and "diff_triton") and Diff V2, it counts per decoder layer, for a
-training step (forward + backward with labels), a prefill (base forward filling a DynamicCache) and one decode step
-after a cached prefix:
+training step (forward + backward with labels, no cache, as bench_gpu.py's), a prefill (base forward filling a
+DynamicCache) and one decode step after a cached prefix:
 
 * ops: the aten ops dispatched that launch work (see "What counts" below); on a GPU each is at least one kernel
   launch, so at batch 1 (launch-bound decoding) the ratio of ops predicts the ratio of step times;
@@ -64,6 +64,7 @@ import re
 import sys
 import traceback
 from pathlib import Path
+from unittest import mock
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -305,8 +306,11 @@ def run_phase(
     if phase == "train":
         model.train()
         anomaly = torch.autograd.set_detect_anomaly(True, check_nan=False) if where else contextlib.nullcontext()
-        with sdpa(), flops, census, anomaly:  # anomaly mode keeps each node's forward stack for `where`
-            out = model(input_ids=ids, labels=ids)
+        # Without a cache, transformers looks for packed sequences in position_ids (a host read, which meta cannot
+        # do; once per forward, not per layer): told there are none, as a plain batch has.
+        unpacked = mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda position_ids: None)
+        with sdpa(), flops, census, anomaly, unpacked:  # anomaly mode keeps each node's forward stack for `where`
+            out = model(input_ids=ids, labels=ids, use_cache=False)  # as bench_gpu's training step
             out.loss.backward()
         model.zero_grad(set_to_none=True)
         model.eval()
