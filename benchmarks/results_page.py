@@ -18,7 +18,9 @@ Sections (marker name: the JSON it reads, the script that writes it):
   not re-run it: it needs a GPU, see benchmarks/gpu_checks.sh);
 * bench_convert: results_convert.json, `benchmarks/bench_convert.py`;
 * bench_vllm: results_vllm.json and any results_vllm_*.json (`--source` runs), `benchmarks/bench_vllm.py` (run from
-  the vLLM environment, or with `--vllm-python`).
+  the vLLM environment, or with `--vllm-python`);
+* census: census.json, `benchmarks/census.py --write` (ops, bytes and FLOPs per decoder layer on the meta device;
+  that script prints its table with `census_table` below).
 
 Every table starts with where its figures come from: the file, date, machine, load average and commit. A column
 "floor" (the ratio to Llama that the work alone implies, benchmarks/floors.py) appears where the results hold one.
@@ -317,11 +319,70 @@ def _vllm_tables(name: str) -> str:
     return "\n".join(lines)
 
 
+CENSUS_LABELS = {
+    "llama/sdpa": "Llama",
+    "diffllama/sdpa": "DiffLlama",
+    "v1/sdpa": "Diff V1 (sdpa)",
+    "v1/diff_triton": "Diff V1 (diff_triton)",
+    "v2/sdpa": "Diff V2",
+}
+CENSUS_PHASES = {"decode": "decode step", "prefill": "prefill", "train": "train step (fwd+bwd)"}
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+
+def census_table(results: dict, floor_extra: dict) -> list[str]:
+    """Per phase, per model: ops per decoder layer (ratio to Llama, floor), bytes written and GFLOP per layer."""
+    llama = results["llama/sdpa"]
+    lines = [
+        "| phase | model | ops / layer | × Llama | floor (× Llama) | written / layer | × Llama | GFLOP / layer |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for phase, phase_label in CENSUS_PHASES.items():
+        for config, row in results.items():
+            label = CENSUS_LABELS.get(config, config)
+            if "error" in row:
+                lines.append(f"| {phase_label} | {label} | not countable: {row['error']} | | | | | |")
+                continue
+            r, ref = row[phase], llama[phase]
+            extra = floor_extra.get(config.split("/")[0])
+            floor = None if extra is None else ref["ops"] + extra[phase]
+            floor_cell = "-" if floor is None else f"{floor} ({_x(floor / ref['ops'])})"
+            lines.append(
+                f"| {phase_label} | {label} | {r['ops']} | {_x(r['ops'] / ref['ops'])} | {floor_cell} | "
+                f"{_size(r['bytes'])} | {_x(r['bytes'] / ref['bytes'])} | {r['flops'] / 1e9:,.2f} |"
+            )
+    return lines
+
+
+def census() -> str:
+    data = _read("census.json")
+    if data is None:
+        return _missing("census.json", "python benchmarks/census.py --write")
+    meta, g = data["meta"], data["geometry"]
+    lines = [
+        _source(
+            "census.json",
+            f"counted {meta['date']} on the meta device (any machine gives the same counts)",
+            f"torch {meta['torch']}, transformers {meta['transformers']}, git {_git(meta['git'])}",
+            f"{data['dtype']}, hidden {g['hidden']}, {g['heads']} heads × {g['head_dim']} ({g['kv_heads']} KV heads), "
+            f"intermediate {g['intermediate']}, vocab {g['vocab']}; training and prefill over {g['seq']} tokens, "
+            f"decode after {g['seq']}, batch 1; per layer = 2 layers minus 1",
+        ),
+        "",
+        *census_table(data["results"], data["floor_extra"]),
+    ]
+    return "\n".join(lines)
+
+
 SECTIONS = {
     "bench_model": bench_model,
     "bench_gpu": bench_gpu,
     "bench_convert": bench_convert,
     "bench_vllm": bench_vllm,
+    "census": census,
 }
 
 
