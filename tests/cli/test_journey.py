@@ -223,6 +223,33 @@ def test_generate_chat_without_prompt_is_an_interactive_chat(refused, journey, m
     refused(["generate", root / "diff"], "PROMPT is missing", "add --chat without PROMPT for an interactive chat")
 
 
+class TypedInput(io.StringIO):
+    """Lines typed at a terminal: it echoes each one, its Enter included (Ctrl-D echoes nothing)."""
+
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize(
+    ("stdin", "ending"),
+    [
+        (io.StringIO("/exit\n"), "> \n"),  # piped: nothing echoed the Enter
+        (io.StringIO(""), "> \n"),  # end of input
+        (TypedInput("/exit\n"), "> "),  # the terminal's echo ended the line
+        (TypedInput(""), "> \n"),  # Ctrl-D at a terminal: nothing echoed
+    ],
+    ids=["piped-exit", "piped-eof", "typed-exit", "typed-ctrl-d"],
+)
+def test_interactive_chat_ends_its_prompt_line(journey, monkeypatch, stdin, ending):
+    """Issue 45: /exit or end of input left the "> " prompt without a newline, so the shell's prompt followed it on
+    the same line."""
+    root, _ = journey
+    monkeypatch.setattr(sys, "stdin", stdin)
+    status, out, err = run_cli("generate", root / "diff", "--chat", "--max-new-tokens", 4)
+    assert status == 0 and out == "", err
+    assert err.endswith("Ctrl-D ends.\n" + ending), repr(err[-80:])
+
+
 def test_generate_chat_refusals(refused, journey, tmp_path):
     root, _ = journey
     plain = tmp_path / "no-template"
