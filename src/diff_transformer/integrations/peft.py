@@ -71,8 +71,9 @@ def guard_adapter_push() -> None:
     tests/hub/test_hub.py::test_push_of_an_adapter_on_a_local_base_is_refused_before_anything_is_created. Models on
     other bases push as PEFT pushes them. Needs peft installed.
     """
-    from peft import PeftModel
-
+    PeftModel = getattr(sys.modules.get("peft") or importlib.import_module("peft"), "PeftModel", None)
+    if PeftModel is None:  # peft is still being imported (it imports nothing of ours): the next trigger guards
+        return
     push = PeftModel.push_to_hub
     if getattr(push, "_refuses_local_bases", False):
         return
