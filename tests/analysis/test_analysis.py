@@ -325,6 +325,27 @@ def test_head_figure_and_metric_grid(diff_version):
     assert cells == [f"{v:.2f}" for v in expected.flatten().tolist()]
 
 
+@pytest.mark.parametrize("layers", [4, 30])
+def test_lambda_axis_labels_do_not_overlap(diff_version, layers):
+    """Issue 45: the λ panel labelled every layer, and at 30 layers (SmolLM2) the labels ran into each other. Now at
+    most 10 layers are labelled, every k-th from 0 (every layer for a small model); drawn, neighbouring labels are
+    apart by at least half a label's width."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from diff_transformer.analysis.plotting import head_figure
+
+    entries = attention_maps(tiny_model(diff_version, num_hidden_layers=layers), torch.tensor([[5, 6, 7, 8]]))
+    figure = head_figure(entries, layer=layers - 2, head=0)
+    FigureCanvasAgg(figure).draw()
+    axis = next(ax for ax in figure.get_axes() if ax.get_xlabel() == "layer")
+    labels = [label for label in axis.get_xticklabels() if label.get_text()]
+    step = 1 if layers <= 10 else 3
+    assert [label.get_text() for label in labels] == [str(i) for i in range(0, layers, step)]
+    boxes = [label.get_window_extent() for label in labels]
+    for left, right in zip(boxes, boxes[1:]):
+        assert right.x0 - left.x1 >= max(left.width, right.width) / 2, (left, right)
+
+
 def test_qk_norm_and_base_model(diff_version):
     """Qwen3-converted models normalise every d-wide query/key head; a base DiffModel has no LM head."""
     model = tiny_model(diff_version, attn_implementation="sdpa", use_qk_norm=True)

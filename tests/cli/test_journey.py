@@ -25,6 +25,7 @@ import diff_transformer
 from diff_transformer import cli
 from diff_transformer.conversion import convert_to_diff
 from tests.helpers import REPOSITORY
+from tests.helpers.processes import run_json
 
 
 REPO = REPOSITORY
@@ -222,6 +223,33 @@ def test_generate_chat_without_prompt_is_an_interactive_chat(refused, journey, m
     refused(["generate", root / "diff"], "PROMPT is missing", "add --chat without PROMPT for an interactive chat")
 
 
+class TypedInput(io.StringIO):
+    """Lines typed at a terminal: it echoes each one, its Enter included (Ctrl-D echoes nothing)."""
+
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize(
+    ("stdin", "ending"),
+    [
+        (io.StringIO("/exit\n"), "> \n"),  # piped: nothing echoed the Enter
+        (io.StringIO(""), "> \n"),  # end of input
+        (TypedInput("/exit\n"), "> "),  # the terminal's echo ended the line
+        (TypedInput(""), "> \n"),  # Ctrl-D at a terminal: nothing echoed
+    ],
+    ids=["piped-exit", "piped-eof", "typed-exit", "typed-ctrl-d"],
+)
+def test_interactive_chat_ends_its_prompt_line(journey, monkeypatch, stdin, ending):
+    """Issue 45: /exit or end of input left the "> " prompt without a newline, so the shell's prompt followed it on
+    the same line."""
+    root, _ = journey
+    monkeypatch.setattr(sys, "stdin", stdin)
+    status, out, err = run_cli("generate", root / "diff", "--chat", "--max-new-tokens", 4)
+    assert status == 0 and out == "", err
+    assert err.endswith("Ctrl-D ends.\n" + ending), repr(err[-80:])
+
+
 def test_generate_chat_refusals(refused, journey, tmp_path):
     root, _ = journey
     plain = tmp_path / "no-template"
@@ -352,11 +380,13 @@ def test_generate_with_an_adapter_is_peft_on_its_base(refused, journey, monkeypa
     base = tokenizer.decode(greedy(AutoModelForCausalLM.from_pretrained(root / "diff"), ids, 12))
     assert tuned != base  # the adapter changes the answer, so the comparison below tells them apart
 
-    # adapter_config.json names the base as the run was given it ("diff", relative to where it ran); base_model.json
-    # records it relative to the adapter and absolute, with its weights' fingerprint: the same base from anywhere.
-    assert json.loads((root / "lora" / "adapter_config.json").read_text())["base_model_name_or_path"] == "diff"
+    # adapter_config.json names the base absolute (PEFT finds it from anywhere, test below); base_model.json records
+    # it relative to the adapter and absolute, as given ("diff"), with its weights' fingerprint.
+    config = json.loads((root / "lora" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((root / "diff").resolve()) and config["revision"] is None
     record = json.loads((root / "lora" / "base_model.json").read_text())
     assert record["relative"] == "../diff" and record["absolute"] == str((root / "diff").resolve())
+    assert record["named"] == "diff"
     assert record["fingerprint"]["parameters"] == AutoModelForCausalLM.from_pretrained(root / "diff").num_parameters()
     monkeypatch.chdir(root.parent)
     assert run_cli("generate", root / "lora", QUESTION, "--chat", "--max-new-tokens", 12)[1] == tuned + "\n"
@@ -367,6 +397,43 @@ def test_generate_with_an_adapter_is_peft_on_its_base(refused, journey, monkeypa
     monkeypatch.chdir(root)
     assert run_cli("generate", "lora", QUESTION, "--chat", "--max-new-tokens", 12)[1] == tuned + "\n"
     refused(["generate", "diff", QUESTION, "--base", "diff"], "--base diff is for a PEFT adapter", "drop --base")
+
+
+PEFT_ELSEWHERE = """
+import json, sys
+import torch
+import diff_transformer  # registers model_type "diff" with the Auto classes
+from peft import AutoPeftModelForCausalLM
+
+torch.set_num_threads(1)
+model = AutoPeftModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+with torch.no_grad():
+    logits = model(torch.tensor(json.loads(sys.argv[2]))).logits
+print(json.dumps({"base": model.peft_config["default"].base_model_name_or_path, "logits": logits.tolist()}))
+"""
+
+
+def test_peft_loads_the_adapter_from_another_directory(journey, tmp_path):
+    """Issue 45: adapter_config.json kept the base as typed ("diff"), so PEFT's own AutoPeftModelForCausalLM, run
+    anywhere but the training directory, looked "diff" up on the Hub and failed with a connection error. From an
+    empty directory (a fresh interpreter) it now loads base + adapter; its logits are those of the package's load
+    (`adapters.load`, what generate and merge use), and those of the adapter and not of the base alone."""
+    from diff_transformer.checkpoints import adapters
+
+    root, _ = journey
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    ids = [AutoTokenizer.from_pretrained(root / "lora")(HELDOUT[:200]).input_ids]
+    for adapter in (root / "lora", root / "lora" / "checkpoint-2"):  # a run's checkpoints are adapters too
+        args = (adapter, json.dumps(ids))
+        report = run_json(PEFT_ELSEWHERE, *args, env={}, block_diff_transformer=False, cwd=elsewhere)
+        assert report["base"] == str((root / "diff").resolve())
+        with torch.no_grad():
+            ours = adapters.load(adapters.resolve(adapter)).eval()(torch.tensor(ids)).logits
+        assert torch.equal(torch.tensor(report["logits"]), ours), adapter
+    base = AutoModelForCausalLM.from_pretrained(root / "diff")
+    with torch.no_grad():
+        assert not torch.allclose(base(torch.tensor(ids)).logits, ours)  # the adapter is on
 
 
 def test_an_adapter_s_base_resolves_from_anywhere_and_other_weights_are_refused(
@@ -472,8 +539,12 @@ def test_merge_refusals_leave_nothing(refused, journey, tmp_path, monkeypatch):
     refused(["merge", "diff", tmp_path / "out"], "ADAPTER diff is a model, not a PEFT adapter directory")
     refused(["convert", "lora", tmp_path / "out"], "is a PEFT adapter, not a model", "diff-transformer merge")
     refused(["merge", "lora", "lora/inside"], "overlaps ADAPTER")
-    # an adapter without base_model.json (PEFT's own, or older runs'): its base as named, from the current directory
+    # an adapter without base_model.json (PEFT's own, or older runs', which named the base as typed): its base as
+    # named, from the current directory
     shutil.copytree(root / "lora", tmp_path / "legacy", ignore=shutil.ignore_patterns("base_model.json"))
+    config = json.loads((tmp_path / "legacy" / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "diff"
+    (tmp_path / "legacy" / "adapter_config.json").write_text(json.dumps(config))
     monkeypatch.chdir(tmp_path)
     refused(["merge", tmp_path / "legacy", tmp_path / "out"], "'diff'", "--base PATH")
     assert not (tmp_path / "out").exists()

@@ -23,8 +23,9 @@ sys.meta_path.insert(0, BlockDiffTransformer())
 """
 
 
-def run_json(script, *args, env, block_diff_transformer=True, timeout=300):
-    """Run SCRIPT (source text) with ARGS and return the JSON value it prints on its last stdout line.
+def run_json(script, *args, env, block_diff_transformer=True, timeout=300, cwd=None):
+    """Run SCRIPT (source text) with ARGS in the directory CWD (default: this one); return the JSON value it prints on
+    its last stdout line.
 
     The child's environment is this one without HF_*/TRANSFORMERS_* variables (so no cache, token or offline flag
     leaks in), plus ENV.
@@ -39,6 +40,7 @@ def run_json(script, *args, env, block_diff_transformer=True, timeout=300):
         env=child_env,
         stdin=subprocess.DEVNULL,  # never wait on transformers' interactive trust_remote_code prompt
         timeout=timeout,
+        cwd=cwd,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])

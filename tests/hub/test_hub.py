@@ -297,6 +297,60 @@ def test_peft_adapter_round_trip(hub, adapters, pushed, ids, diff_version):
     assert any("diff_lambda" in key for key in stored) and any("lora_B" in key for key in stored)
 
 
+def test_train_lora_on_a_hub_base_names_the_hub_id_for_peft(hub, pushed, ids, tmp_path, monkeypatch):
+    """`train hf://ID --lora`: adapter_config.json names the base by its Hub id (what PEFT and the Hub resolve), the
+    card's metadata too; AutoPeftModelForCausalLM from another directory loads what the package's commands load, and
+    the adapter pushes with its base named as trained."""
+    from diff_transformer import cli
+    from diff_transformer.checkpoints import adapters
+    from tests.helpers.training import QUIET
+
+    _, repo = pushed[2]
+    (tmp_path / "data.txt").write_text((PACKAGE / "assets" / "heldout.txt").read_text(encoding="utf-8")[:3000])
+    out = tmp_path / "lora"
+    run = ["--data", tmp_path / "data.txt", "--output", out, "--lora", "--max-steps", "2", "--lr", "1e-2"]
+    assert cli.main([str(a) for a in ["train", f"hf://{repo}", *run, "--eval-fraction", "0", *QUIET]]) == 0
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == repo and config["revision"] is None  # main, what the run loaded
+    assert json.loads((out / "base_model.json").read_text()) == {"hub_id": repo, "named": f"hf://{repo}"}
+    assert f"base_model: {repo}" in (out / "README.md").read_text()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    pulled = AutoPeftModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    ours = adapters.load(adapters.resolve(out), attn_implementation="eager").eval()
+    assert torch.equal(logits(pulled, ids), logits(ours, ids))
+    assert not torch.equal(logits(pulled, ids), logits(pushed[2][0], ids))  # the adapter is on
+    pulled.push_to_hub("trained-lora")
+    assert json.loads(hub.files(f"{hub.user}/trained-lora")["adapter_config.json"])["base_model_name_or_path"] == repo
+
+
+def test_push_of_an_adapter_on_a_local_base_is_refused_before_anything_is_created(hub, pushed, tokenizer, tmp_path):
+    """An adapter on a local Diff base names the base by its directory (what `train --lora` writes, so that PEFT
+    finds it anywhere here): on the Hub that path means nothing, so its push is refused in one message naming the
+    fix, before the repo is created; named by the Hub id, it pushes. Adapters on other models push as PEFT pushes."""
+    diff_model(tokenizer, 2).save_pretrained(tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=["q_proj", "v_proj"]))
+    assert model.peft_config["default"].base_model_name_or_path == str(tmp_path / "base")
+    with pytest.raises(ValueError) as refusal:
+        model.push_to_hub("local-lora")
+    message = str(refusal.value)
+    assert f"local directory {tmp_path / 'base'}, which means nothing on the Hub" in message, message
+    assert "base_model_name_or_path = 'you/base'" in message and "\n" not in message
+    assert f"{hub.user}/local-lora" not in hub.repos
+    model.peft_config["default"].base_model_name_or_path = pushed[2][1]
+    model.push_to_hub("local-lora")
+    config = json.loads(hub.files(f"{hub.user}/local-lora")["adapter_config.json"])
+    assert config["base_model_name_or_path"] == pushed[2][1]
+
+    llama = LlamaForCausalLM.from_pretrained(TINY_LLAMA)
+    other = get_peft_model(llama, LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=["q_proj", "v_proj"]))
+    other.push_to_hub("llama-lora")  # not a Diff base: PEFT's behaviour, unchanged
+    assert json.loads(hub.files(f"{hub.user}/llama-lora")["adapter_config.json"])["base_model_name_or_path"] == str(
+        TINY_LLAMA
+    )
+
+
 # ---- safety ----
 
 

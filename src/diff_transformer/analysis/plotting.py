@@ -26,6 +26,15 @@ def _matplotlib():
     return Figure, TwoSlopeNorm
 
 
+LAYER_TICKS = 10  # at most this many labelled layers on the λ panel's axis: 30 labels in its width overlapped
+
+
+def layer_ticks(count: int, most: int = LAYER_TICKS) -> list[int]:
+    """The layers labelled on an axis of COUNT layers: every k-th from 0, k the smallest that gives at most MOST."""
+    step = max(1, -(-count // most))  # ceil(count / most)
+    return list(range(0, count, step))
+
+
 def _show_map(fig, ax, values, tokens, title, cmap, norm=None, vmin=None, vmax=None):
     image = ax.imshow(values.numpy(), cmap=cmap, norm=norm, vmin=vmin, vmax=vmax, interpolation="nearest")
     ax.set_title(title, fontsize=9, **LITERAL)
@@ -97,7 +106,7 @@ def head_figure(entries, layer: int, head: int, tokens=None, batch: int = 0, tit
         ax.axvline(layer, color="C3", linestyle=":", label=f"layer {layer}")
         ax.set_xlabel("layer", fontsize=8)
         ax.set_ylabel("λ", fontsize=8)
-        ax.set_xticks(layers)
+        ax.set_xticks(layer_ticks(len(layers)))
         ax.tick_params(labelsize=7)
         ax.legend(fontsize=7)
     if title:
@@ -138,4 +147,4 @@ def metric_grid(values, name: str, title: str | None = None):
     return fig
 
 
-__all__ = ["head_figure", "metric_grid"]
+__all__ = ["head_figure", "layer_ticks", "metric_grid"]

@@ -1,10 +1,12 @@
 """PEFT adapter directories (what `diff-transformer train --lora` writes) as MODEL on the command line.
 
 An adapter directory holds `adapter_config.json` and the adapter's weights, not a model: its base model is named by
-`base_model_name_or_path` in adapter_config.json (as the training run was given it), or by `--base`. What this
-package's runs save also holds `base_model.json` (`record_base`): the base's directory relative to the adapter and
-absolute (or its Hub id), and a fingerprint of its weights, so that the base resolves the same from any directory and a
-base with other weights (another model under the same name) is refused in one line. `generate`,
+`base_model_name_or_path` in adapter_config.json, or by `--base`. What this package's runs save names the base there
+so that PEFT itself finds it from any directory (`name_base`: the base's absolute directory, or its Hub id), and also
+holds `base_model.json` (`record_base`): the base's directory relative to the adapter and absolute (or its Hub id), the
+name it was given, and a fingerprint of its weights, so that the base resolves the same from any directory, also
+after adapter and base moved together, and a base with other weights (another model under the same name) is refused
+in one line. `generate`,
 `inspect` and `train` load the base and put the adapter on it (PEFT's `PeftModel.from_pretrained`); `merge` folds
 it into the base weights (`merge_and_unload`) and writes a full Diff checkpoint. `adapter_card` replaces the blank
 template PEFT writes as the adapter's README.md.
@@ -88,8 +90,8 @@ def resolve(text, base: str | None = None, *, name: str = "MODEL") -> Source:
     named = shown = base
     if named is None and isinstance(record, dict):
         named = _recorded_base(record, local, f"{name} {text}")
-        # shown as the training run named it (the card, merge's card): where it is now is what loads
-        shown = read_adapter_config(local).get("base_model_name_or_path") or named
+        # shown as the training run was given it (the card, merge's card): where it is now is what loads
+        shown = record.get("named") or read_adapter_config(local).get("base_model_name_or_path") or named
     if named is None:
         named = read_adapter_config(local).get("base_model_name_or_path")
         if not named:
@@ -146,9 +148,10 @@ def weights_fingerprint(directory: Path) -> dict | None:
     return {"tensors": len(tensors), "parameters": parameters, "sha256": digest.hexdigest()}
 
 
-def record_base(adapter_dir, base: Path | str) -> None:
+def record_base(adapter_dir, base: Path | str, named: str | None = None) -> None:
     """Write ADAPTER_DIR/base_model.json: BASE (the local directory the adapter was trained on, or a Hub id) as a path
-    relative to the adapter directory and as an absolute one, and the fingerprint of its weights."""
+    relative to the adapter directory and as an absolute one, the fingerprint of its weights, and NAMED, the base as
+    the user gave it (what cards show: an absolute path would tell the Hub about the trainer's disk)."""
     adapter_dir = Path(adapter_dir)
     if isinstance(base, Path):
         absolute = base.resolve()
@@ -159,7 +162,24 @@ def record_base(adapter_dir, base: Path | str) -> None:
         }
     else:
         record = {"hub_id": str(base)}
+    if named is not None:
+        record["named"] = str(named)
     (adapter_dir / BASE_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
+def peft_base_name(base: Path | str) -> str:
+    """What adapter_config.json's `base_model_name_or_path` says for BASE (a local directory, or a Hub id) so that
+    PEFT (`AutoPeftModelForCausalLM`, `PeftConfig`) loads it from any working directory: the absolute directory, or
+    the Hub id without `hf://`."""
+    return str(base.resolve()) if isinstance(base, Path) else str(base).removeprefix(HUB_PREFIX)
+
+
+def name_base(model, base: Path | str) -> None:
+    """Make every adapter of the PEFT MODEL name BASE the way `peft_base_name` says, in memory, so that each save
+    (the run's checkpoints and its end) writes it. PEFT takes the name from the base's `name_or_path`, which is the
+    name as typed ("tiny-diff"): from another directory it is another model or none, and PEFT then asks the Hub."""
+    for config in model.peft_config.values():
+        config.base_model_name_or_path = peft_base_name(base)
 
 
 def _recorded_base(record: dict, adapter: Path, shown: str) -> str | None:
@@ -334,17 +354,16 @@ A LoRA adapter (PEFT) for the differential-attention model `{base}`, trained wit
 ## Usage
 
 ```bash
-diff-transformer generate {name} "Once upon a time"    # the base is read from adapter_config.json (or --base)
+diff-transformer generate {name} "Once upon a time"    # the base is read from base_model.json (or --base)
 diff-transformer merge {name} {name}-merged              # a full Diff checkpoint, no PEFT needed to load it
 ```
 
 ```python
 import diff_transformer  # registers the Diff classes with transformers' Auto classes
-from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from peft import AutoPeftModelForCausalLM
+from transformers import AutoTokenizer
 
-base = AutoModelForCausalLM.from_pretrained("{base}")
-model = PeftModel.from_pretrained(base, "{name}")
+model = AutoPeftModelForCausalLM.from_pretrained("{name}")  # the base adapter_config.json names, + the adapter
 tokenizer = AutoTokenizer.from_pretrained("{name}")
 ```
 """
@@ -425,6 +444,8 @@ __all__ = [
     "is_adapter",
     "load",
     "merge_adapter",
+    "name_base",
+    "peft_base_name",
     "quiet_peft_wrapping",
     "resolve",
     "write_adapter_card",

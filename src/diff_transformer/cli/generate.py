@@ -219,6 +219,10 @@ def _chat_session(args, model, tokenizer, kwargs: dict, config, device) -> int:
         line = sys.stdin.readline()
         text = line.strip()
         if not line or text in ("/exit", "/quit"):
+            # End the "> " line: at end of input nothing was typed after it; a terminal echoed the Enter of /exit
+            # itself, piped input did not.
+            if not line or not sys.stdin.isatty():
+                note("")
             break
         if text == "/reset":
             history = list(start)

@@ -47,7 +47,8 @@ def options_without_default(parser) -> list[str]:
 def add_base_option(parser) -> None:
     parser.add_argument(
         "--base",
-        help="for a PEFT adapter MODEL: its base model (default: base_model_name_or_path of adapter_config.json)",
+        help="for a PEFT adapter MODEL: its base model (default: the adapter's base_model.json, else "
+        "base_model_name_or_path of adapter_config.json)",
     )
 
 

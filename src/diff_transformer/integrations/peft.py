@@ -13,12 +13,18 @@ imported, call `register_peft_defaults()` (or pass `target_modules`).
 This lives in the package, not in the checkpoint's custom code: a model loaded as Hub custom code without the
 package has no PEFT defaults, like any custom-code model (pass `target_modules=["q_proj", "v_proj"]`).
 
+`diff-transformer train --lora` names the base in adapter_config.json by its absolute directory, so that PEFT loads
+it from anywhere on this machine; on the Hub that path names nothing (and tells the world about the trainer's disk).
+So `push_to_hub` of a PEFT model whose base is a Diff model refuses, before anything is created or uploaded, an
+adapter whose base is a local directory, and says how to name the base by its Hub id (`guard_adapter_push`).
+
 The λ parameters are not adapted by default. To train them (recommended after converting a Llama: V2's λ projection
 starts at zero), pass `modules_to_save=["diff_lambda"]`: they are then trained in full and saved with the adapter.
 """
 
 import functools
 import importlib.util
+import os
 import sys
 
 from ..modeling_diff import DiffPreTrainedModel
@@ -39,17 +45,63 @@ def add_diff_to_peft_default_targets() -> None:
             mapping.setdefault("diff", mapping["llama"])
 
 
+def local_base(name) -> bool:
+    """Whether an adapter's `base_model_name_or_path` names a local directory (what the Hub cannot resolve): an
+    absolute path, or one that exists here (transformers tries a local directory before the Hub)."""
+    return isinstance(name, str) and (os.path.isabs(os.path.expanduser(name)) or os.path.isdir(name))
+
+
+def _refuse_local_bases(model) -> None:
+    for adapter, config in model.peft_config.items():
+        base = config.base_model_name_or_path
+        if local_base(base):
+            raise ValueError(
+                f"adapter {adapter!r} names its base model by the local directory {base}, which means nothing on the "
+                "Hub: push the base first (base.push_to_hub('you/base')), then set "
+                f"model.peft_config[{adapter!r}].base_model_name_or_path = 'you/base' and push the adapter again."
+            )
+
+
+def guard_adapter_push() -> None:
+    """Make `PeftModel.push_to_hub` refuse, before it creates the repo, an adapter on a Diff model whose
+    adapter_config.json would name a local directory as its base (what `train --lora` records for a local base).
+
+    Relies on: `PeftModel.push_to_hub` being transformers' `PushToHubMixin.push_to_hub`, which writes
+    adapter_config.json from `peft_config` (`PeftModel.save_pretrained`) and uploads it as it is. Guarded by
+    tests/hub/test_hub.py::test_push_of_an_adapter_on_a_local_base_is_refused_before_anything_is_created. Models on
+    other bases push as PEFT pushes them. Needs peft installed.
+    """
+    PeftModel = getattr(sys.modules.get("peft") or importlib.import_module("peft"), "PeftModel", None)
+    if PeftModel is None:  # peft is still being imported (it imports nothing of ours): the next trigger guards
+        return
+    push = PeftModel.push_to_hub
+    if getattr(push, "_refuses_local_bases", False):
+        return
+
+    @functools.wraps(push)
+    def push_to_hub(self, *args, **kwargs):
+        if isinstance(self.get_base_model(), DiffPreTrainedModel):
+            _refuse_local_bases(self)
+        return push(self, *args, **kwargs)
+
+    push_to_hub._refuses_local_bases = True
+    PeftModel.push_to_hub = push_to_hub
+
+
 def register_peft_defaults() -> bool:
-    """Register "diff" next to "llama" in PEFT's default-target tables (importing peft). False if peft is missing."""
+    """Register "diff" next to "llama" in PEFT's default-target tables and guard adapter pushes (`guard_adapter_push`),
+    importing peft. False if peft is missing."""
     if importlib.util.find_spec("peft") is None:
         return False
     add_diff_to_peft_default_targets()
+    guard_adapter_push()
     return True
 
 
 def register_if_peft_imported() -> None:
     if sys.modules.get("peft") is not None:  # None: an import of peft was blocked
         add_diff_to_peft_default_targets()
+        guard_adapter_push()
 
 
 def install_peft_hooks(model_class: type = DiffPreTrainedModel) -> None:

@@ -216,6 +216,8 @@ def build_trainer(args) -> PreparedRun:
     callbacks += [DiffOnlyCallback(model, args.diff_only_steps)] if args.diff_only_steps else []
     if args.lora:
         source = model_source(args)
+        # adapter_config.json names the base PEFT loads from anywhere (not as typed); cards show it as typed
+        adapters.name_base(model, base_of(source))
         callbacks.append(AdapterCardCallback(source.base or args.model, model.config, base_of(source)))
     trainer = CausalLMTrainer(
         model=model,
@@ -255,7 +257,7 @@ class AdapterCardCallback(TrainerCallback):
             summary = last_lambda_summary(state.log_history)
             adapters.write_adapter_card(checkpoint, self.base, self.config, summary)
             if self.base_path is not None:
-                adapters.record_base(checkpoint, self.base_path)
+                adapters.record_base(checkpoint, self.base_path, self.base)
 
 
 def run(args) -> int:
@@ -297,7 +299,7 @@ def _run(args) -> int:
         source = model_source(args)
         base = source.base or args.model
         adapters.write_adapter_card(args.output, base, model.config, last_lambda_summary(trainer.state.log_history))
-        adapters.record_base(args.output, base_of(source))
+        adapters.record_base(args.output, base_of(source), base)
     trainer.save_metrics("train", result.metrics)
     metrics = trainer.evaluate() if eval_data is not None else {}
     if metrics:
