@@ -220,7 +220,7 @@ def counted_triton(census_getter):
     docstring). Raises `LookupError` where the op's hooks are not where this expects them (the kernel's module was
     rearranged: the row is then reported as not countable)."""
     try:
-        from diff_transformer.integrations.attention import diff_triton_attention_forward
+        from diff_transformer.integrations.attention import diff_triton_differential_attention
         from diff_transformer.kernels import diff_attention_v1 as op
     except ImportError as error:
         raise LookupError(f"diff_triton's modules: {error}") from error
@@ -240,15 +240,15 @@ def counted_triton(census_getter):
         def __getattr__(self, name):
             return _Launch(name, recorder)
 
-    saved = (op._kernels, op.triton_available, op._validate, getattr(diff_triton_attention_forward, "runs_on", None))
+    saved = (op._kernels, op.triton_available, op._validate, getattr(diff_triton_differential_attention, "runs_on", None))
     op._kernels = lambda device: Kernels()
     op.triton_available = lambda: True
     op._validate = lambda *args: None  # its checks refuse meta tensors; they dispatch nothing
-    diff_triton_attention_forward.runs_on = lambda device: True
+    diff_triton_differential_attention.runs_on = lambda device: True
     try:
         yield
     finally:
-        op._kernels, op.triton_available, op._validate, diff_triton_attention_forward.runs_on = saved
+        op._kernels, op.triton_available, op._validate, diff_triton_differential_attention.runs_on = saved
 
 
 def _triton_flops(name: str, args) -> int:

@@ -40,6 +40,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
     eager_attention_forward,
     repeat_kv,
+    rotate_half,
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
@@ -308,9 +309,23 @@ def gda_component_major(groups: torch.Tensor) -> torch.Tensor:
     signal head h = j·r + i of group j gets that group's noise query as its q2, so attention sees V1's component-major
     layout (B, 2H, N, d) = [all q1 | all q2], H = n·r, and every V1 backend, cache and kernel applies unchanged (the
     noise map is computed once per signal head it serves). With r = 1 this is `v1_component_major`."""
+    return v1_component_major(gda_pairs(groups))  # (B, 2H, N, d)
+
+
+def gda_pairs(groups: torch.Tensor) -> torch.Tensor:
+    """(B, N, n, r + 1, d) -> (B, N, H, 2, d): (q1, q2) per signal head, q2 its group's noise query."""
     signal, noise = groups[..., :-1, :], groups[..., -1:, :]  # (B, N, n, r, d), (B, N, n, 1, d)
-    pairs = torch.stack((signal, noise.expand_as(signal)), dim=-2)  # (B, N, n, r, 2, d): (q1, q2) per signal head
-    return v1_component_major(pairs.flatten(2, 3))  # (B, 2H, N, d)
+    return torch.stack((signal, noise.expand_as(signal)), dim=-2).flatten(2, 3)  # (B, N, H, 2, d)
+
+
+def rotary_component_major(pairs: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on (B, N, h, 2, d) sub-heads, returned in `v1_component_major`'s layout (B, 2h, N, d): Llama's
+    q·cos + rotate_half(q)·sin on a component-major view, summed in the order whose first operand is laid out
+    component-major, so the sum is written there and the reorder costs no copy (the same values: addition commutes)."""
+    B, N, h, _, d = pairs.shape
+    heads = pairs.permute(0, 3, 2, 1, 4)  # (B, 2, h, N, d): a view
+    cos, sin = cos[:, None, None], sin[:, None, None]  # (B, 1, 1, N, d)
+    return (rotate_half(heads) * sin + heads * cos).reshape(B, 2 * h, N, d)  # (B, 2h, N, d)
 
 
 def differential_attention_function(implementation: str) -> Callable | None:
@@ -369,7 +384,7 @@ def v1_attention_forward(
     attn_weights = None if maps[0] is None else maps[0] - lam.to(maps[0].dtype) * maps[1]  # (B, H, N, L)
     if attn_weights is not None and output_from_map:
         return _output_from_map(attn_weights, wide_value), attn_weights  # (B, N, H, 2d)
-    return torch.addcmul(outputs[0], outputs[1], lam.to(outputs[0].dtype), value=-1), attn_weights  # (B, N, H, 2d)
+    return torch.addcmul(outputs[0], outputs[1], lam, value=-1), attn_weights  # (B, N, H, 2d): a () λ keeps its dtype
 
 
 class DiffAttentionV1(DiffAttention):
@@ -421,15 +436,16 @@ class DiffAttentionV1(DiffAttention):
         pair_shape = (B, N, -1, 2, self.head_dim)  # head counts from the tensors: a tensor-parallel shard's own
 
         if self.num_noise_heads is None:
-            query = v1_component_major(self.q_norm(self.q_proj(hidden_states).view(pair_shape)))  # (B, 2H, N, d)
+            query = self.q_norm(self.q_proj(hidden_states).view(pair_shape))  # (B, N, H, 2, d)
         else:  # GDA: (B, N, n, r + 1, d), r signal queries and the noise query of each noise group
             group_shape = (B, N, -1, self.num_heads // self.num_noise_heads + 1, self.head_dim)
-            query = gda_component_major(self.q_norm(self.q_proj(hidden_states).view(group_shape)))  # (B, 2H, N, d)
-        key = v1_component_major(self.k_norm(self.k_proj(hidden_states).view(pair_shape)))  # (B, 2H_kv, N, d)
+            query = gda_pairs(self.q_norm(self.q_proj(hidden_states).view(group_shape)))  # (B, N, H, 2, d)
+        key = self.k_norm(self.k_proj(hidden_states).view(pair_shape))  # (B, N, H_kv, 2, d)
         value = v1_component_major(self.v_proj(hidden_states).view(pair_shape))  # (B, 2H_kv, N, d): v halves
 
         cos, sin = position_embeddings
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        query = rotary_component_major(query, cos, sin)  # (B, 2H, N, d): [q1 | q2]
+        key = rotary_component_major(key, cos, sin)  # (B, 2H_kv, N, d): [k1 | k2]
 
         implementation = self.config._attn_implementation
         # Relies on: transformers' continuous batching passing its `PagedAttentionCache` to the attention function as
@@ -446,7 +462,7 @@ class DiffAttentionV1(DiffAttention):
                 implementation = "eager"
         elif past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
-        lam = self.diff_lambda()  # () fp32
+        lam = self.generation_lambda(past_key_values, N)  # () fp32
         differential = None if paged_cache is not None else differential_attention_function(implementation)
         result = None
         if differential is not None:
@@ -477,6 +493,20 @@ class DiffAttentionV1(DiffAttention):
         attn_output = self.subln(attn_output) * (1.0 - self.lambda_init)
         attn_output = self.o_proj(attn_output.reshape(B, N, -1))
         return attn_output, attn_weights
+
+    def generation_lambda(self, past_key_values: Cache | None, query_length: int) -> torch.Tensor:
+        """λ, () fp32. Without gradients, a cache carries each layer's λ from the step that computed it (a prefill),
+        and a decoding step (one query) reuses it while λ's vectors are the same tensors at the same versions: the
+        weights do not change within a generation, so λ's ops are not repeated for every token."""
+        if past_key_values is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return self.diff_lambda()
+        vectors = tuple((p.data_ptr(), p._version) for p in self.diff_lambda.parameters())
+        carried = getattr(past_key_values, "_diff_lambda", None)
+        if carried is None:
+            carried = past_key_values._diff_lambda = {}
+        if query_length > 1 or carried.get(self.layer_idx, (None,))[0] != vectors:
+            carried[self.layer_idx] = (vectors, self.diff_lambda())
+        return carried[self.layer_idx][1]
 
 
 DIFF_ATTENTION_CLASSES = {1: DiffAttentionV1, 2: DiffAttentionV2}

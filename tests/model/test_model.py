@@ -497,3 +497,32 @@ def test_flash_style_backend_gets_equal_head_dims(diff_version, monkeypatch):
         assert (flash(ids).logits - eager(ids).logits).abs().max() <= 1e-4
     # per layer: V1 attends each map (q_c, k_c) once per V half, V2 makes one call
     assert len(calls) == 2 * (4 if diff_version == 1 else 1)
+
+
+def test_v1_decoding_computes_lambda_once_per_generation(monkeypatch):
+    """A V1 generation computes each layer's λ at the prefill and its decoding steps reuse it from the cache (the
+    weights do not change within a generation); a λ vector changed in place between two generations on the same
+    cache is seen at once, even by a one-token prompt: every step's logits equal the full forward's."""
+    from transformers import DynamicCache
+
+    from diff_transformer.modeling_diff import DiffLambdaV1
+
+    calls, compute = [], DiffLambdaV1.forward
+    monkeypatch.setattr(DiffLambdaV1, "forward", lambda self: calls.append(1) or compute(self))
+    model = tiny_model(1, attn_implementation="sdpa")
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(3, 97, (1, 6))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        assert len(calls) == layers  # the prefill's only
+        full = model(out.sequences).logits[:, ids.shape[1] - 1 : -1]
+        assert (torch.stack(out.logits, dim=1) - full).abs().max() <= 1e-5
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :5], past_key_values=cache)
+        # the last layer's λ (no cached key or value depends on it), in place: its version changes
+        model.model.layers[-1].self_attn.diff_lambda.lambda_q1.add_(0.5)
+        step = model(ids[:, 5:], past_key_values=cache).logits[:, -1]
+        assert (step - model(ids).logits[:, -1]).abs().max() <= 1e-5
+    calls.clear()
+    model.train()(ids, labels=ids).loss.backward()  # with gradients: computed at every call, on the graph
+    assert len(calls) == layers and model.model.layers[0].self_attn.diff_lambda.lambda_q1.grad is not None
