@@ -240,7 +240,12 @@ def counted_triton(census_getter):
         def __getattr__(self, name):
             return _Launch(name, recorder)
 
-    saved = (op._kernels, op.triton_available, op._validate, getattr(diff_triton_differential_attention, "runs_on", None))
+    saved = (
+        op._kernels,
+        op.triton_available,
+        op._validate,
+        getattr(diff_triton_differential_attention, "runs_on", None),
+    )
     op._kernels = lambda device: Kernels()
     op.triton_available = lambda: True
     op._validate = lambda *args: None  # its checks refuse meta tensors; they dispatch nothing

@@ -218,17 +218,7 @@ class DiffAttentionV2(DiffAttention):
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attend.
-
-        Args:
-            hidden_states: `(B, N, D)`.
-            position_embeddings: RoPE's `(cos, sin)`, each `(B, N, d)`.
-            attention_mask: the mask transformers built for the backend.
-            past_key_values: a transformers cache; updated with this layer's keys and values (H_kv heads of size d).
-
-        Returns:
-            `(B, N, D)` and, in eager mode, the differential maps `(B, H, N, L)` (else None).
-        """
+        """(B, N, D) -> (B, N, D), and in eager mode the differential maps (B, H, N, L) (else None)."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
@@ -420,18 +410,7 @@ class DiffAttentionV1(DiffAttention):
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attend.
-
-        Args:
-            hidden_states: `(B, N, D)`.
-            position_embeddings: RoPE's `(cos, sin)`, each `(B, N, d)`.
-            attention_mask: the mask transformers built for the backend.
-            past_key_values: a transformers cache; updated with this layer's keys and values (2 H_kv heads of size d
-                each: [k1 | k2] and V's two halves).
-
-        Returns:
-            `(B, N, D)` and, in eager mode, the differential maps `(B, H, N, L)` (else None).
-        """
+        """(B, N, D) -> (B, N, D), and in eager mode the differential maps (B, H, N, L) (else None)."""
         B, N, _ = hidden_states.shape
         pair_shape = (B, N, -1, 2, self.head_dim)  # head counts from the tensors: a tensor-parallel shard's own
 
@@ -586,12 +565,9 @@ class _TaskHeadHooks:
     """Hooks of the task heads (mixed into `DiffForSequenceClassification` and its siblings)."""
 
     def __init__(self, config: DiffConfig):
-        # Relies on: transformers' generic heads (`transformers.modeling_layers.GenericFor*`) building their base model
-        # with `AutoModel.from_config(config)`, which looks `type(config)` up in AutoModel's mapping and passes no
-        # `trust_remote_code`. Loaded as Hub custom code, the config is an instance of the class AutoConfig imported
-        # (`transformers_modules.<hash>.configuration_diff.DiffConfig`, not even the class this file imports), which
-        # AutoModel does not know, so the head's constructor was refused. Mapping that class to DiffModel first lets
-        # the generic constructor run as it does for Llama. Guarded by
+        # Relies on: transformers' generic heads building their base model with `AutoModel.from_config(config)`, which
+        # looks `type(config)` up in AutoModel's mapping. As Hub custom code that type is the class AutoConfig imported
+        # (`transformers_modules.<hash>...DiffConfig`), unknown to AutoModel: mapped to DiffModel first. Guarded by
         # tests/model/test_heads.py::test_heads_load_as_remote_code_without_the_package.
         from transformers import AutoModel
 
@@ -728,20 +704,7 @@ class DiffModel(DiffPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
-        """Run the decoder.
-
-        Args:
-            input_ids: `(B, N)` token ids (or pass `inputs_embeds`).
-            attention_mask: `(B, L)`, 1 for tokens and 0 for padding (L counts cached tokens too).
-            position_ids: `(B, N)`; default: positions after the cached tokens.
-            past_key_values: a transformers cache (dynamic, static, paged); created when `use_cache` and None.
-            inputs_embeds: `(B, N, D)` instead of `input_ids`.
-            use_cache: return the cache for generation.
-
-        Returns:
-            `BaseModelOutputWithPast` with `last_hidden_state` `(B, N, D)`, `past_key_values`, and `hidden_states` /
-            `attentions` when asked for (`attentions`, eager only, are the differential maps `(B, H, N, L)`).
-        """
+        """Llama's decoder; `attentions` (eager only) are the differential maps (B, H, N, L)."""
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -785,13 +748,6 @@ class DiffForCausalLM(_GenerationHooks, DiffPreTrainedModel, GenerationMixin):  
     Args:
         config: the model's configuration.
 
-    Example:
-        ```python
-        config = DiffConfig(vocab_size=1000, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=4, diff_version=2)
-        model = DiffForCausalLM(config)
-        logits = model(torch.tensor([[1, 2, 3]])).logits  # (1, 3, 1000)
-        ```
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -818,23 +774,7 @@ class DiffForCausalLM(_GenerationHooks, DiffPreTrainedModel, GenerationMixin):  
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
-        """Run the model and the LM head.
-
-        Args:
-            input_ids: `(B, N)` token ids (or pass `inputs_embeds`).
-            attention_mask: `(B, L)`, 1 for tokens and 0 for padding.
-            position_ids: `(B, N)`.
-            past_key_values: a transformers cache.
-            inputs_embeds: `(B, N, D)` instead of `input_ids`.
-            labels: `(B, N)` token ids for the loss (shifted inside; -100 is ignored).
-            use_cache: return the cache for generation.
-            logits_to_keep: compute logits for the last `logits_to_keep` positions only (0: all), or for the
-                positions in a 1-D tensor.
-
-        Returns:
-            `CausalLMOutputWithPast` with `logits` `(B, N, vocab_size)` (or the kept positions), `loss` when
-            `labels` are given, `past_key_values`, `hidden_states`, `attentions`.
-        """
+        """Llama's: logits (B, N, vocab) or the kept positions, the loss with `labels` (shifted inside)."""
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

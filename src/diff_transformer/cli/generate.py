@@ -61,6 +61,7 @@ def run(args) -> int:
     from ..checkpoints.configs import check_generation_config, check_generation_tokens
     from ..checkpoints.loading import check_diff_checkpoint
     from ..templates import bound_chat_templates
+    from ..text_input import check_text
 
     bound_chat_templates()
     if args.max_new_tokens < 1:
@@ -74,6 +75,9 @@ def run(args) -> int:
             f"{MIN_TEMPERATURE:g}."
         )
     _check_generate_options(args)
+    for name, text in (("PROMPT", args.prompt), ("--system", args.system)):
+        if text is not None:  # argv undecodable as UTF-8 arrives with lone surrogates
+            check_text(text, name)
     device = resolve_device(args.device)
     # Everything about the inputs is checked before the weights load.
     source = adapters.resolve(args.model, args.base)
@@ -200,6 +204,8 @@ def _chat_session(args, model, tokenizer, kwargs: dict, config, device) -> int:
     import torch
     from transformers import TextStreamer
 
+    from ..text_input import TextInputError, check_text
+
     def note(text: str, end: str = "\n") -> None:
         print(text, end=end, file=sys.stderr, flush=True)
 
@@ -213,6 +219,8 @@ def _chat_session(args, model, tokenizer, kwargs: dict, config, device) -> int:
     def fits(ids) -> bool:
         return context is None or len(ids) + args.max_new_tokens <= context
 
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 become lone surrogates, refused per message
+        sys.stdin.reconfigure(errors="surrogateescape")
     note(f"chat with {args.model}: type a message, then Enter; /reset starts over, /exit or Ctrl-D ends.")
     while True:
         note("> ", end="")
@@ -229,6 +237,11 @@ def _chat_session(args, model, tokenizer, kwargs: dict, config, device) -> int:
             note("(history cleared)")
             continue
         if not text:
+            continue
+        try:
+            check_text(text, "this message")  # stdin that is not UTF-8 arrives with lone surrogates
+        except TextInputError as error:
+            note(f"error: {error}")  # the session goes on
             continue
         message = {"role": "user", "content": text}
         alone = prompt_ids([*start, message])

@@ -15,13 +15,13 @@ template, with the loss on the assistant turns only.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from ..errors import one_line
+from ..text_input import parse_json_line
 from . import TrainingError
 from .data import _read_text, held_out_indices, require_files
 
@@ -40,10 +40,7 @@ def read_conversations(path: str | Path) -> list[tuple[str, list[dict]]]:
         if not line.strip():
             continue
         where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as error:
-            raise TrainingError(f"{where}: not valid JSON ({getattr(error, 'msg', 'nested too deeply')})") from None
+        record = parse_json_line(line, where)
         conversations.append((where, check_messages(record, where)))
     if not conversations:
         raise TrainingError(f"chat data file {path} holds no conversation (one JSON object per line)")

@@ -12,12 +12,12 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
+from ..text_input import parse_json_line
 from . import TrainingError
 
 
@@ -52,12 +52,7 @@ def read_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
     for number, line in enumerate(text.split("\n"), 1):  # not splitlines(): JSON strings may hold U+2028
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as error:
-            raise TrainingError(
-                f"{path}:{number}: not valid JSON ({getattr(error, 'msg', 'nested too deeply')})"
-            ) from None
+        record = parse_json_line(line, f"{path}:{number}")
         if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
             raise TrainingError(
                 f"{path}:{number}: no string field {text_field!r} (choose the field with --text-field)"
