@@ -585,6 +585,7 @@ def test_stop_text_holds_back_only_what_could_begin_a_stop_string():
         ({"messages": [{"content": "hi"}]}, "messages[0].role", "messages[0] needs a role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "must be a string or a list"),
         ({"generation_config": "nope"}, "generation_config", "generation_config must be a string holding a JSON"),
+        ({"generation_config": '{"stop_strings": ["a", "b", "c", "d", "e"]}'}, "generation_config", "at most 4"),
         ({"model": 5}, "model", "model=5 must be a string"),
     ],
 )

@@ -152,6 +152,11 @@ def _check_generation_config(text) -> None:
     except Exception as exc:
         message = " ".join(str(exc).split())[:200].rstrip(".")
         raise _invalid("generation_config", f"generation_config is invalid: {message}.")
+    if settings.get("stop_strings") is not None:  # honoured as `stop` is (`_stops_of`), so bounded as it is
+        try:
+            stop_strings(settings["stop_strings"])
+        except Exception as exc:
+            raise _invalid("generation_config", f"in generation_config, stop_strings: {exc.detail['message']}")
     for field, value in settings.items():
         problem = generation_value_problem(field, value)
         if problem:
