@@ -91,7 +91,11 @@ def check_target(out, *, name: str = "OUT", sources: dict | None = None) -> Path
         raise OutputError(f"{name} {text!r} is {where}: pass a new directory for the output, e.g. ./my-output.")
     for source_name, source in (sources or {}).items():
         source = Path(source).resolve()
-        if real == source or source in real.parents or real in source.parents:
+        if real == source:
+            raise OutputError(
+                f"{name} {path} is {source_name}: choose another {name} ({source_name} is never modified)."
+            )
+        if source in real.parents or real in source.parents:
             raise OutputError(
                 f"{name} {path} overlaps {source_name} {source}: choose an output directory outside {source_name} "
                 f"that does not contain it ({source_name} is never modified)."

@@ -5,6 +5,7 @@ Every answer is compared with `model.generate` (greedy) on the same prompt, in t
 
 import concurrent.futures
 import json
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -192,7 +193,9 @@ def test_streaming_is_server_sent_events(servers, models, references):
         assert response.headers["Content-Type"].startswith("text/event-stream")
         lines = [line.decode() for line in response if line.strip()]
     assert all(line.startswith("data: ") for line in lines)
-    events = [json.loads(line[len("data: ") :]) for line in lines]
+    assert lines[-1].strip() == "data: [DONE]"  # OpenAI's end of stream, which raw SSE clients wait for
+    events = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+    assert {e["model"] for e in events} == {str(models["v2"])}
     assert events[0]["choices"][0]["delta"] == {"role": "assistant"}
     assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
@@ -322,11 +325,10 @@ def test_models_list_unknown_models_and_refused_fields(servers, models, tmp_path
         assert words in message and "\n" not in message, message
         assert caught.value.body["type"] in ("not_found_error", "invalid_request_error")
 
-    for extra, words in (({"n": 2}, "n=2"), ({"stop": ["Darcy"]}, "stop sequences are not supported")):
-        with pytest.raises(openai.BadRequestError, match=words):
-            client.chat.completions.create(model=str(models["v2"]), messages=CHATS[0], max_tokens=4, **extra)
-        with pytest.raises(openai.BadRequestError, match=words):
-            client.completions.create(model=str(models["v2"]), prompt=PROMPT, max_tokens=4, **extra)
+    with pytest.raises(openai.BadRequestError, match="n=2"):
+        client.chat.completions.create(model=str(models["v2"]), messages=CHATS[0], max_tokens=4, n=2)
+    with pytest.raises(openai.BadRequestError, match="n=2"):
+        client.completions.create(model=str(models["v2"]), prompt=PROMPT, max_tokens=4, n=2)
     # n=1 and an empty stop are what the server does anyway: accepted
     response = client.chat.completions.create(
         model=str(models["v2"]), messages=CHATS[0], max_tokens=4, temperature=0, n=1, stop=[]
@@ -334,18 +336,42 @@ def test_models_list_unknown_models_and_refused_fields(servers, models, tmp_path
     assert response.choices[0].message.content
 
 
-def test_a_pinned_server_lists_its_model_and_refuses_others(models, tmp_path):
-    server = Server(tmp_path / "serve.log", str(models["v1"]))
+def test_pinned_servers_list_their_models_and_refuse_others(models, references, tmp_path):
+    """`serve MODEL` answers for MODEL (requests may omit it); `serve A B` for A and B, both listed by /v1/models
+    before any request has loaded them. Any other name is a 404 (as `serve --help` says; the pinned server answered
+    400), and a response names the model as /v1/models lists it (transformers said "MODEL@main")."""
+    one = Server(tmp_path / "one.log", str(models["v1"]))
+    two = Server(tmp_path / "two.log", str(models["v2"]), str(models["saved"]))
     try:
-        server.wait_healthy()
-        client = server.client()
+        one.wait_healthy()
+        two.wait_healthy()
+        client = one.client()
         assert [m.id for m in client.models.list()] == [str(models["v1"])]
-        text, _, _ = chat(server, models["v1"], CHATS[0])
-        assert text
-        with pytest.raises(openai.BadRequestError, match="pinned"):
+        text, _, _ = chat(one, models["v1"], CHATS[0])
+        assert text == references("v1", CHATS[0])[0]
+        response = client.chat.completions.create(model=str(models["v1"]), messages=CHATS[0], max_tokens=4)
+        assert response.model == str(models["v1"])
+        with pytest.raises(openai.NotFoundError, match="pinned") as caught:
             client.chat.completions.create(model=str(models["v2"]), messages=CHATS[0], max_tokens=4)
+        assert caught.value.body["param"] == "model" and caught.value.body["code"] == "model_not_found"
+
+        client = two.client()
+        served = [str(models["v2"]), str(models["saved"])]
+        assert [m.id for m in client.models.list()] == served  # nothing loaded yet
+        for name in ("v2", "saved"):
+            response = client.chat.completions.create(
+                model=str(models[name]), messages=CHATS[0], max_tokens=NEW_TOKENS, temperature=0
+            )
+            assert response.model == str(models[name])
+            assert response.choices[0].message.content == references(name, CHATS[0])[0]
+        assert [m.id for m in client.models.list()] == served
+        with pytest.raises(openai.NotFoundError, match="not served here: this server answers for"):
+            client.chat.completions.create(model=str(models["v1"]), messages=CHATS[0], max_tokens=4)
+        with pytest.raises(openai.BadRequestError, match="name the model"):
+            client.chat.completions.create(model=None, messages=CHATS[0], max_tokens=4)
     finally:
-        server.stop()
+        one.stop()
+        two.stop()
 
 
 def test_serve_help_is_the_package_s_own(capsys):
@@ -362,7 +388,7 @@ def test_serve_help_is_the_package_s_own(capsys):
         cli.main(["serve", "--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: diff-transformer serve [MODEL] [--max-new-tokens-limit N]")
+    assert out.startswith("usage: diff-transformer serve [MODEL ...] [--max-new-tokens-limit N]")
     assert out.index("--max-new-tokens-limit N") < out.index("Every other option goes to transformers' server")
     assert "POST /v1/responses" not in out  # transformers' help listed endpoints this package does not test
     named = set(re.findall(r"--([a-z][a-z-]+)", out.split("Every other option")[1])) - {"transformers-help"}
@@ -413,3 +439,168 @@ def test_a_model_loads_off_the_event_loop():
     Manager.force_model = "pinned"  # loaded at start-up: nothing to do
     asyncio.run(load_off_the_loop(handler, {"model": "org/model"}))
     assert len(loaded) == 1
+
+
+# ---- stop strings, [DONE], model names, request fields (issues 45 and 46) ----
+
+
+def sse(server, path, body):
+    """A raw SSE client: the `data:` payloads of a streamed request, read until `data: [DONE]` (which must come)."""
+    request = urllib.request.Request(
+        f"{server.url}{path}", data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    events = []
+    with urllib.request.urlopen(request, timeout=120) as response:
+        for line in response:
+            line = line.decode().strip()
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            if line == "data: [DONE]":
+                return events
+            events.append(json.loads(line[len("data: ") :]))
+    pytest.fail(f"the stream ended without data: [DONE] after {len(events)} events")
+
+
+def tokens_through(tokenizer, text_tokens, stop):
+    """How many of the tokens TEXT_TOKENS it takes for their text to contain STOP (what `generate` produced)."""
+    texts = (tokenizer.decode(text_tokens[:k], skip_special_tokens=True) for k in range(1, len(text_tokens) + 1))
+    return 1 + next(k for k, text in enumerate(texts) if stop in text)
+
+
+@pytest.mark.parametrize("server_name", ["plain", "cb"])
+def test_stop_strings_cut_the_answer_where_openai_does(servers, models, server_name):
+    """`stop` (a string or a list): the answer is greedy `generate`'s text cut before the first stop string (which
+    is not in it) and finish_reason is "stop", through the openai client and a raw SSE client, chat and completions,
+    streaming or not; a stop string the answer never reaches leaves it whole ("length"). The plain server ends the
+    generation at the token that completes the stop string (`usage` counts exactly those tokens)."""
+    server = servers[server_name]
+    client = server.client()
+    model = AutoModelForCausalLM.from_pretrained(models["v2"]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(models["v2"])
+    penalty = {"repetition_penalty": 1.0} if server_name == "cb" else {}  # continuous batching drops it
+    chat_ids = tokenizer.apply_chat_template(
+        CHATS[0], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    plain_ids = tokenizer(PROMPT, return_tensors="pt")
+    for kind, inputs in (("chat", chat_ids), ("completion", plain_ids)):
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, **penalty)
+        generated = out[0, inputs["input_ids"].shape[1] :].tolist()
+        full = tokenizer.decode(generated, skip_special_tokens=True)
+        words = full.split()
+        assert len(words) > 6, full
+        stop = f" {words[4]}"  # the fifth word: its first occurrence cuts the answer
+        expected = full[: full.find(stop)]
+        for asked in (stop, ["never in the answer", stop]):
+            body = {"model": str(models["v2"]), "max_tokens": NEW_TOKENS, "temperature": 0, "stop": asked}
+            if kind == "chat":
+                body["messages"] = CHATS[0]
+                response = client.chat.completions.create(**body)
+                text = response.choices[0].message.content
+                streamed = "".join(
+                    chunk.choices[0].delta.content or ""
+                    for chunk in client.chat.completions.create(**body, stream=True)
+                    if chunk.choices
+                )
+                raw = sse(server, "/v1/chat/completions", body)
+                raw_text = "".join(e["choices"][0]["delta"].get("content") or "" for e in raw)
+            else:
+                body["prompt"] = PROMPT
+                response = client.completions.create(**body)
+                text = response.choices[0].text
+                streamed = "".join(c.choices[0].text for c in client.completions.create(**body, stream=True))
+                raw = sse(server, "/v1/completions", body)
+                raw_text = "".join(e["choices"][0]["text"] for e in raw)
+            assert text == streamed == raw_text == expected, (kind, asked, full)
+            assert response.choices[0].finish_reason == "stop" == raw[-1]["choices"][0]["finish_reason"]
+            assert response.model == str(models["v2"]) and {e["model"] for e in raw} == {str(models["v2"])}
+            if server_name == "plain":
+                assert response.usage.completion_tokens == tokens_through(tokenizer, generated, stop)
+        body = {"model": str(models["v2"]), "max_tokens": NEW_TOKENS, "temperature": 0, "stop": "never in it"}
+        if kind == "chat":
+            response = client.chat.completions.create(messages=CHATS[0], **body)
+            assert response.choices[0].message.content == full
+        else:
+            response = client.completions.create(prompt=PROMPT, **body)
+            assert response.choices[0].text == full
+        assert response.choices[0].finish_reason == "length"
+
+
+def test_stop_text_holds_back_only_what_could_begin_a_stop_string():
+    """`StopText` against a direct reference: fed in any pieces, it shows the text before the stop string completed
+    first (where generation stops, as vLLM and OpenAI do), and
+    at every point it holds back exactly the longest tail that is a proper prefix of a stop string."""
+    import random
+
+    from diff_transformer.cli.serve_requests import StopText
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 20)))
+        # where the answer ends: at the first character that completes a stop string (the longest one ending there)
+        starts = (
+            min((e - len(s) for s in stops if text[:e].endswith(s)), default=None) for e in range(1, len(text) + 1)
+        )
+        first = next((start for start in starts if start is not None), None)
+        cut, shown, fed = StopText(stops), "", 0
+        while fed < len(text) and not cut.stopped:
+            step = rng.randint(1, 4)
+            shown += cut.feed(text[fed : fed + step])
+            fed += step
+            if not cut.stopped:
+                so_far = text[:fed]
+                held = max(
+                    (j for s in stops for j in range(1, len(s)) if so_far.endswith(s[:j])),
+                    default=0,
+                )
+                assert shown == so_far[: len(so_far) - held], (stops, text, fed)
+        if first is None:
+            assert not cut.stopped and shown + cut.flush() == text
+        else:
+            assert cut.stopped and shown == text[:first], (stops, text)
+
+
+@pytest.mark.parametrize(
+    "extra, param, words",
+    [
+        ({"max_tokens": 0}, "max_tokens", "max_tokens=0 must be an integer >= 1"),
+        ({"max_tokens": -5}, "max_tokens", "max_tokens=-5 must be an integer >= 1"),
+        ({"max_tokens": "5"}, "max_tokens", "must be an integer"),
+        ({"seed": 10**30}, "seed", "seed=1000000000000000000000000000000 must be an integer >= -9223372036854775808"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias", "logit_bias key 'abc' must be a token id"),
+        ({"logit_bias": {"5": 1000}}, "logit_bias", "must be a number from -100 to 100"),
+        ({"logit_bias": {"99999": 1}}, "logit_bias", "logit_bias names token 99999: the model's vocabulary has"),
+        ({"logit_bias": [1]}, "logit_bias", "logit_bias must be an object"),
+        ({"temperature": "hot"}, "temperature", "temperature='hot' must be a number"),
+        ({"top_p": 0}, "top_p", "top_p=0 must be a number > 0"),
+        ({"frequency_penalty": -1}, "frequency_penalty", "frequency_penalty=-1 must be a number > -1"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "stop has 5 strings: at most 4"),
+        ({"stop": ["x" * 257]}, "stop", "each stop string must have 1 to 256 characters (got 257)"),
+        ({"stop": [""]}, "stop", "each stop string must have 1 to 256 characters (got 0)"),
+        ({"stop": 5}, "stop", "stop must be a string or a list of strings"),
+        ({"stream": "yes"}, "stream", "stream='yes' must be true or false"),
+        ({"messages": "hi"}, "messages", "messages must be a list of objects"),
+        ({"messages": [{"content": "hi"}]}, "messages[0].role", "messages[0] needs a role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "must be a string or a list"),
+        ({"generation_config": "nope"}, "generation_config", "generation_config must be a string holding a JSON"),
+        ({"generation_config": '{"stop_strings": ["a", "b", "c", "d", "e"]}'}, "generation_config", "at most 4"),
+        ({"model": 5}, "model", "model=5 must be a string"),
+    ],
+)
+def test_bad_request_fields_are_400s_with_openai_s_error_body(servers, models, extra, param, words):
+    """Issue 46: max_tokens 0 or -5, a huge seed, a bad logit_bias answered a plain-text 500. Every field is now
+    checked in one place (`serve_requests.check_request`) and answered like OpenAI's API: a 400 whose body is
+    `{"error": {"message", "type": "invalid_request_error", "param", "code"}}`."""
+    body = {"model": str(models["v2"]), "messages": CHATS[0], "max_tokens": 4, **extra}
+    request = urllib.request.Request(
+        f"{servers['plain'].url}/v1/chat/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=60)
+    assert caught.value.code == 400
+    error = json.load(caught.value)["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] == "invalid_value"
+    assert words in error["message"] and "\n" not in error["message"], error

@@ -794,10 +794,25 @@ def test_non_empty_out_is_refused_then_overwritten(tmp_path):
 def test_out_must_not_overlap_src(tmp_path):
     src = make_llama(tmp_path / "llama")
     digest = tree_digest(src)
-    for out, overwrite in ((src / "diff", False), (src, True), (tmp_path, True)):
+    for out, overwrite in ((src / "diff", False), (tmp_path, True)):
         with pytest.raises(ConversionError, match="overlaps SRC"):
             convert_llama_to_diff(src, out, overwrite=overwrite, progress=False)
+    for overwrite in (False, True):  # OUT = SRC: said as such, with or without overwrite (which would not help)
+        with pytest.raises(ConversionError, match=r"is SRC: choose another OUT \(SRC is never modified\)\.$"):
+            convert_llama_to_diff(src, src, overwrite=overwrite, progress=False)
     assert tree_digest(src) == digest and not (src / "diff").exists()
+
+
+def test_convert_src_src_says_out_is_src_without_advising_overwrite(tmp_path, capsys):
+    """`convert SRC SRC` advised --overwrite, which was then refused as "overlaps SRC" (issue 46)."""
+    from diff_transformer import cli
+
+    src = make_llama(tmp_path / "llama")
+    capsys.readouterr()  # save_pretrained's progress bar
+    for extra in ([], ["--overwrite"]):
+        assert cli.main(["convert", str(src), str(src), *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"error: OUT {src} is SRC: choose another OUT (SRC is never modified).", err
 
 
 def test_missing_parents_are_created_and_removed_on_failure(tmp_path):

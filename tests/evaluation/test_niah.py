@@ -91,6 +91,18 @@ def test_a_source_and_its_v2_conversion_give_equal_grids(tmp_path, capsys):
     assert table.count("| 0.5 |") == 2 and "150 tokens | 300 tokens" in table
     data = json.loads((out / "niah.json").read_text())
     source, converted = data["results"]
+    # the summary: each model's means over its 12 prompts, and the conversion said equal to the source in one line
+    # whose largest log-prob difference is fp32 rounding (sums of ~300 terms of size ~1: well under 1e-3)
+    lines = table.strip().splitlines()[-3:]
+    for line, result in zip(lines, (source, converted)):
+        samples = [x for cell in result["cells"] for x in cell["samples"]]
+        accuracy = sum(x["correct"] for x in samples) / 12
+        logprob = sum(x["value_logprob"] for x in samples) / 12
+        means = f"mean accuracy {accuracy:.2f}, mean log-prob of the value {logprob:.2f}"
+        assert line == f"{result['model']}: {means} (12 prompts)"
+    assert lines[2].startswith(f"{v2} = {TINY} (every answer the same; max Δ log-prob "), lines[2]
+    largest = lines[2].rsplit(" ", 1)[1].rstrip(")")
+    assert float(largest) < 1e-3
     assert [c["length"] for c in source["cells"]] == [150, 150, 150, 300, 300, 300]
     for a, b in zip(source["cells"], converted["cells"]):
         assert (a["length"], a["depth"], a["accuracy"], a["n"]) == (b["length"], b["depth"], b["accuracy"], b["n"])
@@ -105,6 +117,61 @@ def test_a_source_and_its_v2_conversion_give_equal_grids(tmp_path, capsys):
         == 0
     )
     assert sorted(p.name for p in out.iterdir()) == [manifest, "niah.json", "notes.txt"]  # no stale niah.png
+    assert "prompts" not in capsys.readouterr().err  # no --quiet, but stderr is no terminal: no progress lines
+
+
+def test_the_summary_says_each_model_s_means_and_its_difference_from_the_first():
+    """`niah.summary` on hand-made grids: means over every prompt, "B = A" when every answer is the same (with the
+    largest log-prob difference, 0.0 when none), else both means, their differences and the answers that differ."""
+
+    def result(name, answers):  # answers: (correct, log-prob) per prompt, two cells of two prompts
+        samples = [{"answer": str(c) + str(lp), "correct": c, "value_logprob": lp} for c, lp in answers]
+        return {"model": name, "cells": [{"samples": samples[:2]}, {"samples": samples[2:]}]}
+
+    a = result("a", [(True, -1.0), (True, -2.0), (False, -3.0), (True, -2.0)])
+    same = result("b", [(True, -1.0), (True, -2.0), (False, -3.0), (True, -2.0)])
+    close = {"model": "c", "cells": json.loads(json.dumps(a["cells"]))}
+    close["cells"][1]["samples"][0]["value_logprob"] = -3.0 + 2e-6  # the answers stay those of a
+    worse = result("d", [(True, -1.5), (False, -6.0), (False, -3.0), (False, -4.5)])
+    assert niah.summary([a, same, close, worse]).splitlines() == [
+        "a: mean accuracy 0.75, mean log-prob of the value -2.00 (4 prompts)",
+        "b: mean accuracy 0.75, mean log-prob of the value -2.00 (4 prompts)",
+        "c: mean accuracy 0.75, mean log-prob of the value -2.00 (4 prompts)",
+        "d: mean accuracy 0.25, mean log-prob of the value -3.75 (4 prompts)",
+        "b = a (every answer the same; max Δ log-prob 0.0)",
+        "c = a (every answer the same; max Δ log-prob 2.0e-06)",
+        "d vs a: accuracy 0.25 vs 0.75 (Δ -0.50), mean log-prob -3.75 vs -2.00 (Δ -1.75); 3 of 4 answers differ, "
+        "max Δ log-prob 4.00",
+    ]
+    assert niah.summary([a]) == "a: mean accuracy 0.75, mean log-prob of the value -2.00 (4 prompts)"
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_progress_is_one_updating_line_on_a_terminal_and_nothing_elsewhere(monkeypatch, terminal):
+    import io
+    from types import SimpleNamespace
+
+    from diff_transformer.cli.niah import progress_line
+
+    class Stream(io.StringIO):
+        def isatty(self):
+            return terminal
+
+    stream = Stream()
+    monkeypatch.setattr("sys.stderr", stream)
+    with progress_line("niah tiny", 40, quiet=False) as progress:
+        for done in range(1, 41):
+            progress(done, 40, SimpleNamespace(length=150))
+    written = stream.getvalue()
+    if terminal:  # redrawn in place (carriage returns), cleared at the end: no line per prompt
+        assert written.startswith("\rniah tiny:") and "\n" not in written and written.endswith("\r")
+    else:
+        assert written == ""
+    stream.truncate(0)
+    monkeypatch.setattr("sys.stderr", stream)
+    with progress_line("niah tiny", 40, quiet=True) as progress:
+        progress(1, 40, SimpleNamespace(length=150))
+    assert stream.getvalue() == ""
 
 
 @pytest.mark.slow

@@ -68,7 +68,7 @@ def test_train_refuses_the_model_directory_as_output(refused, tmp_path, capsys):
     (tmp_path / "text.txt").write_text("It is a truth universally acknowledged. " * 40)
     digest = tree_digest(model)
     common = ["--data", tmp_path / "text.txt", "--quiet", "--report-to", "none", "--max-steps", "1"]
-    refused(["train", model, "--output", model, *common], "--output", "overlaps MODEL")
+    refused(["train", model, "--output", model, *common], "--output", "is MODEL: choose another --output")
     refused(["train", model, "--output", model / "run", *common], "overlaps MODEL")
     # a copy of a model is not a training run either: the final save would overwrite it
     copy = tmp_path / "copy"

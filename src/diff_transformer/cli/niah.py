@@ -1,11 +1,12 @@
 """`diff-transformer niah MODEL [MODEL ...] --out DIR`: needle-in-a-haystack accuracy on a context length x depth grid
 for each model (any causal LM transformers loads: a source Llama and its Diff conversions alike), one heatmap."""
 
+import contextlib
 import sys
 
 from ..checkpoints.backends import add_attn_option
 from ..errors import UserError, install_command, installed
-from .options import add_device_options, add_quiet_option, load_kwargs, resolve_device
+from .options import add_device_options, add_quiet_option, load_kwargs, resolve_device, show_progress
 
 
 MAX_BATCH_TOKENS = 2**20  # tokens of one forward (batch x length): what a request may make one forward hold
@@ -79,6 +80,24 @@ def _check_options(args) -> None:
         raise UserError(f"--seed {args.seed} must be in [0, 2**63).")
 
 
+@contextlib.contextmanager
+def progress_line(description: str, total: int, quiet: bool):
+    """`progress(done, total, prompt)` for `niah.evaluate`: one line on a terminal, updated in place (tqdm, cleared at
+    the end), nothing in a piped or redirected log or under --quiet (`show_progress`): the summary says the result."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=description, unit="prompt", disable=not show_progress(quiet), leave=False)
+
+    def progress(done, total, prompt):
+        bar.set_postfix_str(f"length {prompt.length}", refresh=False)
+        bar.update(done - bar.n)
+
+    try:
+        yield progress
+    finally:
+        bar.close()
+
+
 def run(args) -> int:
     import torch
     from transformers import AutoConfig, AutoTokenizer
@@ -149,15 +168,11 @@ def run(args) -> int:
                 )
             else:
                 model = adapters.load(source, **load_kwargs(args.dtype, args.attn_implementation)).eval().to(device)
-
-                def progress(done, total, prompt, text=text):
-                    if not args.quiet:
-                        print(f"niah {text}: {done}/{total} prompts (length {prompt.length})", file=sys.stderr)
-
-                samples = niah.evaluate(
-                    model, tokenizer, prompts, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                    progress=progress,
-                )  # fmt: skip
+                with progress_line(f"niah {text}", len(prompts), args.quiet) as progress:
+                    samples = niah.evaluate(
+                        model, tokenizer, prompts, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                        progress=progress,
+                    )  # fmt: skip
                 del model  # before the next model loads
             results.append(niah.result_record(text, niah.cells_of(prompts, samples)))
         settings = {

@@ -25,14 +25,20 @@ What transformers' server does not bound, this command does (`limit_generation`,
   worker thread (`render_off_the_loop`): transformers renders on the event loop, where a template with nested loops
   held up every request, /health included. One past its bound answers 400.
 
-What clients rely on and transformers' server gets wrong, this command fixes (`DiffModelManager`, `check_request`,
-`openai_errors`):
+What clients rely on and transformers' server gets wrong, this command fixes (`DiffModelManager`, `openai_errors`,
+`check_pinned`, and `serve_requests`: request fields, `stop`, response names, `[DONE]`):
 
 * `GET /v1/models` lists the pinned model (`serve MODEL`), else the loaded ones and the Hub cache's LLMs; transformers
   answers 500 when the Hub cache folder does not exist, and never lists a Diff model.
-* A request naming a model that does not exist answers 404 at once, one that cannot be loaded 400 (transformers
-  retried the Hub for ~2 minutes, then answered a bare 500); the error body is OpenAI's `{"error": {"message": ...}}`.
-* `n` > 1 and `stop` are refused with 400 (transformers ignores `n`, and keeps the stop text in the answer).
+* A request naming a model that does not exist (or, on a pinned server, another model) answers 404 at once, one
+  that cannot be loaded 400 (transformers retried the Hub for ~2 minutes, then answered a bare 500); the error body is
+  OpenAI's `{"error": {"message", "type", "param", "code"}}`, also for a 500.
+* Request fields are checked before anything runs (`serve_requests.check_request`): `max_tokens: 0`, a seed torch
+  cannot take, a malformed `logit_bias` or `messages` were plain-text 500s; `n` > 1 is refused (transformers ignores
+  it).
+* `stop` ends the answer before the stop string, finish_reason "stop" (transformers kept the stop text, and ignored
+  `stop` under continuous batching); a response names the model as the request did (not "model@main"); a stream ends
+  with `data: [DONE]`.
 * A model is loaded in a worker thread (`load_off_the_loop`): transformers loads it on the event loop, where every
   other request, /health included, waits for it.
 * `--help` is this command's own: its options, then a note of what goes to transformers (`--transformers-help`).
@@ -48,6 +54,7 @@ from .options import output_settings
 
 
 GRACEFUL_SHUTDOWN_S = 5
+_served_models: tuple[str, ...] = ()  # `serve A B ...`: the models this server answers for, listed from the start
 _uvicorn_log_level = None  # --quiet: "warning" (transformers' `Serve` asks uvicorn for "info": a line per request)
 
 PASSED_THROUGH = """\
@@ -56,8 +63,10 @@ Every other option goes to transformers' server (`transformers serve`) unchanged
 --continuous-batching with --cb-block-size/--cb-num-blocks/--cb-max-batch-tokens, --compile, --quantization,
 --model-timeout, --log-level, --enable-cors, --default-seed: --transformers-help lists them all.
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. Requests with n > 1 or a
-stop sequence are refused (HTTP 400); an unknown model answers 404, one that cannot be loaded 400."""
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. `stop` (up to 4 strings
+of 1-256 characters) ends the answer before the stop string, streaming or not; n > 1 and out-of-range fields are
+refused (HTTP 400, OpenAI's error body); a model that does not exist, or other than a pinned server's MODEL, answers
+404, one that cannot be loaded 400."""
 
 
 def help_parser() -> argparse.ArgumentParser:
@@ -65,7 +74,7 @@ def help_parser() -> argparse.ArgumentParser:
     ARGV goes to transformers, so argparse must not take a value of theirs for MODEL)."""
     parser = argparse.ArgumentParser(
         prog="diff-transformer serve",
-        usage="%(prog)s [MODEL] [--max-new-tokens-limit N] [--quiet] [transformers serve options]",
+        usage="%(prog)s [MODEL ...] [--max-new-tokens-limit N] [--quiet] [transformers serve options]",
         description="OpenAI-compatible server for Diff models: transformers' own server (transformers serve) with\n"
         "the Diff classes, every generation bounded by the model's context, and errors clients can read.",
         epilog=PASSED_THROUGH,
@@ -74,10 +83,12 @@ def help_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "model",
-        nargs="?",
+        nargs="*",
         metavar="MODEL",
-        help="model directory or Hub id, loaded at start and pinned: requests must name it as given here (default: "
-        "none; each request's model is loaded on first use)",
+        help="model directory or Hub id, loaded at start and pinned: requests name it as given here, or omit model. "
+        "Several: the models this server answers for, listed by /v1/models from the start, each loaded when a "
+        "request first names it (default: none; any model a request names is loaded on first use, and /v1/models "
+        "lists those loaded and the Hub cache's)",
     )
     parser.add_argument(
         "--max-new-tokens-limit",
@@ -122,10 +133,12 @@ def run(args) -> int:
 HTTP_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error"}
 
 
-def _http_error(status: int, message: str):
-    from fastapi import HTTPException
+def _http_error(status: int, message: str, **fields):
+    from .serve_requests import http_error
 
-    return HTTPException(status_code=status, detail=" ".join(message.split()))
+    if status == 404:
+        fields = {"param": "model", "code": "model_not_found", **fields}
+    return http_error(status, message, **fields)
 
 
 def _display_name(model_id_and_revision: str) -> str:
@@ -211,10 +224,12 @@ def diff_model_manager():
         def get_gen_models(self, cache_dir=None) -> list[dict]:
             if self.force_model is not None:  # pinned: the one name requests may use
                 names = [self.force_model]
+            elif _served_models:  # `serve A B`: the names requests may use, loaded or not
+                names = list(_served_models)
             else:
                 names = [_display_name(key) for key in list(self.loaded_models)]
             listed = [{"id": name, "object": "model", "created": 0, "owned_by": "diff-transformer"} for name in names]
-            if self.force_model is None:
+            if self.force_model is None and not _served_models:
                 try:  # transformers' scan of the Hub cache raises when the cache folder does not exist
                     listed += [m for m in ModelManager.get_gen_models(cache_dir) if m["id"] not in names]
                 except Exception:
@@ -235,21 +250,6 @@ def diff_model_manager():
                 ) from None
 
     return DiffModelManager
-
-
-def check_request(body: dict) -> None:
-    """Request fields transformers accepts and then ignores or gets wrong: a 400 naming the fix."""
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise _http_error(400, f"n={n!r}: this server answers one choice per request: omit n (or send 1).")
-    if body.get("stop") in ([], ""):  # no stop sequence (transformers' generate fails on an empty list)
-        del body["stop"]
-    if body.get("stop") is not None:
-        raise _http_error(
-            400,
-            "stop sequences are not supported (transformers would keep the stop text in the answer): omit stop "
-            "and cut the text on the client.",
-        )
 
 
 async def load_off_the_loop(handler, body: dict) -> None:
@@ -321,16 +321,46 @@ async def render_off_the_loop(handler, body: dict) -> None:
 
 
 def openai_errors(app) -> None:
-    """Errors as OpenAI's API returns them (`{"error": {"message", "type", "code"}}`), which its clients read."""
+    """Errors as OpenAI's API returns them (`{"error": {"message", "type", "param", "code"}}`), which its clients
+    read: ours (`serve_requests.http_error`), transformers' HTTPExceptions, and anything unforeseen (a 500 whose
+    body says so in JSON, where Starlette answered "Internal Server Error" in plain text)."""
     from fastapi import HTTPException
     from fastapi.responses import JSONResponse
 
     async def handler(request, exc: HTTPException):
-        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-        error = {"message": message, "type": HTTP_ERROR_TYPES.get(exc.status_code, "error"), "code": exc.status_code}
+        detail = exc.detail if isinstance(exc.detail, dict) else {"message": str(exc.detail)}
+        error = {
+            "message": detail.get("message", ""),
+            "type": HTTP_ERROR_TYPES.get(exc.status_code, "error"),
+            "param": detail.get("param"),
+            "code": detail.get("code"),
+        }
         return JSONResponse({"error": error}, status_code=exc.status_code, headers=exc.headers)
 
+    async def unforeseen(request, exc: Exception):
+        message = f"the server failed on this request ({type(exc).__name__}: {one_line(exc)[:300]})"
+        error = {"message": message, "type": "server_error", "param": None, "code": None}
+        return JSONResponse({"error": error}, status_code=500)
+
     app.add_exception_handler(HTTPException, handler)
+    app.add_exception_handler(Exception, unforeseen)
+
+
+def check_pinned(manager, body: dict) -> None:
+    """A pinned server (`serve MODEL`, `serve A B`) answers for those models alone: another name is a 404 (the model
+    is not served here), as for a model that does not exist (transformers answered 400)."""
+    requested = body.get("model")
+    pinned = manager.force_model
+    if pinned is not None and requested is not None and requested != pinned:
+        raise _http_error(
+            404,
+            f"model {requested!r} is not served here: this server is pinned to {pinned!r}; name it, or omit model.",
+        )
+    if _served_models and requested not in _served_models:
+        served = ", ".join(repr(name) for name in _served_models)
+        if requested is None:
+            raise _http_error(400, f"name the model: this server answers for {served}.", param="model")
+        raise _http_error(404, f"model {requested!r} is not served here: this server answers for {served}.")
 
 
 def client_facing() -> None:
@@ -338,6 +368,8 @@ def client_facing() -> None:
     `Serve` picks them up (it imports `ModelManager` and `build_server` when it starts, every handler validates
     through `BaseHandler._validate_request`, and each model handler's `handle_request` is wrapped)."""
     from transformers.cli.serving import model_manager, server, utils
+
+    from .serve_requests import as_openai, check_request
 
     model_manager.ModelManager = diff_model_manager()
     build = server.build_server
@@ -363,12 +395,19 @@ def client_facing() -> None:
         if getattr(handle, "_diff_off_the_loop", False):
             continue
 
-        def make(handle, chat=handler_class is chat_completion.ChatCompletionHandler):
+        def make(handle, handler_class=handler_class):
+            chat = handler_class is chat_completion.ChatCompletionHandler
+            openai_shaped = chat or handler_class is completion.CompletionHandler
+
             @functools.wraps(handle)
             async def handle_request(self, body: dict, *args, **kwargs):
+                if openai_shaped:
+                    check_pinned(self.model_manager, body)
                 await load_off_the_loop(self, body)
                 if chat:
                     await render_off_the_loop(self, body)
+                if openai_shaped:
+                    return await as_openai(handle, self, body, *args, sse_done=True, **kwargs)
                 return await handle(self, body, *args, **kwargs)
 
             handle_request._diff_off_the_loop = True
@@ -405,12 +444,14 @@ def _generation_limit(model, inputs: dict, gen_config, limit: int | None) -> Non
     from fastapi import HTTPException
 
     from ..checkpoints.configs import generation_value_problem
+    from .serve_requests import check_token_ids
 
     for field in ("num_beams", "num_return_sequences", "top_k", "top_p", "temperature", "repetition_penalty"):
         problem = generation_value_problem(field, getattr(gen_config, field, None))
         if problem:
             raise HTTPException(status_code=400, detail=f"{problem}.")
 
+    check_token_ids(gen_config, getattr(model.config.get_text_config(), "vocab_size", None))
     input_ids = inputs["input_ids"]
     prompt = len(input_ids) if isinstance(input_ids, list) else input_ids.shape[-1]
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
@@ -426,8 +467,11 @@ def _generation_limit(model, inputs: dict, gen_config, limit: int | None) -> Non
 
 def limit_generation(limit: int | None = None) -> None:
     """Every generation of transformers' server (plain and continuous batching, streaming or not) bounded by the
-    model's context and `limit` (see the module docstring)."""
+    model's context and `limit` (see the module docstring), and ended at the request's stop strings
+    (`serve_requests.stop_streaming`)."""
     from transformers.cli.serving import utils
+
+    from .serve_requests import stop_non_streaming, stop_streaming
 
     for manager in (utils.GenerateManager, utils.CBGenerateManager):
         for name in ("generate_streaming", "generate_non_streaming"):
@@ -437,18 +481,20 @@ def limit_generation(limit: int | None = None) -> None:
 
             def make(method):
                 if name == "generate_non_streaming":
+                    stopping = stop_non_streaming(method)
 
                     @functools.wraps(method)
                     async def bounded(self, model, processor, inputs, gen_config, *args, **kwargs):
                         _generation_limit(model, inputs, gen_config, limit)
-                        return await method(self, model, processor, inputs, gen_config, *args, **kwargs)
+                        return await stopping(self, model, processor, inputs, gen_config, *args, **kwargs)
 
                 else:
+                    stopping = stop_streaming(method)
 
                     @functools.wraps(method)
                     def bounded(self, model, processor, inputs, gen_config, *args, **kwargs):
                         _generation_limit(model, inputs, gen_config, limit)
-                        return method(self, model, processor, inputs, gen_config, *args, **kwargs)
+                        return stopping(self, model, processor, inputs, gen_config, *args, **kwargs)
 
                 bounded._diff_limited = True
                 return bounded
@@ -475,8 +521,26 @@ def graceful_shutdown(seconds: float = GRACEFUL_SHUTDOWN_S) -> None:
     uvicorn.Config.__init__ = bounded
 
 
-def _own_options(argv: list[str]) -> tuple[list[str], int | None, bool]:
-    """(ARGV less our options, --max-new-tokens-limit's N, --quiet), and a MODEL argument checked to exist."""
+def _transformers_flags() -> set[str]:
+    """The options of transformers' `Serve` that take no value (its bool parameters, `--x` and `--no-x`): any other
+    option's next argument is its value, not a MODEL."""
+    import inspect
+    import typing
+
+    from transformers.cli.serve import Serve
+
+    flags = {"--help"}
+    for name, parameter in inspect.signature(Serve.__init__).parameters.items():
+        annotation = parameter.annotation
+        kind = typing.get_args(annotation)[0] if hasattr(annotation, "__metadata__") else annotation
+        if kind is bool or kind == (bool | None):
+            flags |= {f"--{name.replace('_', '-')}", f"--no-{name.replace('_', '-')}"}
+    return flags
+
+
+def _own_options(argv: list[str]) -> tuple[list[str], int | None, bool, tuple[str, ...]]:
+    """(ARGV less our options, --max-new-tokens-limit's N, --quiet, the MODELs when several), each MODEL checked to
+    exist. One MODEL goes to transformers (its pinned `force_model`); several stay here (`_served_models`)."""
     from ..checkpoints.names import resolve_model
 
     rest, limit, quiet, index = [], None, False, 0
@@ -499,16 +563,30 @@ def _own_options(argv: list[str]) -> tuple[list[str], int | None, bool]:
             continue
         rest.append(arg)
         index += 1
-    model = rest[0] if rest and not rest[0].startswith("-") else None
-    if model is not None and ":" not in model and "@" not in model:  # GGUF "<repo>:<file>", revisions: the Hub's
+    flags = _transformers_flags()
+    positions = [
+        i
+        for i, arg in enumerate(rest)
+        if not arg.startswith("-")
+        and (i == 0 or not rest[i - 1].startswith("-") or "=" in rest[i - 1] or rest[i - 1] in flags)
+    ]
+    models = [rest[i] for i in positions]
+    for model in models:
+        if ":" in model or "@" in model:  # GGUF "<repo>:<file>", revisions: the Hub's
+            continue
         _, local = resolve_model(model, name="MODEL")  # a mistyped path: one line, before the server starts
         if local is not None and not (local / "config.json").is_file():
             raise UserError(f"MODEL {model!r} is a directory without config.json: pass a saved model's directory.")
         if local is not None:
             _check_model_directory(local, f"MODEL {model}", None)
+    if len(set(models)) < len(models):
+        raise UserError(f"MODEL {next(m for m in models if models.count(m) > 1)!r} is named twice: name it once.")
+    served = tuple(models) if len(models) > 1 else ()
+    if served:
+        rest = [arg for i, arg in enumerate(rest) if i not in positions]
     if quiet and not any(arg == "--log-level" or arg.startswith("--log-level=") for arg in rest):
         rest += ["--log-level", "error"]
-    return rest, limit, quiet
+    return rest, limit, quiet, served
 
 
 def main(argv=None):
@@ -516,8 +594,8 @@ def main(argv=None):
     import typer
     from transformers.cli.serve import Serve
 
-    global _uvicorn_log_level
-    argv, limit, quiet = _own_options(sys.argv[1:] if argv is None else list(argv))
+    global _uvicorn_log_level, _served_models
+    argv, limit, quiet, _served_models = _own_options(sys.argv[1:] if argv is None else list(argv))
     _uvicorn_log_level = "warning" if quiet else None
     from ..templates import bound_chat_templates
 

@@ -532,7 +532,10 @@ def _convert(
     v1_init = _check_v1_init(source_kind, diff_version, v1_init, calibration_data)
     if v1_layout is not None and v1_init is None:
         raise ConversionError("--v1-layout chooses how Llama heads map onto V1: add --diff-version 1, or drop it.")
-    out_path = check_target(out)
+    # A local SRC is held against OUT first: `convert SRC SRC` is "OUT is SRC", not Staging's "pass --overwrite"
+    # (which would then be refused as overlapping SRC).
+    local_src = Path(os.fspath(src)).expanduser() if isinstance(src, (str, os.PathLike)) else None
+    out_path = check_target(out, sources={"SRC": local_src} if local_src is not None and local_src.is_dir() else None)
     # Refused (and dead runs' leftovers recovered) before anything is downloaded or read.
     staging = Staging(out_path, overwrite=overwrite, flag="overwrite=True (--overwrite)")
 

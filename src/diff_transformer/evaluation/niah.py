@@ -321,6 +321,50 @@ def markdown_table(results: list[dict], lengths, depths) -> str:
     return "\n".join(lines)
 
 
+def _samples(result: dict) -> list[dict]:
+    return [sample for cell in result["cells"] for sample in cell["samples"]]
+
+
+def _delta(x: float) -> str:
+    """A log-probability difference: 0.0 when none, else enough digits to see its size (rounding or real)."""
+    return "0.0" if x == 0 else f"{x:.1e}" if x < 0.05 else f"{x:.2f}"
+
+
+def summary(results: list[dict]) -> str:
+    """One line per model (mean accuracy and mean log-prob of VALUE over every prompt), then each model against the
+    first: "B = A (max Δ log-prob ...)" when every answer is the same, else both means, their differences and how
+    many answers differ. Every model of a run has the same grid (keys and values from --seed), compared prompt by
+    prompt."""
+    lines = []
+    for result in results:
+        samples = _samples(result)
+        accuracy = sum(s["correct"] for s in samples) / len(samples)
+        logprob = sum(s["value_logprob"] for s in samples) / len(samples)
+        lines.append(
+            f"{result['model']}: mean accuracy {accuracy:.2f}, mean log-prob of the value {logprob:.2f} "
+            f"({len(samples)} prompts)"
+        )
+    first = results[0]
+    base = _samples(first)
+    for result in results[1:]:
+        samples = _samples(result)
+        pairs = list(zip(base, samples))  # the same grid: prompt i is the same key and value in both
+        differ = sum(a["answer"] != b["answer"] or a["correct"] != b["correct"] for a, b in pairs)
+        largest = max(abs(b["value_logprob"] - a["value_logprob"]) for a, b in pairs)
+        name, against = result["model"], first["model"]
+        if differ == 0:
+            lines.append(f"{name} = {against} (every answer the same; max Δ log-prob {_delta(largest)})")
+            continue
+        acc_a, acc_b = (sum(s["correct"] for s in x) / len(x) for x in (base, samples))
+        lp_a, lp_b = (sum(s["value_logprob"] for s in x) / len(x) for x in (base, samples))
+        lines.append(
+            f"{name} vs {against}: accuracy {acc_b:.2f} vs {acc_a:.2f} (Δ {acc_b - acc_a:+.2f}), mean log-prob "
+            f"{lp_b:.2f} vs {lp_a:.2f} (Δ {lp_b - lp_a:+.2f}); {differ} of {len(pairs)} answers differ, max Δ "
+            f"log-prob {_delta(largest)}"
+        )
+    return "\n".join(lines)
+
+
 def heatmap(results: list[dict], lengths, depths):
     """The familiar figure: one panel per model, depth down, length across, accuracy on one colour scale (0 to 1),
     each cell annotated with its accuracy and the mean log-probability of VALUE."""
@@ -370,9 +414,10 @@ def save(out: Path, settings: dict, results: list[dict], lengths, depths, *, fig
     if figure:
         heatmap(results, lengths, depths).savefig(out / "niah.png", dpi=150)
     print(markdown_table(results, lengths, depths), file=sys.stdout)
+    print(f"\n{summary(results)}", file=sys.stdout)
 
 
 __all__ = [
     "Prompt", "PromptBuilder", "build_grid", "check_grid", "default_haystack", "evaluate", "heatmap", "is_correct",
-    "markdown_table", "needle_for", "read_haystack",
+    "markdown_table", "needle_for", "read_haystack", "summary",
 ]  # fmt: skip
