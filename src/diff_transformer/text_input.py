@@ -42,7 +42,7 @@ def parse_json_line(line: str, where: str):
         raise TextInputError(
             f"{where}: a number has more than {_max_digits()} digits: write it as a string or drop it"
         ) from None
-    _check_strings(value, where)
+    check_strings(value, where)
     return value
 
 
@@ -50,7 +50,8 @@ def _max_digits() -> int:
     return getattr(sys, "get_int_max_str_digits", lambda: 4300)()  # Python < 3.10.7: no limit, no such error
 
 
-def _check_strings(value, where: str) -> None:
+def check_strings(value, where: str) -> None:
+    """Every string (and key) of a parsed JSON value through `check_text`."""
     stack = [value]
     while stack:  # iterative: json.loads already bounded the depth
         item = stack.pop()

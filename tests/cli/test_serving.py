@@ -587,6 +587,7 @@ def test_stop_text_holds_back_only_what_could_begin_a_stop_string():
         ({"generation_config": "nope"}, "generation_config", "generation_config must be a string holding a JSON"),
         ({"generation_config": '{"stop_strings": ["a", "b", "c", "d", "e"]}'}, "generation_config", "at most 4"),
         ({"model": 5}, "model", "model=5 must be a string"),
+        ({"messages": [{"role": "user", "content": "a \ud800 b"}]}, None, "lone surrogate (U+D800)"),  # Trust 4 (3)
     ],
 )
 def test_bad_request_fields_are_400s_with_openai_s_error_body(servers, models, extra, param, words):

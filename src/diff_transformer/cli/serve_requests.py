@@ -21,6 +21,8 @@ import json
 import math
 from dataclasses import dataclass
 
+from ..text_input import TextInputError, check_strings
+
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256  # per stop string: the text a stream holds back while it could still be one
@@ -36,7 +38,7 @@ def http_error(status: int, message: str, *, param: str | None = None, code: str
     return HTTPException(status_code=status, detail=detail)
 
 
-def _invalid(param: str, message: str):
+def _invalid(param: str | None, message: str):
     return http_error(400, message, param=param, code="invalid_value")
 
 
@@ -56,6 +58,10 @@ def check_request(body: dict) -> None:
     """A request's fields, checked before transformers' handler runs (it calls `_validate_request` first): a 400
     naming the field and the fix, instead of a plain-text 500 or a field silently ignored."""
     _check_shapes(body)
+    try:
+        check_strings(body, "the request")  # JSON's "\ud800" reaches the tokenizer as a lone surrogate
+    except TextInputError as error:
+        raise _invalid(None, str(error)) from None
     n = body.get("n")
     if n is not None and n != 1:
         raise _invalid("n", f"n={n!r}: this server answers one choice per request: omit n (or send 1).")
