@@ -22,8 +22,8 @@ Formulas call `fl(y)`, `fl_dot(a, b)` and `fl_sum(x, dim)` where fp32 would roun
 pooled over the row, 4 samples give a steady scale, where one element's σ from 4 samples may be near 0 by chance.
 FACTOR = 16: the largest of ~2·10^4 Gaussian errors is ~4.5 of its own σ, and one element's σ reaches ~3 σ_row
 (measured: 2.8 to 4.1 σ_row); 4.5 × 3 ≈ 13.5. The model's RMS error is 0.4 to 0.9 of σ on every matrix cell (the
-rounding model sums left to right, the kernels mostly in blocks), its largest 0.15 to 0.45 of the bound under every
-ATEN_CPU_CAPABILITY (docs/development.md, "Numeric tolerances").
+rounding model sums left to right, the kernels mostly in blocks), its largest 0.13 to 0.52 of the bound under AVX-512,
+AVX2 and plain kernels, MKL's too (docs/development.md, "Numeric tolerances").
 """
 
 import contextlib
