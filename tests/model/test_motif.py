@@ -4,6 +4,7 @@ equivalent plain V1 model; the converted checkpoints themselves are tested in te
 
 import math
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ from diff_transformer.analysis import attention_maps
 from diff_transformer.integrations.cpu_attention import CpuStrategy
 from diff_transformer.integrations.vllm import fields
 from diff_transformer.modeling_diff import DiffPolyNorm
+from tests.helpers.reference import activation
+from tests.helpers.rounding import assert_within_rounding, rounding_scale
 from tests.helpers.tiny import tiny_model
 
 
@@ -33,13 +36,13 @@ def test_poly_norm_is_its_formula_and_starts_at_equal_weights():
     with torch.no_grad():
         act.weight.copy_(torch.tensor([0.5, -0.25, 2.0]))
         act.bias.fill_(0.125)
-    x = torch.randn(2, 5, 16, dtype=torch.float64)
-
-    def n(u):
-        return u / torch.sqrt(u.pow(2).mean(-1, keepdim=True) + 1e-6)
-
-    expected = 0.5 * n(x**3) - 0.25 * n(x**2) + 2.0 * n(x) + 0.125
-    torch.testing.assert_close(act(x.float()).double(), expected, rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, 5, 16)
+    # w0 n(x³) + w1 n(x²) + w2 n(x) + b, n(u) = u / sqrt(mean(u²) + 1e-6): the reference's, in float64, with the
+    # scale of fp32's rounding on it
+    weights = {"act.weight": torch.tensor([0.5, -0.25, 2.0]).double(), "act.bias": torch.tensor([0.125]).double()}
+    poly_norm = SimpleNamespace(hidden_act="poly_norm")
+    expected, sigma = rounding_scale(lambda: activation(weights, "act", poly_norm, x.double()))
+    assert_within_rounding(act(x), expected, sigma)
     assert act(x.bfloat16()).dtype == torch.bfloat16  # computed in fp32, returned in the input's dtype
 
 
