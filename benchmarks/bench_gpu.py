@@ -53,9 +53,12 @@ Metrics (sections; each metric interleaves its repetitions: for rep, for (model,
 * ``decode``: tokens/s of greedy ``generate`` with the dynamic cache, batch 1 and 32 after a 4096-token prompt.
   Rate = batch x (steps - 1) / (end - first step), timed from the first logits (after prefill, one sync there) to
   the end of generate (one sync): the decode loop runs unsynchronised, as in real use.
-* ``decode_static``: the same with a StaticCache, with which ``generate`` compiles the decode step (its default
-  CompileConfig: inductor, mode "reduce-overhead", i.e. CUDA graphs). One StaticCache per (model, backend, batch) is
-  reused across calls, as a server would, so the compiled graph and its static addresses stay put.
+* ``decode_static``: compiled decoding (issue 48's ``decode_compiled``), as ``generate --compile`` runs it
+  (``diff_transformer.cli.generate.compile_kwargs``): a StaticCache, with which ``generate`` compiles the decode step
+  with ``CompileConfig(fullgraph=True)`` (inductor, mode "reduce-overhead", i.e. CUDA graphs; a graph break fails
+  the (model, backend) with its reason instead of measuring a split graph). Llama is compiled the same way in the
+  same run. One StaticCache per (model, backend, batch) is reused across calls, as a server would, so the compiled
+  graph and its static addresses stay put.
 
 Peak memory of every measurement: the weights (+ AdamW state when training, + the static cache) plus
 ``torch.cuda.max_memory_allocated()`` minus the memory allocated just before the measurement. The other models stay
@@ -113,6 +116,7 @@ from transformers.generation import CompileConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from diff_transformer import DiffConfig, DiffForCausalLM
+from diff_transformer.cli.generate import compile_kwargs
 
 
 _HERE = Path(__file__).resolve().parent
@@ -1049,9 +1053,10 @@ def section_prefill(runner: Runner, models: dict, configs: list[str]):
 
 def section_decode(runner: Runner, models: dict, configs: list[str], static: bool):
     r = runner
-    compile_config = None
+    compile_config = compile_kwargs(str(r.dev.device))["compile_config"]  # generate --compile's: fullgraph
     if static and r.args.smoke:  # CPU: generate only auto-compiles on accelerators unless told to; inductor is slow
-        compile_config = CompileConfig(backend="eager", mode=None, dynamic=True)  # one trace for both batch sizes
+        # dynamo only (no inductor), one trace for both batch sizes; fullgraph still refuses a graph break
+        compile_config = CompileConfig(backend="eager", mode=None, dynamic=True, fullgraph=True)
         compile_config._compile_all_devices = True
     prompt = random_ids(r.size["prompt"], r.size["vocab"], 3).to(r.dev.device)
     for b in r.size["decode_batches"]:

@@ -62,6 +62,12 @@ recorded).
    allocation >= 64 KiB is its own mmap, returned to the OS on free, so RSS tracks live tensors. Without it,
    glibc's *dynamic* mmap threshold lets freed blocks linger in the heap and the same forward's peak varied by
    up to +-100 MiB between runs; with it, repeated runs agree to 0.1 MiB.
+3b. Compiled decode tokens/s (``decode_compiled``): the same greedy ``generate`` as ``generate --compile`` runs it
+   (``diff_transformer.cli.generate.compile_kwargs``): a static cache, and transformers compiling the decoding
+   step with ``torch.compile(fullgraph=True)``, inductor's default mode (the prefill stays eager). Every model,
+   Llama included, is compiled in the same run; the compile happens in the warm-up (its seconds, and whether the
+   compiled greedy tokens equal the eager ones, are in the JSON: ``detail.decode_compiled``). Ratios are to the
+   compiled Llama.
 4. Training step: CausalLM in train mode, batch 1, 1024 tokens, forward + loss (``labels=input_ids``) +
    backward; gradients are dropped (set to None) outside the timed region. No optimizer step (it is
    parameter-proportional, hence equal for equal budgets).
@@ -111,6 +117,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from diff_transformer import DiffConfig, DiffForCausalLM
+from diff_transformer.cli.generate import compile_kwargs
 
 
 hf_logging.set_verbosity_error()
@@ -205,11 +212,12 @@ def time_prefill(base, ids) -> float:
         return timed(lambda: base(input_ids=ids, use_cache=True))
 
 
-def time_decode(lm, ids, new_tokens: int) -> dict:
+def time_decode(lm, ids, new_tokens: int, compiled: bool = False) -> dict:
+    """Greedy decode; `compiled`: as `generate --compile` does it (static cache, fullgraph-compiled decoding step)."""
     timer = StepClock()
     with torch.inference_mode():
         t0 = time.perf_counter()
-        greedy_generate(lm, ids, new_tokens, timer)
+        out = greedy_generate(lm, ids, new_tokens, timer, **(compile_kwargs("cpu") if compiled else {}))
         total = time.perf_counter() - t0
     steps = len(timer.times)
     decode_s = timer.times[-1] - timer.times[0]
@@ -220,6 +228,7 @@ def time_decode(lm, ids, new_tokens: int) -> dict:
         "total_s": total,
         "prefill_s": timer.times[0] - t0,
         "steps": steps,
+        "tokens": out[0, ids.shape[1] :].tolist(),
     }
 
 
@@ -307,7 +316,8 @@ def summarize(raw: dict, names: list[str]) -> dict:
         out[metric] = {}
         for name in names:
             vals = per_model[name]
-            best, best_ref = (max(vals), max(ref)) if metric == "decode" else (min(vals), min(ref))
+            higher = metric.startswith("decode")  # tokens/s
+            best, best_ref = (max(vals), max(ref)) if higher else (min(vals), min(ref))
             out[metric][name] = {
                 "median": median(vals),
                 "ratio": median_ratio(vals, ref),
@@ -341,6 +351,7 @@ def floor_ratios(args, size, names) -> dict:
     context = size["prompt"] + size["new_tokens"] // 2  # the mean context of the decode steps
     ref = decode_bytes(models["llama"], context)
     out["decode"] = {n: ref / decode_bytes(m, context) for n, m in models.items()}  # tokens/s: inverse of bytes
+    out["decode_compiled"] = out["decode"]
     return out
 
 
@@ -355,6 +366,12 @@ def report(args, size, names, params, descr, summary, meta) -> tuple[str, list[t
     rows = [(f"prefill_{n}", f"prefill {n} tok, base (lower=better)", "ms") for n in size["prefill"]]
     rows += [
         ("decode", f"decode tok/s, {size['new_tokens']} new after {size['prompt']} (higher=better)", "tok/s"),
+        (
+            "decode_compiled",
+            f"compiled decode tok/s (static cache, fullgraph), {size['new_tokens']} new after {size['prompt']} "
+            "(higher=better; ratio to compiled Llama)",
+            "tok/s",
+        ),
         ("memory", f"peak RSS increase, base fwd {size['mem_seq']} tok (lower=better)", "MiB"),
         ("train", f"train step fwd+bwd {size['train_seq']} tok (lower=better)", "ms"),
     ]
@@ -405,14 +422,18 @@ def report(args, size, names, params, descr, summary, meta) -> tuple[str, list[t
                 f"V2 prefill {n} <= 1.4x Llama: {ratio(m, 'v2'):.2f}x (best-of {best(m, 'v2'):.2f}x)",
                 ratio(m, "v2") <= 1.4,
             )
-    if "decode" in summary:
+    for metric, what in (("decode", "decode"), ("decode_compiled", "compiled decode")):
+        if metric not in summary:
+            continue
         for n, limit in (("v2", 0.9), ("v1", 0.85)):
             if n in names:
                 check(
-                    f"{MODEL_LABELS[n]} decode tok/s >= {limit}x Llama: {ratio('decode', n):.2f}x "
-                    f"(best-of {best('decode', n):.2f}x)",
-                    ratio("decode", n) >= limit,
+                    f"{MODEL_LABELS[n]} {what} tok/s >= {limit}x Llama: {ratio(metric, n):.2f}x "
+                    f"(best-of {best(metric, n):.2f}x)",
+                    ratio(metric, n) >= limit,
                 )
+    for n, row in meta.get("decode_compiled", {}).items():
+        check(f"{MODEL_LABELS[n]} compiled greedy tokens equal eager ones", row["tokens_equal_eager"])
     for metric in [f"prefill_{n}" for n in size["prefill"]] + ["train"]:
         for n in ("v1", "v2", "v2mf") if metric != "train" else ("v1", "v2"):  # v2mf trains as v2 does
             if metric in summary and metric in floor and n in names:
@@ -470,7 +491,11 @@ def parse_args(argv=None):
     p.add_argument("--json", metavar="OUT", help="write all results (raw samples included) as JSON")
     p.add_argument("--md", metavar="OUT", help="write the markdown report")
     p.add_argument("--models", default="llama,diffllama,v1,v2,v2mf", help="comma list from: " + ",".join(MODEL_LABELS))
-    p.add_argument("--skip", default="", help="comma list of metrics to skip: prefill,decode,memory,train")
+    p.add_argument(
+        "--skip", default="", help="comma list of metrics to skip: prefill,decode,decode_compiled,memory,train"
+    )
+    p.add_argument("--prompt", type=int, default=None, help="decode prompt tokens (default 512, quick 32)")
+    p.add_argument("--new-tokens", type=int, default=None, help="decoded tokens (default 128, quick 16)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable cores)")
     p.add_argument("--v2-heads", type=int, default=None, help="V2 differential heads H (default: Llama heads)")
     p.add_argument("--v2-kv-heads", type=int, default=None, help="V2 KV heads (default: Llama KV heads / 2)")
@@ -487,12 +512,18 @@ def main(argv=None):
     size = dict(QUICK if args.quick else FULL)
     if args.mem_seq:
         size["mem_seq"] = args.mem_seq
+    size["prompt"] = args.prompt or size["prompt"]
+    size["new_tokens"] = args.new_tokens or size["new_tokens"]
     if args.mem_worker:
         print(json.dumps(memory_worker(args.mem_worker, size, args)))
         return 0
 
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)
+    # Every model's compiled decoding step is one code object (Module.__call__) with a graph per model: room for them
+    # all, and a loud failure rather than a silent eager fallback past the limit (as bench_gpu.py).
+    torch._dynamo.config.recompile_limit = 32
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     reps = args.reps or size["reps"]
     mem_reps = args.mem_reps or size["mem_reps"]
     names = [n.strip() for n in args.models.split(",") if n.strip()]
@@ -519,23 +550,32 @@ def main(argv=None):
             metrics.append((f"prefill_{L}", lambda n, L=L: time_prefill(lms[n].model, prefill_ids[L])))
     if "decode" not in skip:
         metrics.append(("decode", lambda n: time_decode(lms[n], prompt, size["new_tokens"])))
+    if "decode_compiled" not in skip:
+        metrics.append(("decode_compiled", lambda n: time_decode(lms[n], prompt, size["new_tokens"], compiled=True)))
     if "train" not in skip:
         metrics.append(("train", lambda n: time_train(lms[n], train_ids)))
 
     log("warm-up")
+    compiled: dict = {}  # model -> first compiled call's seconds (the compile) and its tokens against eager ones
     for key, fn in metrics:
         for n in names:
-            fn(n)
+            t0 = time.perf_counter()
+            out = fn(n)
+            if key == "decode_compiled":
+                eager = time_decode(lms[n], prompt, size["new_tokens"])["tokens"]
+                compiled[n] = {"compile_s": time.perf_counter() - t0, "tokens_equal_eager": out["tokens"] == eager}
+                log(f"  {MODEL_LABELS[n]} compiled decode: {compiled[n]}")
     raw: dict = {key: {n: [] for n in names} for key, _ in metrics}
-    extra: dict = {"decode_detail": {n: [] for n in names}}
+    extra: dict = {"decode_detail": {n: [] for n in names}, "decode_compiled": {n: [] for n in names}}
     loads: list[float] = []
     for rep in range(reps):
         order = rotated(names, rep)
         for key, fn in metrics:
             for n in order:
                 v = fn(n)
-                if key == "decode":
-                    extra["decode_detail"][n].append(v)
+                if key.startswith("decode"):
+                    v.pop("tokens")  # compared once, in the warm-up
+                    extra["decode_detail" if key == "decode" else key][n].append(v)
                     v = v["tok_s"]
                 raw[key][n].append(v)
         loads.append(round(os.getloadavg()[0], 1))
@@ -569,6 +609,7 @@ def main(argv=None):
         "mem_reps": mem_reps,
         "wall_s": time.perf_counter() - t_start,
         "loadavg": loads,
+        **({"decode_compiled": compiled} if compiled else {}),
     }
     text, checks = report(args, size, names, params, descr, summary, meta)
     print(text)

@@ -1,9 +1,16 @@
 #!/bin/bash
-# What a lent GPU runs in one device call ("GPU checks" issues): the CUDA tests, the fused kernel's launch sweep at
-# head_dim 64 and 128, and the ~1B-shape benchmark. Everything goes under $OUT (logs, JSON); each step has its own
-# time limit so that a slow one cannot eat the next. Run from the repository root:
+# What a lent GPU runs in one device call (issue 48 "Speed 3"; H100 or H200, about 8 minutes): the fused V1 model's
+# CUDA tests, then bench_gpu.py's training, prefill and decoding, eager and compiled (decode_static: generate
+# --compile's static cache + fullgraph compile, CUDA graphs), for Llama, DiffLlama, V1 (sdpa and diff_triton) and V2,
+# and last the census's predictions (benchmarks/results/census.json, counted on any machine) beside the measured
+# ratios. Each step has its own time limit, so a slow one cannot eat the next, and bench_gpu.py's --time-budget
+# records what did not fit as "skipped: time budget". Everything goes under $OUT, at most 8 files (what one device
+# call brings back): summary.txt, tests.log, bench.log, bench_compile.log, census_vs_measured.txt and
+# bench/results_gpu.{json,md}. Run from the repository root:
 #     OUT=/tmp/gpu bash benchmarks/gpu_checks.sh
-# Wheels the GPU image lacks (this package pins transformers and peft) travel in .whl/ (see DEVELOPERS.md).
+# Environment: TESTS_S, BENCH_S, COMPILE_S (step limits, seconds), REPS, MODELS; SWEEP=1 adds the kernel's launch
+# sweep at head_dim 64 and 128 (4 more files and ~3 minutes: leave other steps out then).
+# Wheels the GPU image lacks (this package pins transformers and peft) travel in .whl/ (see docs/development.md).
 set -u
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT/bench"
@@ -16,19 +23,55 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src:. PYTHONUNBUFFERED=1 TOKENIZERS
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
     date -u
-} > "$OUT/machine.txt" 2>&1
-cat "$OUT/machine.txt"
-step() {  # step NAME SECONDS COMMAND...: one log per step, its exit status in status.txt
+} > "$OUT/summary.txt" 2>&1
+cat "$OUT/summary.txt"
+step() {  # step NAME SECONDS COMMAND...: one log per step, its exit status in summary.txt
     local name=$1 limit=$2; shift 2
     local start=$SECONDS
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    echo "$name rc=$? ${limit}s-limit took=$((SECONDS - start))s" | tee -a "$OUT/status.txt"
+    echo "$name rc=$? ${limit}s-limit took=$((SECONDS - start))s" | tee -a "$OUT/summary.txt"
     tail -5 "$OUT/$name.log"
 }
-step tests "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider -n 4 -k cuda \
-    tests/kernels tests/training/test_peft.py tests/training/test_train.py
-step sweep64 "${SWEEP_S:-100}" python3 benchmarks/bench_kernel.py --sweep --head-dim 64 --out "$OUT/kernel64.json"
-step sweep128 "${SWEEP_S:-100}" python3 benchmarks/bench_kernel.py --sweep --head-dim 128 --out "$OUT/kernel128.json"
-step bench "${BENCH_S:-230}" python3 benchmarks/bench_gpu.py --sections "${SECTIONS:-attention,train,prefill,decode}" \
-    --models llama,diffllama,v1,v2 --backends sdpa,diff_triton --reps 3 --time-budget "${BENCH_BUDGET:-170}" \
-    --out-dir "$OUT/bench"
+BENCH=(python3 benchmarks/bench_gpu.py --models "${MODELS:-llama,diffllama,v1,v2}" --backends sdpa,diff_triton
+    --reps "${REPS:-3}" --out-dir "$OUT/bench")
+step tests "${TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider -k cuda tests/kernels/test_fused_model.py
+# Eager training, prefill and decoding, then compiled decoding (two inductor compiles per configuration: batch 1, 32).
+BENCH_S=${BENCH_S:-270}
+step bench "$BENCH_S" "${BENCH[@]}" --sections train,prefill,decode,decode_static --overwrite \
+    --compile-configs llama/sdpa,v1/sdpa,v2/sdpa,v1/diff_triton --time-budget $((BENCH_S - 30))
+# Compiled training last, Llama and V1 first: what its budget leaves is recorded as skipped.
+COMPILE_S=${COMPILE_S:-100}
+step bench_compile "$COMPILE_S" "${BENCH[@]}" --sections train_compile --merge \
+    --compile-configs llama/sdpa,v1/sdpa,v1/diff_triton,v2/sdpa --time-budget $((COMPILE_S - 15))
+if [ "${SWEEP:-0}" = 1 ]; then
+    step sweep64 100 python3 benchmarks/bench_kernel.py --sweep --head-dim 64 --out "$OUT/kernel64.json"
+    step sweep128 100 python3 benchmarks/bench_kernel.py --sweep --head-dim 128 --out "$OUT/kernel128.json"
+fi
+# The census (ops per decoder layer on the GPU's code path) predicts launch-bound ratios: tokens/s x Llama of an eager
+# batch-1 decode step ~ Llama's ops / the model's. Beside it, what was measured (ratio to Llama's best backend, SDPA,
+# in the same run, as on docs/performance.md).
+python3 - "$OUT/bench/results_gpu.json" benchmarks/results/census.json > "$OUT/census_vs_measured.txt" 2>&1 <<'EOF'
+import json, os, sys
+
+measured = json.load(open(sys.argv[1]))["summary"] if os.path.exists(sys.argv[1]) else {}
+census = json.load(open(sys.argv[2]))["results"]
+llama = census["llama/sdpa"]
+rows = [("decode", "decode_b1_dynamic", "launch-bound: the census's prediction"),
+        ("decode", "decode_b1_static", "CUDA graphs replay the launches: not launch-bound"),
+        ("train", "train", "compute-bound: ops are launches, not time"),
+        ("train", "train_compile", "compiled: inductor fuses ops"),
+        ("prefill", "prefill_4096", "latency ratio; compute-bound")]
+print("| config | census phase | ops/layer | predicted x Llama | measured metric | measured x Llama | note |")
+print("|---|---|---|---|---|---|---|")
+for config, counts in census.items():
+    if config == "llama/sdpa" or "error" in counts:
+        continue
+    for phase, metric, note in rows:
+        ops, ref = counts[phase]["ops"], llama[phase]["ops"]
+        predicted = ops / ref if phase == "prefill" else ref / ops
+        row = measured.get(metric, {}).get(config)
+        got = f"{row['ratio_llama_best']:.2f}" if row and row.get("ratio_llama_best") is not None else "not measured"
+        print(f"| {config} | {phase} | {ops} (Llama {ref}) | {predicted:.2f} | {metric} | {got} | {note} |")
+EOF
+echo "census rc=$?" | tee -a "$OUT/summary.txt"
+cat "$OUT/census_vs_measured.txt"

@@ -14,6 +14,8 @@ The page's prose is written by hand; only what lies between a pair of markers (e
 Sections (marker name: the JSON it reads, the script that writes it):
 
 * bench_model: results_cpu.json, `benchmarks/bench_model.py` (CPU, Llama / DiffLlama / V1 / V2);
+* decode_compiled: results_cpu_decode_compiled.json, `benchmarks/bench_model.py` run for its decode sections only
+  (eager and compiled decoding, every model compiled in the same run);
 * bench_gpu: results_gpu.json and results_gpu_tuned_tiles.json, `benchmarks/bench_gpu.py` (one GPU; `--run` does
   not re-run it: it needs a GPU, see benchmarks/gpu_checks.sh);
 * bench_convert: results_convert.json, `benchmarks/bench_convert.py`;
@@ -90,20 +92,32 @@ def _missing(name: str, command: str) -> str:
 CPU_TARGETS = {
     "prefill": "V1 ≤ 1.25× and < DiffLlama; V2 ≤ 1.4×",
     "decode": "V1 ≥ 0.85×, V2 ≥ 0.9×",
+    "decode_compiled": "V1 ≥ 0.85×, V2 ≥ 0.9× (of compiled Llama)",
     "memory": "≤ 1.2×",
     "train": "≤ 1.35×",
 }
 
 
 def bench_model() -> str:
-    data = _read("results_cpu.json")
+    return _cpu_table("results_cpu.json", "python benchmarks/bench_model.py --reps 7 --json ...")
+
+
+def decode_compiled() -> str:
+    return _cpu_table(
+        "results_cpu_decode_compiled.json",
+        "python benchmarks/bench_model.py --skip prefill,memory,train --json ...",
+    )
+
+
+def _cpu_table(name: str, command: str) -> str:
+    data = _read(name)
     if data is None:
-        return _missing("results_cpu.json", "python benchmarks/bench_model.py --reps 7 --json ...")
+        return _missing(name, command)
     meta, size, summary, names = data["meta"], data["size"], data["summary"], data["models"]
     floors = data.get("floor") or {}
     lines = [
         _source(
-            "results_cpu.json",
+            name,
             f"measured {meta['date']} on {meta['cpu']}, {meta['threads']} threads, {_load(meta['loadavg'])}",
             f"torch {meta['torch']}, transformers {meta['transformers']}, git {_git(meta['git'])}",
             f"median of {meta['reps']} interleaved repetitions, ratios: median per-repetition ratio to Llama"
@@ -116,6 +130,12 @@ def bench_model() -> str:
     rows = [(f"prefill_{n}", f"prefill {n} tokens, base model", "prefill") for n in size["prefill"]]
     rows += [
         ("decode", f"decode, {size['new_tokens']} tokens after {size['prompt']} (tokens/s)", "decode"),
+        (
+            "decode_compiled",
+            f"compiled decode (static cache, fullgraph), {size['new_tokens']} tokens after {size['prompt']} "
+            "(tokens/s; ratio to compiled Llama)",
+            "decode_compiled",
+        ),
         ("memory", f"peak memory, base forward at {size['mem_seq']} tokens", "memory"),
         ("train", f"training step (fwd+bwd+loss), {size['train_seq']} tokens", "train"),
     ]
@@ -125,6 +145,7 @@ def bench_model() -> str:
         ref = summary[metric]["llama"]["median"]
         absolute = {
             "decode": f"{ref:,.1f} tok/s",
+            "decode_compiled": f"{ref:,.1f} tok/s",
             "memory": f"{ref:,.0f} MiB",
         }.get(target, f"{ref * 1e3:,.0f} ms")
         cells = []
@@ -138,6 +159,18 @@ def bench_model() -> str:
                 cell += f" (floor {_x(floors[metric][n])})"
             cells.append(cell)
         lines.append(f"| {label} | {absolute} | " + " | ".join(cells) + f" | {CPU_TARGETS[target]} |")
+    compiled = meta.get("decode_compiled")
+    if compiled:  # the warm-up's compile of every model, and its greedy tokens against the eager ones
+        lines += [
+            "",
+            "Compiled decoding, per model: the first call's seconds (the compile, prefill and decode included) and "
+            "whether its greedy tokens equal the eager ones: "
+            + "; ".join(
+                f"{LABELS[n]} {row['compile_s']:.0f} s, {'equal' if row['tokens_equal_eager'] else 'DIFFERENT'}"
+                for n, row in compiled.items()
+            )
+            + ".",
+        ]
     return "\n".join(lines)
 
 
@@ -379,6 +412,7 @@ def census() -> str:
 
 SECTIONS = {
     "bench_model": bench_model,
+    "decode_compiled": decode_compiled,
     "bench_gpu": bench_gpu,
     "bench_convert": bench_convert,
     "bench_vllm": bench_vllm,

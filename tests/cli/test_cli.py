@@ -37,6 +37,28 @@ def test_generate_command_with_token_ids(tmp_path, capsys):
     assert capsys.readouterr().out.split() == [str(t) for t in expected]
 
 
+def test_generate_compile_decodes_the_eager_tokens(tmp_path, capsys, monkeypatch, refused):
+    import torch
+
+    from diff_transformer import cli
+    from tests.helpers.tiny import tiny_model
+
+    model = tiny_model(1)
+    model.save_pretrained(tmp_path)
+    expected = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, do_sample=False)[0, 3:].tolist()
+    compiles, compile_ = [], torch.compile
+
+    def dynamo_only(fn, **kwargs):  # inductor's code is tests/model/test_generation.py's (slow); dynamo traces here
+        compiles.append(kwargs)
+        return compile_(fn, **{**kwargs, "backend": "eager", "mode": None})
+
+    monkeypatch.setattr(torch, "compile", dynamo_only)
+    assert cli.main(["generate", str(tmp_path), "5 6 7", "--max-new-tokens", "6", "--compile", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.split() == [str(t) for t in expected]
+    assert len(compiles) == 1 and compiles[0]["fullgraph"], compiles  # generate compiled the decoding step
+    refused(["generate", str(tmp_path), "--chat", "--compile"], "--compile", "interactive chat", "pass a PROMPT")
+
+
 def test_python_dash_m_diff_transformer_is_the_command():
     import subprocess
     import sys

@@ -81,6 +81,7 @@ def test_assisted_decoding_matches_greedy(diff_version):
 
 
 def test_static_cache_with_torch_compile(diff_version):
+    """The forward compiled by hand (prefill and decoding steps both compiled) on a static cache."""
     model = tiny_model(diff_version, attn_implementation="sdpa")
     prompt = torch.randint(3, 97, (1, 6))
     expected = model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
@@ -90,6 +91,38 @@ def test_static_cache_with_torch_compile(diff_version):
     compiled = model.generate(
         prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, cache_implementation="static"
     )
+    assert torch.equal(compiled, expected)
+
+
+# The quick loop traces with dynamo only (backend "eager": a graph break still fails fullgraph, in seconds);
+# inductor's generated code, what users run, took 36-133 s per model here (2 loaded cores): slow.
+@pytest.mark.parametrize(
+    "backend,overrides",
+    [
+        pytest.param("eager", {}, id="eager"),
+        pytest.param("eager", {"num_noise_heads": 2}, id="eager-gda"),
+        pytest.param("inductor", {}, marks=pytest.mark.slow, id="inductor"),
+        pytest.param("inductor", {"num_noise_heads": 2}, marks=pytest.mark.slow, id="inductor-gda"),
+    ],
+)
+def test_compiled_decoding_equals_eager(diff_version, backend, overrides):
+    """Compiled decoding as `generate --compile` asks for it (`compile_kwargs`: a static cache, transformers
+    compiling the decoding step with fullgraph=True, so any graph break fails here): the greedy tokens of the eager
+    dynamic-cache run. GDA (Motif's V1 shape) is V1's layout with shared noise queries."""
+    from diff_transformer.cli.generate import compile_kwargs
+
+    if overrides and diff_version == 2:
+        pytest.skip("grouped noise heads are a V1 layout")
+    model = tiny_model(diff_version, attn_implementation="sdpa", **overrides)
+    prompt = torch.randint(3, 97, (2, 6))  # two rows: the batch dimension is traced too
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    expected = model.generate(prompt, **kwargs)
+    compiled_kwargs = compile_kwargs("cpu")
+    assert compiled_kwargs["compile_config"].fullgraph
+    if backend == "eager":
+        compiled_kwargs["compile_config"].backend, compiled_kwargs["compile_config"].mode = "eager", None
+    compiled = model.generate(prompt, **kwargs, **compiled_kwargs)
+    assert hasattr(model, "_compiled_call"), "generate did not compile the decoding step"
     assert torch.equal(compiled, expected)
 
 

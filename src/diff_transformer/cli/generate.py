@@ -46,6 +46,12 @@ def add_parser(commands) -> None:
     generate.add_argument(
         "--stream", action="store_true", help="print the answer token by token as it is generated (needs a tokenizer)"
     )
+    generate.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode with a static cache and a torch.compile'd decoding step (fullgraph; CUDA graphs on a GPU): the "
+        "first tokens wait for the compile (about a minute), long answers come faster",
+    )
     add_device_options(generate, "generate")
     add_attn_option(generate)
     add_base_option(generate)
@@ -79,6 +85,8 @@ def run(args) -> int:
         if text is not None:  # argv undecodable as UTF-8 arrives with lone surrogates
             check_text(text, name)
     device = resolve_device(args.device)
+    if args.compile:
+        _check_compile(args, device)
     # Everything about the inputs is checked before the weights load.
     source = adapters.resolve(args.model, args.base)
     if source.local is not None:
@@ -129,6 +137,8 @@ def run(args) -> int:
     if args.repetition_penalty is not None:
         kwargs["repetition_penalty"] = args.repetition_penalty
     kwargs.update({name: getattr(args, name) for name in ("top_p", "top_k") if getattr(args, name) is not None})
+    if args.compile:
+        kwargs.update(compile_kwargs(device))
     if args.seed is not None:
         from transformers import set_seed
 
@@ -167,6 +177,38 @@ def _check_generate_options(args) -> None:
         raise UserError("--system is the system message of a chat: add --chat.")
     if args.seed is not None:
         check_seed(args.seed, "--seed")
+
+
+def _check_compile(args, device: str) -> None:
+    """--compile where it works: transformers compiles `generate`'s decoding step on CUDA (and, told to, on the CPU),
+    for the shapes of one call."""
+    if args.chat and args.prompt is None:
+        raise UserError(
+            "--compile compiles the decoding step for one prompt's cache length, and an interactive chat's prompt "
+            "grows every turn (a compile per message): pass a PROMPT, or drop --compile."
+        )
+    if device.startswith("mps"):
+        raise UserError(
+            "--compile: transformers compiles generate's decoding step on CUDA or the CPU, not on mps: add --device "
+            "cpu, or drop --compile."
+        )
+
+
+def compile_kwargs(device: str) -> dict:
+    """`generate` keywords of --compile: a static cache, with which transformers compiles the decoding step (not the
+    prefill) by `compile_config`. fullgraph: a graph break is an error, not a silent slowdown. On CUDA transformers'
+    default mode, "reduce-overhead" (CUDA graphs); on the CPU inductor's default mode, and the flag that asks
+    transformers to compile there (it compiles by itself on accelerators only)."""
+    from transformers import CompileConfig
+
+    if device.startswith("cuda"):
+        return dict(cache_implementation="static", compile_config=CompileConfig(fullgraph=True))
+    config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+    # Relies on: `GenerationMixin._valid_auto_compile_criteria` compiling off accelerators when the compile config's
+    # `_compile_all_devices` is set (transformers' own tests set it so). Guarded by
+    # tests/model/test_generation.py::test_compiled_decoding_equals_eager (it checks the call was compiled).
+    config._compile_all_devices = True
+    return dict(cache_implementation="static", compile_config=config)
 
 
 def _chat_inputs(args, tokenizer, prompt: str):
