@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import require
+from ..safe_output import write_new_file
 from . import CheckpointError
 from .configs import read_json
 from .loading import check_diff_checkpoint, load_causal_lm
@@ -159,7 +160,7 @@ def record_base(adapter_dir, base: Path | str) -> None:
         }
     else:
         record = {"hub_id": str(base)}
-    (adapter_dir / BASE_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    write_new_file(adapter_dir / BASE_RECORD, json.dumps(record, indent=2) + "\n")  # never through a link
 
 
 def _recorded_base(record: dict, adapter: Path, shown: str) -> str | None:
@@ -357,7 +358,7 @@ def write_adapter_card(directory, base: str, config, lambda_summary: str | None 
     directory = Path(directory)
     lora = read_adapter_config(directory)
     card = adapter_card(base, config, lora, directory.name, lambda_summary)
-    card.save(directory / "README.md")
+    write_new_file(directory / "README.md", str(card))  # replaces PEFT's card; never written through a link
 
 
 # --- merge ---------------------------------------------------------------------------------------------------------
