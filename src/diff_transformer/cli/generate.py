@@ -111,7 +111,12 @@ def run(args) -> int:
         raise UserError(f"--stream prints text, and MODEL {args.model} has no tokenizer: drop --stream.")
     model = adapters.load(source, **load_kwargs(args.dtype)).eval().to(device)
     inputs = {name: value.to(device) for name, value in inputs.items()}
+    from transformers import LogitsProcessorList
+
+    from ..checkpoints.finite import FiniteLogits
+
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
+    kwargs["logits_processor"] = LogitsProcessorList([FiniteLogits(args.model)])  # NaN logits: one line, exit 2
     if args.temperature > 0:
         kwargs["temperature"] = args.temperature
     if args.repetition_penalty is not None:
