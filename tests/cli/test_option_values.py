@@ -5,8 +5,8 @@ print their usage first), never a traceback; and nothing outside its working dir
 
 Also: a symbolic or hard link planted at any name `train`, `convert` or `merge` writes in OUT is never written
 through, and any value of any field that the package reads from a metadata file (adapter_config.json,
-base_model.json, a Motif config.json, a Diff V1 config.json, generation_config.json) ends the same way, with no NaN
-logits or weights behind an exit 0.
+base_model.json, a Motif or Llama config.json, a Diff V1 config.json, generation_config.json) ends the same way,
+with no NaN logits or weights behind an exit 0.
 
 The default profile keeps CI short; `pytest tests/cli/test_option_values.py --hypothesis-profile long` runs the long
 search (profiles in tests/conftest.py)."""
@@ -327,6 +327,7 @@ def _metadata_targets():
     targets += [("base_model.json", f"fingerprint.{field}") for field in FINGERPRINT_FIELDS]
     targets += [("motif", field) for field in MOTIF_FIELDS]
     targets += [("v1", field) for field in V1_CONFIG_FIELDS]
+    targets += [("llama", field) for field in LLAMA_CONFIG_FIELDS]
     targets += [("generation_config.json", field) for field in [*GENERATION_RANGES, "do_sample", "bad_words_ids"]]
     return targets
 
@@ -335,6 +336,15 @@ def _metadata_targets():
 V1_CONFIG_FIELDS = [
     "subln_eps", "lambda_init_depth_offset", "num_noise_heads", "use_qk_norm", "attention_out_bias", "lambda_floor",
     "lambda_init", "conversion",
+]  # fmt: skip
+
+
+# The fields of a Llama config.json that the converter reads (SRC of `convert`).
+LLAMA_CONFIG_FIELDS = [
+    "architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+    "rope_scaling", "rope_parameters", "attention_bias", "mlp_bias", "tie_word_embeddings", "hidden_act",
+    "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "attention_dropout",
 ]  # fmt: skip
 
 
@@ -360,7 +370,7 @@ def test_any_metadata_field_value_ends_in_a_result_or_one_line(inputs, adapter, 
         kind, field = target
         work = tmp_path_factory.mktemp("edited")
         source = {"adapter_config.json": adapter, "base_model.json": adapter, "motif": root / "motif"}
-        source |= {"v1": root / "v1", "generation_config.json": Path(inputs["model"])}
+        source |= {"v1": root / "v1", "generation_config.json": Path(inputs["model"]), "llama": inputs["source"]}
         copy = work / "copy"
         shutil.copytree(source[kind], copy)
         file = copy / (kind if kind.endswith(".json") else "config.json")
@@ -368,7 +378,7 @@ def test_any_metadata_field_value_ends_in_a_result_or_one_line(inputs, adapter, 
         parent, _, leaf = field.rpartition(".")
         (content.setdefault(parent, {}) if parent and isinstance(content.get(parent), dict) else content)[leaf] = value
         file.write_text(json.dumps(content))
-        if kind == "motif":
+        if kind in ("motif", "llama"):
             argv = ["convert", str(copy), str(work / "out"), "--diff-version", "1", "--quiet"]
         elif merge and source[kind] == adapter:
             argv = ["merge", str(copy), str(work / "out")]

@@ -155,6 +155,15 @@ def test_wrong_typed_motif_fields_are_one_line(refused, work, tmp_path, capsys, 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("value", [5, "LlamaForCausalLM", [1], {"a": 1}])
+def test_a_wrong_typed_architectures_is_one_line(refused, work, tmp_path, capsys, value):
+    """`architectures` picks the model class and tells Motif apart: a non-list was an exit-1 TypeError in convert."""
+    source = _edited(work, tmp_path, "motif", "config.json", {"architectures": value})
+    refused(["convert", source, tmp_path / "out", "--quiet"], "architectures", "is not a list of class names")
+    model = _edited(work, tmp_path / "v2", "v2", "config.json", {"architectures": value})
+    refused(["generate", model, "5 6 7", "--max-new-tokens", "1"], "architectures", "is not a list of class names")
+
+
 # ---- serve --device / --dtype, checked before the server starts ----
 
 

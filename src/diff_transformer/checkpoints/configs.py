@@ -48,11 +48,21 @@ def refuse_special_files(directory: Path) -> None:
 
 
 def check_model_type(raw, where: str) -> None:
-    """A config.json's `model_type` must be a string (transformers would hash a list, or ask to run custom code)."""
+    """A config.json's `model_type` must be a string (transformers would hash a list, or ask to run custom code), and
+    its `architectures` a list of class names or null (what picks the model class, and Motif's converter)."""
     if isinstance(raw, dict) and "model_type" in raw and not isinstance(raw["model_type"], str):
         raise CheckpointError(
             f'{where}: model_type {raw["model_type"]!r} is not a string: set it to the model\'s type, e.g. "llama" '
             'or "diff".'
+        )
+    architectures = raw.get("architectures") if isinstance(raw, dict) else None
+    if architectures is not None and not (
+        isinstance(architectures, list) and all(isinstance(name, str) for name in architectures)
+    ):
+        shown = json.dumps(architectures)
+        raise CheckpointError(
+            f"{where}: architectures {shown if len(shown) <= 40 else shown[:37] + '...'} is not a list of class "
+            'names: set it to e.g. ["LlamaForCausalLM"], or remove it.'
         )
 
 
