@@ -319,6 +319,7 @@ def _metadata_targets():
         ADAPTER_FIELDS,
         BASE_RECORD_FIELDS,
         FINGERPRINT_FIELDS,
+        GENERATION_FIELDS,
         MOTIF_FIELDS,
     )
 
@@ -328,7 +329,8 @@ def _metadata_targets():
     targets += [("motif", field) for field in MOTIF_FIELDS]
     targets += [("v1", field) for field in V1_CONFIG_FIELDS]
     targets += [("llama", field) for field in LLAMA_CONFIG_FIELDS]
-    targets += [("generation_config.json", field) for field in [*GENERATION_RANGES, "do_sample", "bad_words_ids"]]
+    generation = dict.fromkeys([*GENERATION_RANGES, *GENERATION_FIELDS, "bad_words_ids", "suppress_tokens"])
+    targets += [("generation_config.json", field) for field in generation]
     return targets
 
 

@@ -164,6 +164,51 @@ def test_a_wrong_typed_architectures_is_one_line(refused, work, tmp_path, capsys
     refused(["generate", model, "5 6 7", "--max-new-tokens", "1"], "architectures", "is not a list of class names")
 
 
+# ---- generation_config.json: types transformers leaves unchecked, settings that need what the model lacks ----
+
+
+@pytest.mark.parametrize(
+    "generation, words",
+    [
+        ({"eos_token_id": "8"}, ['eos_token_id is "8", not a whole number or a list of them']),
+        ({"bos_token_id": 2**64}, ["bos_token_id is 18446744073709551616, not in [0, 9223372036854775807]"]),
+        ({"use_cache": "x"}, ['use_cache is "x", not true or false']),  # truthy: silently misread before
+        ({"do_sample": "x"}, ['do_sample is "x", not true or false']),
+        ({"num_beams": 2**64}, ["num_beams is 18446744073709551616, not in [1, 2147483647]"]),
+        ({"prefill_chunk_size": "8"}, ['prefill_chunk_size is "8"']),
+        ({"max_time": "8"}, ['max_time is "8", not a finite number']),
+        ({"guidance_scale": "x"}, ['guidance_scale is "x"']),
+        ({"exponential_decay_length_penalty": 8}, ["exponential_decay_length_penalty is 8, not a [start index"]),
+        ({"exponential_decay_length_penalty": [1, 1.5]}, ["exponential_decay_length_penalty", "no eos_token_id"]),
+        ({"sequence_bias": {"a": 1}}, ["sequence_bias", "not a list of [token-id list, bias] pairs"]),
+        ({"stop_strings": ["a"]}, ["sets stop_strings, which needs a tokenizer"]),
+        ({"token_healing": True}, ["sets token_healing, which needs a tokenizer"]),
+    ],
+)
+def test_generation_config_types_are_one_line(refused, work, tmp_path, capsys, generation, words):
+    model = tmp_path / "model"
+    shutil.copytree(work / "v2", model)
+    (model / "generation_config.json").write_text(json.dumps(generation))
+    refused(["generate", model, "5 6 7", "--max-new-tokens", "2"], *words)
+
+
+@pytest.mark.parametrize("generation", [{"repetition_penalty": 2}, {"return_dict_in_generate": True}])
+def test_generation_settings_transformers_would_trip_on_are_honoured(work, tmp_path, capsys, generation):
+    """A whole-number repetition_penalty (transformers' processor takes floats only) and return_dict_in_generate
+    (generate then returns an object, not the ids) generate as the same settings written otherwise would."""
+    outputs = []
+    for index, written in enumerate(
+        [generation, {k: float(v) if k != "return_dict_in_generate" else False for k, v in generation.items()}]
+    ):
+        model = tmp_path / f"model{index}"
+        shutil.copytree(work / "v2", model)
+        (model / "generation_config.json").write_text(json.dumps(written))
+        capsys.readouterr()
+        assert cli.main(["generate", str(model), "5 6 7", "--max-new-tokens", "4"]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and len(outputs[0].split()) == 4
+
+
 # ---- serve --device / --dtype, checked before the server starts ----
 
 

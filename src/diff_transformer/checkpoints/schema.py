@@ -2,9 +2,9 @@
 that a hand-edited or corrupt file is one line naming the file, the field and the fix instead of a TypeError deep in
 the code (or a value silently cast: `bool("no")` is True). One table per file: Motif's config.json fields (the
 converter), an adapter's `base_model.json` (`adapters.record_base`) and the `adapter_config.json` fields this
-package and PEFT compute with. A Diff config.json is checked by `DiffConfig` itself (typed, `@strict`, its
-`validate_*` methods), generation_config.json by `configs.check_generation_config`, run records by
-`safe_output._run_record` (anything unexpected proves nothing)."""
+package and PEFT compute with, and the generation_config.json fields whose types transformers leaves unchecked
+(their ranges: `configs.GENERATION_RANGES`). A Diff config.json is checked by `DiffConfig` itself (typed, `@strict`,
+its `validate_*` methods), run records by `safe_output._run_record` (anything unexpected proves nothing)."""
 
 from __future__ import annotations
 
@@ -67,6 +67,43 @@ ADAPTER_FIELDS = {
     "bias": _spec("str"),
 }
 
+# generation_config.json: the fields whose type transformers does not check when it loads the file, and that fail
+# deep inside generate() (a TypeError or an overflow) or are silently misread (`"use_cache": "x"` is truthy); value
+# ranges are `configs.GENERATION_RANGES`'. Token ids are int64 in torch.
+_TOKEN_ID = _spec("int-or-list", 0, 2**63 - 1)
+GENERATION_FIELDS = {
+    **dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"), _TOKEN_ID),
+    **dict.fromkeys(
+        (
+            "do_sample",
+            "use_cache",
+            "output_scores",
+            "output_logits",
+            "output_attentions",
+            "output_hidden_states",
+            "return_dict_in_generate",
+            "renormalize_logits",
+            "remove_invalid_values",
+            "low_memory",
+            "token_healing",
+        ),
+        _spec("bool"),
+    ),
+    "num_beams": _spec("int", 1, 2**31 - 1),
+    "num_return_sequences": _spec("int", 1, 2**31 - 1),
+    "top_k": _spec("int", 0, 2**63 - 1),
+    "prefill_chunk_size": _spec("int", 1, 2**31 - 1),
+    "max_time": _spec("number", 0.0, None),
+    "length_penalty": _spec("number"),
+    "guidance_scale": _spec("number", 0.0, None),
+    "stop_strings": _spec("str-or-list"),
+    "exponential_decay_length_penalty": _spec("decay"),
+    "sequence_bias": _spec("sequence-bias"),
+}
+GENERATION_FIELDS |= dict.fromkeys(  # lengths, int64 in torch
+    ("max_new_tokens", "max_length", "min_new_tokens", "min_length"), _spec("int", 0, 2**63 - 1)
+)
+
 _KIND_NAMES = {
     "int": "a whole number",
     "number": "a finite number",
@@ -76,6 +113,8 @@ _KIND_NAMES = {
     "str-or-list": "a string or a list of strings",
     "int-or-list": "a whole number or a list of them",
     "object": "a JSON object",
+    "decay": "a [start index, decay factor] pair (a whole number >= 0, a finite number)",
+    "sequence-bias": "a list of [token-id list, bias] pairs",
 }
 
 
@@ -85,6 +124,11 @@ def _shown(value) -> str:
     except (TypeError, ValueError):
         text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _number(value) -> str | None:
+    """A bound as the message shows it: whole numbers in full (2**31 - 1, not 2.14748e+09)."""
+    return None if value is None else str(value) if isinstance(value, int) else f"{value:g}"
 
 
 def _is_int(value) -> bool:
@@ -106,6 +150,21 @@ def _has_kind(value, kind: str) -> bool:
         return isinstance(value, str) or _has_kind(value, "str-list")
     if kind == "int-or-list":
         return _is_int(value) or (isinstance(value, list) and all(_is_int(item) for item in value))
+    if kind == "decay":
+        return (isinstance(value, list) and len(value) == 2 and _is_int(value[0]) and value[0] >= 0) and _has_kind(
+            value[1], "number"
+        )
+    if kind == "sequence-bias":
+        return isinstance(value, list) and all(
+            isinstance(pair, list)
+            and len(pair) == 2
+            and _has_kind(pair[0], "int-or-list")
+            and isinstance(pair[0], list)
+            and pair[0]
+            and all(0 <= token < 2**63 for token in pair[0])
+            and _has_kind(pair[1], "number")
+            for pair in value
+        )
     return isinstance(value, dict)  # "object"
 
 
@@ -124,14 +183,19 @@ def field_problem(fields, schema: dict) -> str | None:
         wanted = _KIND_NAMES[kind] + (", or null" if null else "")
         if value is None or not _has_kind(value, kind):
             return f"{name} is {_shown(value)}, not {wanted}"
-        if kind in ("int", "number") and ((low is not None and value < low) or (high is not None and value > high)):
-            bound = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]" if low is not None else f"<= {high:g}"
+        numbers = value if kind == "int-or-list" and isinstance(value, list) else [value]
+        if kind in ("int", "number", "int-or-list") and any(
+            (low is not None and number < low) or (high is not None and number > high) for number in numbers
+        ):
+            low, high = _number(low), _number(high)
+            bound = f">= {low}" if high is None else f"in [{low}, {high}]" if low is not None else f"<= {high}"
             return f"{name} is {_shown(value)}, not {bound}"
     return None
 
 
 __all__ = [
     "ADAPTER_FIELDS",
+    "GENERATION_FIELDS",
     "BASE_RECORD_FIELDS",
     "FINGERPRINT_FIELDS",
     "MOTIF_FIELDS",
