@@ -60,6 +60,10 @@ _TP_PLAN_QK_NORM = {
 
 
 FP32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, without importing torch here
+# lambda_init_depth_offset's range (V1, depth schedule): the least offset for which 1 - λ_init of layer 0 stays below
+# float16's largest number, 0.2 + 0.6 exp(-0.3 offset) <= 65504 (validate_motif_options); at most 10^6 above (any
+# offset past a few dozen gives λ_init = 0.8 already, and a huge int would overflow the float arithmetic).
+LAMBDA_OFFSET_RANGE = (-38, 10**6)
 
 
 # Mirrors transformers.models.llama.configuration_llama.LlamaConfig
@@ -334,10 +338,25 @@ class DiffConfig(PreTrainedConfig):
                 f"lambda_init_depth_offset={offset!r} must be an integer (added to the layer index in λ_init's depth "
                 "schedule): use 0 (the paper's) or -1 (Motif's)."
             )
-        if self.subln_eps is not None and not 0.0 < self.subln_eps < math.inf:
+        # V1 scales each layer's output by 1 - λ_init = 0.2 + 0.6 exp(-0.3 (layer_idx + offset)), largest at layer 0,
+        # in the model's dtype: finite in float16, the narrowest (65504), only for offset >= -38 (-39 gives 72,343).
+        if (
+            self.diff_version == 1
+            and self.lambda_init is None
+            and not LAMBDA_OFFSET_RANGE[0] <= offset <= LAMBDA_OFFSET_RANGE[1]
+        ):
+            digits = str(offset)
+            shown = digits if len(digits) <= 12 else f"{digits[:6]}... ({len(digits)} digits)"
             raise ValueError(
-                f"subln_eps={self.subln_eps} must be a finite number > 0 (subln divides by sqrt(mean(x²) + eps)): "
-                "use e.g. 1e-5, or None for rms_norm_eps."
+                f"lambda_init_depth_offset={shown} must lie in [{LAMBDA_OFFSET_RANGE[0]}, {LAMBDA_OFFSET_RANGE[1]}] "
+                "(below, layer 0's output scale 1 - λ_init overflows float16): use 0 (the paper's) or -1 (Motif's)."
+            )
+        # As rms_norm_eps: subln adds eps in float32, where anything below its smallest normal number is lost.
+        eps = self.subln_eps
+        if eps is not None and not (isinstance(eps, (int, float)) and FP32_TINY <= eps < math.inf):
+            raise ValueError(
+                f"subln_eps={eps} must be a finite number >= {FP32_TINY:.3g} (a smaller eps is 0 in float32: NaN for "
+                "an all-zero head): use e.g. 1e-5, or None for rms_norm_eps."
             )
 
     def lambda_init_for_layer(self, layer_idx: int) -> float:

@@ -21,6 +21,11 @@
 * `write_manifest` / `wrote_this`: a directory listing every entry it holds (the hashes of its regular files, its
   subdirectories), so a command (the demo) can replace a directory only when it can prove that it wrote it and nobody
   changed it since. Anything else (a link, a FIFO, a socket, a device) is never opened and disproves authorship.
+* Nothing is ever written through a link: every file of ours is created new (`O_CREAT | O_EXCL`, which refuses an
+  existing name, a symbolic link included) and, where it replaces one, renamed over the name (`write_new_file`), which
+  replaces a link instead of following it. An output written in place (`train --output`, where Trainer writes with
+  plain `open()`) is first checked for links (`refuse_links`): the package never creates a symbolic link or a second
+  hard link there, so any it finds is not its own and is refused before anything is written, naming the link.
 * An --overwrite installs the new output whole: of the replaced OUT, only the user's top-level entries stay
   (`users_entries`: not a model's files, and not proven written by a command of this package, by its manifest or a
   training run's record); they are moved into the new OUT.
@@ -49,6 +54,8 @@ except ImportError:  # Windows
     import msvcrt
 
 logger = logging.getLogger(__name__)
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 MANIFEST = ".diff-transformer-output.json"
 STAGING_MARK = ".diff-transformer-staging"  # inside a staging directory while it is ours: {"token": ...}
@@ -104,6 +111,80 @@ def check_target(out, *, name: str = "OUT", sources: dict | None = None) -> Path
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Never through a link: files created new, then renamed over their name; outputs written in place checked for links.
+
+
+def write_new_file(path, data: str | bytes) -> None:
+    """Write DATA (text: UTF-8) to PATH without writing through whatever is at PATH: into a new file beside it,
+    created with `O_EXCL` (which refuses an existing name, a symbolic link included) and the umask's mode, then renamed
+    over PATH. A symbolic or hard link at PATH is replaced, its target never touched; a reader sees the old file or
+    the new one, never half of it."""
+    path = Path(path)
+    data = data.encode("utf-8") if isinstance(data, str) else data
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_BINARY", 0)
+    while True:
+        temp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            fd = os.open(temp, flags, 0o666)
+            break
+        except FileExistsError:
+            continue  # that random name is taken (by anything, a link included): draw another
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def find_link(directory) -> tuple[Path, str] | None:
+    """The first entry under DIRECTORY (walked without following links) that a file written at its name could reach
+    something outside DIRECTORY through, with what it is: a symbolic link, or a regular file with more than one hard
+    link (its other names are elsewhere). None when there is none (or DIRECTORY is missing)."""
+    pending = [Path(directory)]
+    while pending:
+        folder = pending.pop()
+        try:
+            children = sorted(os.scandir(folder), key=lambda e: e.name)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for child in children:
+            info = child.stat(follow_symlinks=False)
+            path = Path(child.path)
+            if stat.S_ISLNK(info.st_mode):
+                try:
+                    target = os.readlink(path)
+                except OSError:
+                    target = "?"
+                return path, f"a symbolic link to {target}"
+            if stat.S_ISDIR(info.st_mode):
+                pending.append(path)
+            elif stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+                return path, f"a file with {info.st_nlink} hard links (the same file under another name elsewhere)"
+    return None
+
+
+def refuse_links(directory, *, name: str = "OUT") -> None:
+    """`OutputError` when DIRECTORY (an output written in place, as `train --output`) holds a symbolic link or a hard
+    link (`find_link`). No command of this package creates one there, so it is not the run's own: refused (rather
+    than removed, which could lose the user's work) before a file is written through it to a file outside DIRECTORY."""
+    from .errors import as_one_line
+
+    found = find_link(directory)
+    if found is None:
+        return
+    path, what = found
+    raise OutputError(
+        as_one_line(
+            f"{name} {directory} holds {path.relative_to(directory)}, {what}, which no diff-transformer command "
+            f"creates: the run's files could be written through it to a file outside {name}. Remove it (or move it "
+            f"out of {name}), or choose another {name}."
+        )
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Locks: a run holds the lock of its token while it lives; the OS releases it when the process dies.
 
 
@@ -121,7 +202,7 @@ def _try_lock(fd: int) -> bool:
 def _lock_if_dead(lock: Path) -> int | None:
     """An fd holding `lock` when no live process holds it (its run is dead), else None."""
     try:
-        fd = os.open(lock, os.O_RDWR)
+        fd = os.open(lock, os.O_RDWR | _NOFOLLOW)  # a link planted at a lock's name is not our lock
     except OSError:
         return None
     if _try_lock(fd):
@@ -341,7 +422,7 @@ class Staging:
             os.mkdir(self.path, 0o777)  # the umask applies, as for save_pretrained's directories
             # What proves to a later run that this directory is ours (`recover`): a marker inside (removed just
             # before the install) and its identity in the lock file.
-            (self.path / STAGING_MARK).write_text(json.dumps({"token": token}), encoding="utf-8")
+            write_new_file(self.path / STAGING_MARK, json.dumps({"token": token}))
             self._staging_id = _identity(self.path)[:2]
             _write_lock(self._fd, token, staging=self._staging_id)
         except OSError as exc:
@@ -536,7 +617,12 @@ class OutputLock:
                         f"{self.name} {self.out} is being written by another run ({holder}): wait for it to finish, "
                         f"or choose another {self.name}."
                     )
-                if os.path.samestat(os.fstat(fd), os.stat(lock, follow_symlinks=False)):
+                info = os.fstat(fd)
+                if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:  # not truncated: another name's file too
+                    os.close(fd)
+                    refuse_links(self.out, name=self.name)  # names the link
+                    raise OutputError(f"{self.name} {lock} is not a regular file: remove it and run again.")
+                if os.path.samestat(info, os.stat(lock, follow_symlinks=False)):
                     break  # still the file at that path (the previous holder unlinks it before releasing)
                 os.close(fd)
             os.ftruncate(fd, 0)
@@ -627,7 +713,7 @@ def write_manifest(directory, written_by: str, exclude=()) -> None:
     if entries is not None and exclude:
         entries = {k: v for k, v in entries.items() if k.split("/", 1)[0] not in set(exclude)}
     manifest = {"written_by": written_by, "entries": entries}
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    write_new_file(directory / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
 def wrote_this(directory, written_by: str) -> bool:
@@ -746,9 +832,8 @@ def proven(directory, name: str) -> bool:
 
 
 def _write_record(directory: Path, entries: dict) -> None:
-    temp = directory / f"{RUN_RECORD}.tmp"
-    temp.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(temp, directory / RUN_RECORD)  # never half-written: it is what proves the run's files
+    # Never half-written (it is what proves the run's files), and never written through a link at its name.
+    write_new_file(directory / RUN_RECORD, json.dumps(entries, indent=1, sort_keys=True) + "\n")
 
 
 def remove_recorded(directory) -> list[str]:
@@ -778,6 +863,7 @@ __all__ = [
     "OutputLock",
     "Staging",
     "check_target",
+    "find_link",
     "forget_entry",
     "has_flag",
     "record_flag",
@@ -786,9 +872,11 @@ __all__ = [
     "record_written",
     "recorded",
     "recover",
+    "refuse_links",
     "remove_recorded",
     "top_level_state",
     "users_entries",
     "write_manifest",
+    "write_new_file",
     "wrote_this",
 ]

@@ -3,6 +3,11 @@ NaN, infinite, empty, non-numeric, shell and markup metacharacters, control char
 the value, a command ends with exit 0 (it was a valid value), or exit 2 and one error line (argparse's own refusals
 print their usage first), never a traceback; and nothing outside its working directory changes.
 
+Also: a symbolic or hard link planted at any name `train`, `convert` or `merge` writes in OUT is never written
+through, and any value of any field that the package reads from a metadata file (adapter_config.json,
+base_model.json, a Motif or Llama config.json, a Diff V1 config.json, generation_config.json) ends the same way,
+with no NaN logits or weights behind an exit 0.
+
 The default profile keeps CI short; `pytest tests/cli/test_option_values.py --hypothesis-profile long` runs the long
 search (profiles in tests/conftest.py)."""
 
@@ -149,6 +154,7 @@ def run_once(argv, tmp_path_factory, inputs, capsys):
         assert len(errors) == 1 and errors[0] == lines[-1], (argv, err[-2000:])
     assert digest(inputs["root"]) == before, argv  # the user's files are never touched
     assert not (Path(cwd) / "PWNED").exists() and not (work / "PWNED").exists()
+    return status, lines[-1] if lines else ""
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))
@@ -232,3 +238,159 @@ def test_a_line_break_in_a_refused_name_stays_on_the_one_line(name, inputs, tmp_
         argv = [part.format(**inputs) for part in COMMANDS["train-chat"][0]] + [option, name]
         run_once(argv, tmp_path_factory, inputs, capsys)
     run_once(["train", inputs["model"], "--data", name, "--output", "out/run"], tmp_path_factory, inputs, capsys)
+
+
+# ---- links planted in OUT (tests/outputs/test_links.py lists the names each command writes) ----
+
+
+@pytest.fixture(scope="module")
+def adapter(inputs):
+    """A LoRA adapter on the user's model (PEFT's save, and the base record `train --lora` writes), with a random B
+    so that a merge changes the weights."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from diff_transformer.checkpoints.adapters import record_base
+
+    path = inputs["root"] / "adapter"
+    model = AutoModelForCausalLM.from_pretrained(inputs["model"])
+    peft_model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.02)
+    peft_model.save_pretrained(path)
+    record_base(path, Path(inputs["model"]))
+    return path
+
+
+def _links():
+    from tests.outputs.test_links import CONVERT_FILES, MERGE_FILES, TRAIN_DIRECTORIES, TRAIN_FILES
+
+    return TRAIN_FILES, TRAIN_DIRECTORIES, CONVERT_FILES, MERGE_FILES
+
+
+def test_a_link_planted_in_out_is_never_written_through(inputs, adapter, tmp_path_factory, capsys):
+    """A link at a name the command writes, to a file (or directory) outside OUT: `train` (in place) refuses it in one
+    line, with or without --overwrite; `convert` and `merge` (staged, then renamed) replace OUT and leave it alone."""
+    train_files, train_directories, convert_files, merge_files = _links()
+    names = {"train": train_files + train_directories, "convert": convert_files, "merge": merge_files}
+    cases = st.sampled_from(list(names)).flatmap(lambda c: st.tuples(st.just(c), st.sampled_from(names[c])))
+
+    @settings(**BASE_SETTINGS)
+    @given(case=cases, hard=st.booleans(), overwrite=st.booleans())
+    def check(case, hard, overwrite):
+        command, name = case
+        root = tmp_path_factory.mktemp("planted")
+        out, victim = root / "out", root / "victim" / "trainer_state.json"
+        victim.parent.mkdir()
+        victim.write_text("the user's\n")
+        directory = name in train_directories
+        link = out / name
+        link.parent.mkdir(parents=True)
+        if hard and not directory:
+            os.link(victim, link)
+        else:
+            link.symlink_to(victim.parent if directory else victim)
+        overwrite = overwrite or command != "train"  # convert and merge refuse a non-empty OUT without it
+        flag = ["--overwrite"] if overwrite else []
+        argv = {
+            "train": [part.format(**inputs) for part in COMMANDS["train"][0]],
+            "convert": ["convert", inputs["source"], "out/converted", "--quiet"],
+            "merge": ["merge", str(adapter), "out/merged"],
+        }[command]
+        argv = [str(out) if part.startswith("out/") else part for part in argv] + flag
+        status, line = run_once(argv, tmp_path_factory, inputs, capsys)
+        assert victim.read_text() == "the user's\n" and os.listdir(victim.parent) == ["trainer_state.json"]
+        if command == "train":  # refused for the link, named (not for some other reason)
+            assert status == 2 and name in line and ("symbolic link" in line or "hard links" in line), line
+        else:
+            assert status == 0, (command, name, line)
+
+    check()
+
+
+# ---- any value in any field of a metadata file the package reads ----
+
+
+def _metadata_targets():
+    from diff_transformer.checkpoints.configs import GENERATION_RANGES
+    from diff_transformer.checkpoints.schema import (
+        ADAPTER_FIELDS,
+        BASE_RECORD_FIELDS,
+        FINGERPRINT_FIELDS,
+        GENERATION_FIELDS,
+        MOTIF_FIELDS,
+    )
+
+    targets = [("adapter_config.json", field) for field in ADAPTER_FIELDS]
+    targets += [("base_model.json", field) for field in BASE_RECORD_FIELDS]
+    targets += [("base_model.json", f"fingerprint.{field}") for field in FINGERPRINT_FIELDS]
+    targets += [("motif", field) for field in MOTIF_FIELDS]
+    targets += [("v1", field) for field in V1_CONFIG_FIELDS]
+    targets += [("llama", field) for field in LLAMA_CONFIG_FIELDS]
+    generation = dict.fromkeys([*GENERATION_RANGES, *GENERATION_FIELDS, "bad_words_ids", "suppress_tokens"])
+    targets += [("generation_config.json", field) for field in generation]
+    return targets
+
+
+# The fields of a Diff V1 config.json that CONFIG_FIELDS (a V2 model) does not reach.
+V1_CONFIG_FIELDS = [
+    "subln_eps", "lambda_init_depth_offset", "num_noise_heads", "use_qk_norm", "attention_out_bias", "lambda_floor",
+    "lambda_init", "conversion",
+]  # fmt: skip
+
+
+# The fields of a Llama config.json that the converter reads (SRC of `convert`).
+LLAMA_CONFIG_FIELDS = [
+    "architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+    "rope_scaling", "rope_parameters", "attention_bias", "mlp_bias", "tie_word_embeddings", "hidden_act",
+    "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "attention_dropout",
+]  # fmt: skip
+
+
+def test_any_metadata_field_value_ends_in_a_result_or_one_line(inputs, adapter, tmp_path_factory, capsys):
+    """A hand-edited field of any metadata file the package reads: the command (generate, merge or convert) ends in a
+    result or one line, and a result is finite (generate refuses NaN logits; a merge's weights are checked here)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from tests.helpers.motif import write_motif_checkpoint
+    from tests.helpers.tiny import tiny_model
+
+    root = tmp_path_factory.mktemp("originals")
+    tiny_model(1).save_pretrained(root / "v1")
+    write_motif_checkpoint(root / "motif")
+
+    @settings(**BASE_SETTINGS)
+    @given(target=st.sampled_from(_metadata_targets()), value=CONFIG_VALUES, merge=st.booleans())
+    def check(target, value, merge):
+        import torch
+
+        kind, field = target
+        work = tmp_path_factory.mktemp("edited")
+        source = {"adapter_config.json": adapter, "base_model.json": adapter, "motif": root / "motif"}
+        source |= {"v1": root / "v1", "generation_config.json": Path(inputs["model"]), "llama": inputs["source"]}
+        copy = work / "copy"
+        shutil.copytree(source[kind], copy)
+        file = copy / (kind if kind.endswith(".json") else "config.json")
+        content = json.loads(file.read_text()) if file.is_file() else {}
+        parent, _, leaf = field.rpartition(".")
+        (content.setdefault(parent, {}) if parent and isinstance(content.get(parent), dict) else content)[leaf] = value
+        file.write_text(json.dumps(content))
+        if kind in ("motif", "llama"):
+            argv = ["convert", str(copy), str(work / "out"), "--diff-version", "1", "--quiet"]
+        elif merge and source[kind] == adapter:
+            argv = ["merge", str(copy), str(work / "out")]
+        else:
+            argv = ["generate", str(copy), "5 6 7", "--max-new-tokens", "2"]
+        status, _ = run_once(argv, tmp_path_factory, inputs, capsys)
+        if status == 0 and argv[0] == "merge":
+            weights = load_file(work / "out" / "model.safetensors")
+            assert all(torch.isfinite(w).all() for w in weights.values()), (field, value)
+
+    check()

@@ -189,7 +189,7 @@ def test_grouped_attention_maps_show_the_noise_groups():
         (dict(num_noise_heads=2, diff_version=2), "needs diff_version=1"),
         (dict(num_noise_heads=3), "must be a positive integer dividing num_attention_heads=4"),
         (dict(num_noise_heads=1), "must be a multiple of num_key_value_heads=2"),
-        (dict(subln_eps=0.0), "subln_eps=0.0 must be a finite number > 0"),
+        (dict(subln_eps=0.0), "subln_eps=0.0 must be a finite number >= 1.18e-38"),
         (dict(hidden_act="poly"), "or 'poly_norm'"),
     ],
 )

@@ -735,15 +735,17 @@ def test_train_does_not_write_over_a_directory_of_the_users(refused, workdir, tm
     assert (out / "README.md").read_text() == "my notes" and sorted(p.name for p in out.iterdir()) == ["README.md"]
 
 
-def test_overwrite_never_follows_a_checkpoint_link(workdir, tmp_path):
+def test_overwrite_never_follows_a_checkpoint_link(refused, workdir, tmp_path, capsys):
     run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
     (elsewhere / "checkpoint-3").mkdir(parents=True)
     (elsewhere / "checkpoint-3" / "trainer_state.json").write_text("{}")  # looks like a checkpoint, is not ours
     run.mkdir()
     (run / "trainer_state.json").write_text("{}")
     (run / "checkpoint-3").symlink_to(elsewhere / "checkpoint-3")
-    assert cli.main([str(a) for a in _train_argv(workdir, run, "--max-steps", "1", "--overwrite")]) == 0
+    # A third step would save checkpoint-3 through the link: refused before anything (tests/outputs/test_links.py).
+    refused(_train_argv(workdir, run, "--max-steps", "1", "--overwrite"), "checkpoint-3, a symbolic link")
     assert (elsewhere / "checkpoint-3" / "trainer_state.json").read_text() == "{}"
+    assert sorted(p.name for p in (elsewhere / "checkpoint-3").iterdir()) == ["trainer_state.json"]
 
 
 def test_convert_does_not_block_on_a_fifo_card_and_checks_the_generation_config(refused, llama, tmp_path, capsys):

@@ -25,10 +25,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import require
+from ..safe_output import write_new_file
 from . import CheckpointError
 from .configs import read_json
 from .loading import check_diff_checkpoint, load_causal_lm
 from .names import HUB_PREFIX, resolve_model
+from .schema import ADAPTER_FIELDS, BASE_RECORD_FIELDS, FINGERPRINT_FIELDS, field_problem
 
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -68,6 +70,9 @@ def read_adapter_config(directory: Path) -> dict:
         raise CheckpointError(
             f"{path}: base_model_name_or_path is {json.dumps(base)[:40]}, not a model name: fix it, or pass --base."
         )
+    problem = field_problem(config, ADAPTER_FIELDS)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}: fix it, or re-save the adapter.")
     return config
 
 
@@ -87,6 +92,16 @@ def resolve(text, base: str | None = None, *, name: str = "MODEL") -> Source:
     require(["peft"], "peft", f"{name} {text} (a PEFT adapter)")
     read_adapter_config(local)
     record = read_json(local / BASE_RECORD) if (local / BASE_RECORD).is_file() else None
+    if record is not None:  # written by `record_base`; a hand-edited one is refused in one line
+        problem = field_problem(record, BASE_RECORD_FIELDS)
+        if problem is None and record.get("fingerprint") is not None:
+            problem = field_problem(record["fingerprint"], FINGERPRINT_FIELDS)
+            problem = problem and f"fingerprint: {problem}"
+        if problem:
+            raise CheckpointError(
+                f"{local / BASE_RECORD}: {problem}: fix it, or delete it and pass --base PATH (the model the adapter "
+                "was trained on)."
+            )
     named = shown = base
     if named is None and isinstance(record, dict):
         named = _recorded_base(record, local, f"{name} {text}")
@@ -164,7 +179,7 @@ def record_base(adapter_dir, base: Path | str, named: str | None = None) -> None
         record = {"hub_id": str(base)}
     if named is not None:
         record["named"] = str(named)
-    (adapter_dir / BASE_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    write_new_file(adapter_dir / BASE_RECORD, json.dumps(record, indent=2) + "\n")  # never through a link
 
 
 def peft_base_name(base: Path | str) -> str:
@@ -376,14 +391,21 @@ def write_adapter_card(directory, base: str, config, lambda_summary: str | None 
     directory = Path(directory)
     lora = read_adapter_config(directory)
     card = adapter_card(base, config, lora, directory.name, lambda_summary)
-    card.save(directory / "README.md")
+    write_new_file(directory / "README.md", str(card))  # replaces PEFT's card; never written through a link
 
 
 # --- merge ---------------------------------------------------------------------------------------------------------
 
 
 def merge_adapter(
-    adapter, out, *, base: str | None = None, overwrite: bool = False, device: str = "cpu", dtype: str = "auto"
+    adapter,
+    out,
+    *,
+    base: str | None = None,
+    overwrite: bool = False,
+    device: str = "cpu",
+    dtype: str = "auto",
+    allow_non_finite: bool = False,
 ) -> Path:
     """Fold the PEFT adapter directory ADAPTER into its base model (`merge_and_unload`: each adapted weight becomes
     W + (alpha / r)·B·A, λ copies in `modules_to_save` replace the base's) and write a full checkpoint to OUT: weights
@@ -391,7 +413,8 @@ def merge_adapter(
     the base's). Nothing is written unless everything loads; OUT is replaced only with `overwrite`. The merge runs on
     DEVICE; DTYPE ("float32", "bfloat16", "float16") converts the weights, "auto" keeps the base's. With `overwrite`
     the new checkpoint is installed whole: of the old OUT only the user's files stay (`safe_output.users_entries`); a
-    manifest records what merge wrote."""
+    manifest records what merge wrote. A merged weight holding NaN or inf (an adapter's `lora_alpha` that overflows
+    W + (alpha / r)·B·A, say) is refused before anything is written, unless `allow_non_finite`."""
     from transformers import AutoTokenizer
 
     from ..integrations.hub import diff_model_card
@@ -412,6 +435,15 @@ def merge_adapter(
         placed = {} if device == "cpu" else {"device_map": {"": device}}
         torch_dtype = "auto" if dtype in (None, "auto") else getattr(torch, dtype)
         model = load(source, name="ADAPTER", merge=True, dtype=torch_dtype, **placed)
+        from .finite import non_finite_tensors
+
+        bad = [] if allow_non_finite else non_finite_tensors(model.state_dict())
+        if bad:
+            raise CheckpointError(
+                f"merging ADAPTER {adapter} gives NaN or inf in {len(bad)} weight(s), e.g. {bad[0]} (its lora_alpha "
+                "or weights overflow W + (alpha / r)·B·A): nothing was written; fix the adapter, or pass "
+                "--allow-non-finite (allow_non_finite=True) to write them anyway."
+            )
         try:
             tokenizer = AutoTokenizer.from_pretrained(source.tokenizer)
         except (OSError, ValueError, TypeError):  # a model saved without a tokenizer (prompts are token ids)

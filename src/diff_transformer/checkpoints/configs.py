@@ -48,11 +48,21 @@ def refuse_special_files(directory: Path) -> None:
 
 
 def check_model_type(raw, where: str) -> None:
-    """A config.json's `model_type` must be a string (transformers would hash a list, or ask to run custom code)."""
+    """A config.json's `model_type` must be a string (transformers would hash a list, or ask to run custom code), and
+    its `architectures` a list of class names or null (what picks the model class, and Motif's converter)."""
     if isinstance(raw, dict) and "model_type" in raw and not isinstance(raw["model_type"], str):
         raise CheckpointError(
             f'{where}: model_type {raw["model_type"]!r} is not a string: set it to the model\'s type, e.g. "llama" '
             'or "diff".'
+        )
+    architectures = raw.get("architectures") if isinstance(raw, dict) else None
+    if architectures is not None and not (
+        isinstance(architectures, list) and all(isinstance(name, str) for name in architectures)
+    ):
+        shown = json.dumps(architectures)
+        raise CheckpointError(
+            f"{where}: architectures {shown if len(shown) <= 40 else shown[:37] + '...'} is not a list of class "
+            'names: set it to e.g. ["LlamaForCausalLM"], or remove it.'
         )
 
 
@@ -181,10 +191,30 @@ def check_generation_config(location: str, where: str) -> None:
     except Exception as exc:
         message = " ".join(str(exc).split())[:200] or type(exc).__name__
         raise CheckpointError(f"{where}: generation_config.json is invalid ({message}): fix it.") from None
-    for field, value in generation.to_dict().items():
-        problem = generation_value_problem(field, value)
-        if problem:
-            raise CheckpointError(f"{where}: in generation_config.json, {problem}: fix it or remove the field.")
+    from .schema import GENERATION_FIELDS, field_problem
+
+    fields = generation.to_dict()
+    problem = None
+    for field, value in fields.items():  # the ranges first (their messages say the bound), then the types
+        problem = problem or generation_value_problem(field, value)
+    problem = problem or field_problem(fields, GENERATION_FIELDS)
+    if problem:
+        raise CheckpointError(f"{where}: in generation_config.json, {problem}: fix it or remove the field.")
+
+
+# The generation settings transformers' logits processors take as floats only (`RepetitionPenaltyLogitsProcessor`
+# refuses the int 2 that a hand-written `"repetition_penalty": 2` loads as).
+_FLOAT_FIELDS = ("temperature", "top_p", "typical_p", "min_p", "epsilon_cutoff", "eta_cutoff", "repetition_penalty")
+_FLOAT_FIELDS += ("diversity_penalty", "length_penalty", "guidance_scale", "max_time")
+
+
+def float_generation_fields(generation) -> None:
+    """Set GENERATION's (a `GenerationConfig`, checked by `check_generation_config`) float-valued settings that a
+    JSON file holds as whole numbers to floats, the type transformers' processors require."""
+    for field in _FLOAT_FIELDS:
+        value = getattr(generation, field, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            setattr(generation, field, float(value))
 
 
 # generation_config.json fields that name token ids: one outside the vocabulary fails deep inside generate() (a

@@ -64,7 +64,7 @@ def run(args) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     from ..checkpoints import adapters
-    from ..checkpoints.configs import check_generation_config, check_generation_tokens
+    from ..checkpoints.configs import check_generation_config, check_generation_tokens, float_generation_fields
     from ..checkpoints.loading import check_diff_checkpoint
     from ..templates import bound_chat_templates
     from ..text_input import check_text
@@ -130,8 +130,30 @@ def run(args) -> int:
     if args.stream and tokenizer is None:
         raise UserError(f"--stream prints text, and MODEL {args.model} has no tokenizer: drop --stream.")
     model = adapters.load(source, **load_kwargs(args.dtype, args.attn_implementation)).eval().to(device)
+    if getattr(model, "generation_config", None) is not None:
+        float_generation_fields(model.generation_config)  # "repetition_penalty": 2 is the float 2.0
     inputs = {name: value.to(device) for name, value in inputs.items()}
+    from transformers import LogitsProcessorList
+
+    from ..checkpoints.finite import FiniteLogits
+
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
+    kwargs["logits_processor"] = LogitsProcessorList([FiniteLogits(args.model)])  # NaN logits: one line, exit 2
+    kwargs["return_dict_in_generate"] = False  # the token ids, whatever generation_config.json says
+    generation = model.generation_config.to_dict() if getattr(model, "generation_config", None) else {}
+    needs_tokenizer = [name for name in ("stop_strings", "token_healing") if generation.get(name)]
+    if needs_tokenizer and tokenizer is None:
+        raise UserError(
+            f"MODEL {args.model}'s generation_config.json sets {needs_tokenizer[0]}, which needs a tokenizer, and the "
+            "model has none: remove the field, or save a tokenizer with the model."
+        )
+    if needs_tokenizer:
+        kwargs["tokenizer"] = tokenizer  # generate() matches stop strings and heals tokens with it
+    if generation.get("exponential_decay_length_penalty") and generation.get("eos_token_id") is None:
+        raise UserError(
+            f"MODEL {args.model}'s generation_config.json sets exponential_decay_length_penalty, which raises the "
+            "end-of-sequence token's score, but no eos_token_id: add it, or remove the field."
+        )
     if args.temperature > 0:
         kwargs["temperature"] = args.temperature
     if args.repetition_penalty is not None:

@@ -11,6 +11,11 @@ def add_parser(commands) -> None:
     merge.add_argument("adapter", help="PEFT adapter directory (what train --lora writes)")
     merge.add_argument("out", help="output directory for the merged checkpoint")
     merge.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    merge.add_argument(
+        "--allow-non-finite",
+        action="store_true",
+        help="write the merged weights even where they hold NaN or inf (refused by default: nothing is written)",
+    )
     add_device_options(merge, "merge (the weights are written from there)")
     add_base_option(merge)
     add_quiet_option(merge)
@@ -23,7 +28,13 @@ def run(args) -> int:
 
     device = resolve_device(args.device)
     out = merge_adapter(
-        args.adapter, args.out, base=args.base, overwrite=args.overwrite, device=device, dtype=args.dtype
+        args.adapter,
+        args.out,
+        base=args.base,
+        overwrite=args.overwrite,
+        device=device,
+        dtype=args.dtype,
+        allow_non_finite=args.allow_non_finite,
     )
     print(f"wrote {out}")
     return 0

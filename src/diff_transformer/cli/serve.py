@@ -563,6 +563,7 @@ def _own_options(argv: list[str]) -> tuple[list[str], int | None, bool, tuple[st
             continue
         rest.append(arg)
         index += 1
+    _check_device_options(rest)
     flags = _transformers_flags()
     positions = [
         i
@@ -587,6 +588,25 @@ def _own_options(argv: list[str]) -> tuple[list[str], int | None, bool, tuple[st
     if quiet and not any(arg == "--log-level" or arg.startswith("--log-level=") for arg in rest):
         rest += ["--log-level", "error"]
     return rest, limit, quiet, served
+
+
+def _check_device_options(argv: list[str]) -> None:
+    """transformers' --device and --dtype, checked as the other commands check theirs (`options.resolve_device`,
+    `options.DTYPES`) before the server starts: transformers takes any string and fails at the first request."""
+    from .options import DTYPES, resolve_device
+
+    for index, arg in enumerate(argv):
+        option, equals, value = arg.partition("=")
+        if option not in ("--device", "--dtype"):
+            continue
+        if not equals:
+            value = argv[index + 1] if index + 1 < len(argv) else ""
+            if value.startswith("--"):
+                raise UserError(f"{option} needs a value, e.g. {option} {'cpu' if option == '--device' else 'auto'}.")
+        if option == "--dtype" and value not in DTYPES:
+            raise UserError(f"--dtype {value!r} is not a dtype for the weights: use one of {', '.join(DTYPES)}.")
+        if option == "--device" and value != "auto":
+            resolve_device(f"cuda:{value}" if value.isdigit() else value)  # transformers reads "N" as cuda:N
 
 
 def main(argv=None):

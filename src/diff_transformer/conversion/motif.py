@@ -69,6 +69,11 @@ def motif_config(raw: dict, where: str):
     `attention_bias`, `qkv_bias`). Raises `ConversionError` for what a Diff model cannot compute."""
     from transformers import LlamaConfig
 
+    from ..checkpoints.schema import MOTIF_FIELDS, field_problem
+
+    problem = field_problem(raw, MOTIF_FIELDS)
+    if problem:
+        raise ConversionError(f"config.json of {where}: {problem}: fix it, or re-download the checkpoint's config.")
     architectures = raw.get("architectures") or [MOTIF_ARCHITECTURE]
     if architectures != [MOTIF_ARCHITECTURE]:
         raise ConversionError(

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoints.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
+from ..safe_output import write_new_file
 from .dtypes import SAFETENSORS_CODES
 from .errors import ConversionError
 
@@ -99,7 +100,7 @@ class ShardWriter:
 
     def _open_shard(self) -> None:
         self._path = self.directory / f".shard-{len(self._written):05d}.safetensors.part"
-        self._file = open(self._path, "wb")  # noqa: SIM115 - closed in close_shard
+        self._file = _create(self._path)
         self._file.write(b" " * (8 + self.header_reserve))
 
     def close_shard(self) -> None:
@@ -124,7 +125,7 @@ class ShardWriter:
     def _rewrite_with_header(self, header: bytes) -> None:
         header += b" " * (-len(header) % 8)  # keep the data 8-byte aligned
         rewritten = self._path.with_suffix(".rewrite")
-        with open(self._path, "rb") as old, open(rewritten, "wb") as new:
+        with open(self._path, "rb") as old, _create(rewritten) as new:
             new.write(len(header).to_bytes(8, "little"))
             new.write(header)
             old.seek(8 + self.header_reserve)
@@ -151,8 +152,14 @@ class ShardWriter:
                 "metadata": {"total_size": self.total_bytes, "total_parameters": self.total_parameters},
                 "weight_map": dict(sorted(weight_map.items())),
             }
-            (self.directory / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+            write_new_file(self.directory / SAFETENSORS_INDEX, json.dumps(index, indent=2) + "\n")
         return names
+
+
+def _create(path: Path):
+    """PATH opened for writing as a new file: never an existing one, nor through a link planted at its name."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    return os.fdopen(os.open(path, flags, 0o666), "wb")
 
 
 __all__ = ["ShardWriter"]

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..checkpoints.names import resolve_model
 from ..checkpoints.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 from ..errors import installed, missing, require
-from ..safe_output import RUN_LOCK, check_target
+from ..safe_output import RUN_LOCK, check_target, refuse_links
 from . import TrainingError
 from .model import model_source
 from .resume import holds_run
@@ -46,8 +46,13 @@ def check_output(args) -> Path:
     if source.adapter is not None and source.local is not None:
         sources["base model"] = source.local  # the adapter's base: never written either
     output = check_target(args.output, name="--output", sources=sources or None)
+    if output.is_symlink():  # the run would write wherever it points, and --overwrite delete there
+        raise TrainingError(
+            f"--output {args.output} is a symbolic link: pass the directory it points to, or another path"
+        )
     if os.path.lexists(output) and not output.is_dir():
         raise TrainingError(f"--output {args.output} is a file: pass a directory (it is created if missing)")
+    refuse_links(output, name="--output")  # before anything loads: Trainer's files would be written through one
     if output.is_dir() and not args.overwrite and not holds_run(output):
         model = [name for name in _MODEL_FILES if (output / name).exists()]
         others = sorted(p.name for p in output.iterdir() if p.name != RUN_LOCK)

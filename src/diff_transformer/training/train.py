@@ -28,7 +28,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoints import adapters
 from ..errors import UserError, as_one_line, one_line
-from ..safe_output import OutputLock, record_written, remove_recorded, top_level_state
+from ..safe_output import OutputLock, record_written, refuse_links, remove_recorded, top_level_state
 from . import TrainingError
 from .args import parse_train_args
 from .callbacks import (
@@ -75,6 +75,8 @@ class CausalLMTrainer(Trainer):
         # checkpoint-* directory in --output, a user's `checkpoint-0/` included: it is switched off here and
         # `rotate_checkpoints` deletes only checkpoints that this run wrote or that the run record proves a run wrote.
         limit = self.args.save_total_limit
+        if self.args.should_save:  # Trainer writes with open(): never through a link that appeared in --output
+            refuse_links(Path(self.args.output_dir), name="--output")
         self.args.save_total_limit = None
         try:
             super()._save_checkpoint(model, trial)
@@ -293,7 +295,11 @@ def _run(args) -> int:
             flush=True,
         )
     start = checkpoint_state(Path(resume)).get("global_step", 0) if resume else 0
+    # Trainer and the tokenizer write with plain open(), which follows links: none may be in --output when they do
+    # (checked before the run starts, and again before each save).
+    refuse_links(Path(args.output), name="--output")
     result = trainer.train(resume_from_checkpoint=resume)
+    refuse_links(Path(args.output), name="--output")
     trainer.save_model(args.output)  # model (or LoRA adapter) + tokenizer, main process only
     if main and args.lora:  # PEFT wrote its blank template as README.md: the adapter's own card replaces it
         source = model_source(args)
@@ -302,6 +308,7 @@ def _run(args) -> int:
         adapters.record_base(args.output, base_of(source), base)
     trainer.save_metrics("train", result.metrics)
     metrics = trainer.evaluate() if eval_data is not None else {}
+    refuse_links(Path(args.output), name="--output")
     if metrics:
         trainer.save_metrics("eval", metrics)
     trainer.save_state()
