@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import diff_transformer  # noqa: F401  (the package's own classes compute the references)
 from tests.helpers import REPOSITORY
 from tests.matrix.models import FAMILIES, HEADS, VERSIONS, build
+from tests.model.test_model import assert_logits_match_reference
 
 
 ROOT = REPOSITORY
@@ -108,7 +109,12 @@ def test_custom_code_computes_what_the_package_computes(name, version, checkpoin
     ids = torch.tensor(IDS)
     with torch.no_grad():
         expected = model(ids).logits
-    torch.testing.assert_close(torch.tensor(got["logits"]).view(expected.shape), expected, rtol=0, atol=2e-5)
+    logits = torch.tensor(got["logits"]).view(expected.shape)
+    if head:
+        torch.testing.assert_close(logits, expected, rtol=0, atol=2e-5)
+    else:  # the package may attend through its CPU paths, the bare code through the plain calls: both within fp32's
+        # rounding of the float64 reference, whatever order each sums in
+        assert_logits_match_reference(model, ids, logits, expected)
     if not head:
         out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
         assert got["generated"] == out[:, ids.shape[1] :].tolist()
