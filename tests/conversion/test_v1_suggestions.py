@@ -13,7 +13,9 @@ from diff_transformer.conversion import convert as convert_module
 from tests.helpers.checkpoints import make_llama
 
 
-CLAUSE = re.compile(r"\b(use|add|drop|or)\s+((?:one of )?them|--[a-z0-9-]+(?: [a-z0-9][\w-]*(?:\.[\w-]+)*)?(?: / --[a-z0-9-]+)*)")
+CLAUSE = re.compile(
+    r"\b(use|add|drop|or)\s+((?:one of )?them|--[a-z0-9-]+(?: [a-z0-9][\w-]*(?:\.[\w-]+)*)?(?: / --[a-z0-9-]+)*)"
+)
 FLAG = re.compile(r"(--[a-z0-9-]+)(?: ([a-z0-9][\w.-]*))?")
 VALUED = {"--diff-version", "--v1-init", "--v1-layout", "--calibration-data", "--dtype"}
 
@@ -28,7 +30,9 @@ def options(argv: list[str]) -> dict[str, str | None]:
 
 
 def argv_of(parsed: dict[str, str | None]) -> tuple[str, ...]:
-    return tuple(part for flag, value in sorted(parsed.items()) for part in ((flag,) if value is None else (flag, value)))
+    return tuple(
+        part for flag, value in sorted(parsed.items()) for part in ((flag,) if value is None else (flag, value))
+    )
 
 
 def suggestions(line: str, current: dict) -> list[dict]:
