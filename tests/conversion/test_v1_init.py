@@ -10,7 +10,11 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from diff_transformer import DiffForCausalLM, cli
 from diff_transformer.conversion import ConversionError, convert_llama_to_diff, convert_to_diff
-from diff_transformer.conversion.calibrate import least_squares_projection, plan_calibration
+from diff_transformer.conversion.calibrate import (
+    least_squares_projection,
+    plan_calibration,
+    scaled_source_projection,
+)
 from diff_transformer.conversion.layout import llama_to_v1_query_permutation
 from diff_transformer.evaluation import heldout_perplexity
 from tests.helpers import REPOSITORY
@@ -50,6 +54,33 @@ def test_least_squares_projection_matches_a_hand_computed_example_and_lstsq():
     assert torch.allclose(least_squares_projection(features, target, ridge=0.0), expected, atol=1e-9)
 
 
+def test_ridge_towards_a_prior_and_one_gain_per_head_match_lstsq():
+    """The two constrained fits the calibration can use (issue 47): ridge towards a prior W0 is least squares on the
+    system augmented with √ρ(W − W0) = 0; one gain per head is least squares over the H per-head outputs F_h W_hᵀ."""
+    generator = torch.Generator().manual_seed(0)
+    features, prior = (
+        torch.randn(300, 6, generator=generator).double(),
+        torch.randn(4, 6, generator=generator).double(),
+    )
+    target = features @ torch.randn(4, 6, generator=generator).double().T
+    rho = 0.5 * float(features.square().sum(0).mean())  # ridge 0.5 × the mean squared feature
+    augmented = torch.cat((features, rho**0.5 * torch.eye(6, dtype=features.dtype)))
+    padded = torch.cat((target, rho**0.5 * prior.T))
+    expected = torch.linalg.lstsq(augmented, padded).solution.T
+    assert torch.allclose(least_squares_projection(features, target, 0.5, prior), expected, atol=1e-9)
+    assert torch.allclose(least_squares_projection(features, target, 1e12, prior), prior, atol=1e-9)
+    heads, source = 3, torch.randn(4, 6, generator=generator).double()  # 3 heads of width 2
+    target = sum(g * features[:, 2 * h : 2 * h + 2] @ source[:, 2 * h : 2 * h + 2].T for h, g in enumerate((2, -1, 3)))
+    target = target + 0.1 * torch.randn(300, 4, generator=generator).double()
+    per_head = torch.stack(
+        [(features[:, 2 * h : 2 * h + 2] @ source[:, 2 * h : 2 * h + 2].T).reshape(-1) for h in range(3)], 1
+    )
+    gains = torch.linalg.lstsq(per_head, target.reshape(-1, 1)).solution[:, 0]  # (3,)
+    assert torch.allclose(
+        scaled_source_projection(features, target, source, heads), source * gains.repeat_interleave(2), atol=1e-9
+    )
+
+
 GRIDS = {
     "calibrated": [round(0.1 + 0.05 * i, 2) for i in range(9)],  # differential: 0.1 .. 0.5
     "calibrated-additive": [round(-1 + 0.05 * i, 2) for i in range(31)],  # -1 .. 0.5
@@ -66,7 +97,7 @@ def test_calibrated_o_proj_of_layer_0_is_least_squares_on_the_llamas_own_heads(t
     src = make_llama(tmp_path / "llama", num_attention_heads=8, num_key_value_heads=4, hidden_size=64)
     out = convert_llama_to_diff(src, tmp_path / "diff", diff_version=1, v1_init=v1_init, progress=False)
     conversion = json.loads((out / "config.json").read_text())["conversion"]
-    assert conversion["calibration_text"].startswith("random token ids")  # the test model has no usable tokenizer
+    assert conversion["calibration_text"].startswith("text sampled from SRC itself")  # the default: no text needed
     llama = LlamaForCausalLM.from_pretrained(src, attn_implementation="eager").eval()
     config = llama.config
     blocks = plan_calibration(src, config.vocab_size, config.max_position_embeddings).blocks
@@ -171,14 +202,14 @@ def _heldout_loss(path, blocks: int = 8) -> float:
         return model(ids, labels=ids).loss.item()
 
 
-def test_conversion_without_calibration_data_uses_the_builtin_text_and_starts_closer(shipped):
+def test_conversion_without_calibration_data_samples_the_source_and_starts_closer(shipped):
     conversion = json.loads((shipped["calibrated"] / "config.json").read_text())["conversion"]
-    assert conversion["calibration_text"].startswith("built-in") and "Persuasion" in conversion["calibration_text"]
+    assert conversion["calibration_text"] == "text sampled from SRC itself (temperature 1, from the bos token), seed 0"
     assert conversion["calibration_tokens"] == [16, 256]
-    builtin = (ASSETS / "calibration.txt").read_text(encoding="utf-8")
-    assert builtin[:2000] not in (ASSETS / "heldout.txt").read_text(encoding="utf-8")  # not the evaluation text
     card = (shipped["calibrated"] / "README.md").read_text()
-    assert "calibrated" in card and "Persuasion" in card and "differential" in card
+    assert "calibrated" in card and "sampled from SRC itself" in card and "differential" in card
+    step0 = conversion["step0_heldout"]
+    assert f"({step0['ratio']:.2f}×)" in card
     assert f"fitted on text in [0.1, 0.5] ({', '.join(f'{v:g}' for v in conversion['lambda_start'])})" in card
     assert "λ < 0 ADDS the second attention map" in (shipped["additive"] / "README.md").read_text()
     assert "λ = 0 exactly at step 0" in (shipped["lambda0"] / "README.md").read_text()
@@ -199,6 +230,31 @@ def test_conversion_without_calibration_data_uses_the_builtin_text_and_starts_cl
     assert paper_config["lambda_init"] is None and paper_config["conversion"]["v1_init"] == "paper"
 
 
+@pytest.mark.parametrize("name", ["calibrated", "expanded"])
+def test_recorded_step0_perplexity_is_what_the_two_models_compute_on_the_heldout_blocks(shipped, name):
+    """Independent reference: transformers' Llama (the source) and the converted checkpoint, loaded whole, scored on
+    the held-out sampled blocks, which are reproducible from the seed and were not among the fitted ones."""
+    conversion = json.loads((shipped[name] / "config.json").read_text())["conversion"]
+    config = json.loads((TINY_LLAMA / "config.json").read_text())
+    plan = plan_calibration(TINY_LLAMA, config["vocab_size"], config["max_position_embeddings"])
+    again = plan_calibration(TINY_LLAMA, config["vocab_size"], config["max_position_embeddings"])
+    other = plan_calibration(TINY_LLAMA, config["vocab_size"], config["max_position_embeddings"], seed=1)
+    assert torch.equal(plan.blocks, again.blocks) and not torch.equal(plan.blocks, other.blocks)  # seeded
+    assert plan.heldout_blocks.shape == (4, 256)
+    assert not any(torch.equal(row, fitted) for row in plan.heldout_blocks for fitted in plan.blocks)
+    with torch.no_grad():
+        source = LlamaForCausalLM.from_pretrained(TINY_LLAMA).eval()(plan.heldout_blocks, labels=plan.heldout_blocks)
+        converted = DiffForCausalLM.from_pretrained(shipped[name]).eval()(
+            plan.heldout_blocks, labels=plan.heldout_blocks
+        )
+    step0 = conversion["step0_heldout"]
+    assert step0["tokens"] == 4 * 255
+    # fp32 losses of ~4.3 summed over 1,020 tokens in another order: ~1e-6 relative; the record rounds to 4 decimals
+    assert step0["source_perplexity"] == pytest.approx(math.exp(source.loss.item()), rel=1e-4)
+    assert step0["converted_perplexity"] == pytest.approx(math.exp(converted.loss.item()), rel=1e-4)
+    assert step0["ratio"] == pytest.approx(math.exp(converted.loss.item() - source.loss.item()), rel=1e-4)
+
+
 def test_calibration_data_file_is_used_and_bad_ones_are_refused(tmp_path, capsys):
     text = tmp_path / "mine.txt"
     text.write_text((ASSETS / "heldout.txt").read_text(encoding="utf-8")[:20000], encoding="utf-8")
@@ -209,6 +265,9 @@ def test_calibration_data_file_is_used_and_bad_ones_are_refused(tmp_path, capsys
     assert "V1 calibrated on --calibration-data mine.txt" in printed
     conversion = json.loads((out / "config.json").read_text())["conversion"]
     assert f"λ at step 0 fitted per layer: {conversion['lambda_start']}" in printed
+    assert "o_proj refitted per layer by least squares (sub-layer norm weight kept at 1)" in printed
+    step0 = conversion["step0_heldout"]  # the text's last fifth, never fitted on; printed without --verify
+    assert f"({step0['ratio']:.2f}x) on {step0['tokens']:,} held-out tokens of the calibration data" in printed
     assert conversion["calibration_text"] == "--calibration-data mine.txt"  # the name, never the machine's path
     default = load_file(
         convert_llama_to_diff(TINY_LLAMA, tmp_path / "default", diff_version=1, progress=False) / "model.safetensors"

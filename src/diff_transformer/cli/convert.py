@@ -33,7 +33,7 @@ def add_parser(commands) -> None:
         choices=("calibrated", "calibrated-additive", "calibrated-lambda0", "paper"),
         default=None,
         help="with --diff-version 1: calibrated (default: differential, λ > 0 from the start and kept above 0.05; "
-        "the sub-layer norm and λ fitted on text), calibrated-additive (λ fitted in [-1, 0.5]: the second map is "
+        "o_proj and λ fitted on text), calibrated-additive (λ fitted in [-1, 0.5]: the second map is "
         "ADDED, not subtracted, at the start; closest to the source), calibrated-lambda0 (λ = 0 at start) or paper",
     )
     convert.add_argument(
@@ -48,7 +48,8 @@ def add_parser(commands) -> None:
         "--calibration-data",
         metavar="FILE",
         default=None,
-        help="UTF-8 text to calibrate V1 on (default: a built-in public-domain English text)",
+        help="UTF-8 text to calibrate V1 on, its last fifth held out to measure the start (default: text sampled from "
+        "SRC itself, seeded)",
     )
     add_quiet_option(convert)
     convert.set_defaults(func=run)
@@ -81,24 +82,20 @@ def run(args) -> int:
             + ("" if args.v1_layout else ", since the head counts cannot be paired")
             + "."
         )
-    if "calibration_tokens" in conversion:  # a calibrated V1 start (either kind) records what it read
-        blocks, length = conversion["calibration_tokens"]
-        if "lambda_start" in conversion:
-            start = f"λ at step 0 fitted per layer: {conversion['lambda_start']}"
-        elif conversion.get("v1_layout") == "expanded":
-            start = "λ = the paper's λ_init at step 0 (A2 = A1: the layer subtracts from the first step)"
-        else:
-            start = "λ = 0 at step 0 (λ_init 0, mirrored λ vectors)"
-        print(
-            f"V1 calibrated on {conversion['calibration_text']} ({blocks} blocks x {length} tokens): sub-layer norm "
-            f"gains fitted by least squares, {start}; relative residual per layer "
-            f"{conversion['subln_relative_residual']}."
-        )
+    if "calibration_tokens" in conversion:  # a calibrated V1 start (any kind) records what it read and fitted
+        print(_calibrated_start(conversion))
+        step0 = conversion.get("step0_heldout")
+        if step0:
+            print(
+                f"V1 at step 0: perplexity {step0['converted_perplexity']:.2f} against the source's "
+                f"{step0['source_perplexity']:.2f} ({step0['ratio']:.2f}x) on {step0['tokens']:,} held-out tokens of "
+                "the calibration data (never fitted on)."
+            )
     if args.diff_version == 1 and conversion.get("source_model_type") not in ("diffllama", "motif"):
-        print(
-            "note: diff_version=1 is not function-preserving (--v1-init calibrated-additive starts closest, but adds "
-            "its second map); continue pretraining."
-        )
+        closer = ""
+        if conversion.get("v1_init") == "calibrated" and conversion.get("v1_layout") == "paired":  # it works there
+            closer = " (or use --v1-init calibrated-additive, which starts closer but adds its second map)"
+        print(f"note: diff_version=1 is not function-preserving: continue pretraining{closer}.")
     if args.verify:
         report = _verify(args, out)
         greedy = "" if report["greedy_match"] is None else f", greedy continuations match: {report['greedy_match']}"
@@ -115,6 +112,31 @@ def run(args) -> int:
         if report["expected_exact"] and not report["passed"]:
             return 1
     return 0
+
+
+def _calibrated_start(conversion: dict) -> str:
+    """One line: what the calibration read, what it fitted (o_proj; λ where it was chosen) and whether the two
+    attention maps differ yet."""
+    blocks, length = conversion["calibration_tokens"]
+    expanded = conversion.get("v1_layout") == "expanded"
+    if "lambda_start" in conversion:
+        start = f"λ at step 0 fitted per layer: {conversion['lambda_start']}"
+    elif conversion.get("v1_init") == "calibrated-lambda0":
+        start = "λ = 0 at step 0 (λ_init 0, mirrored λ vectors): the second map is not used yet"
+    else:
+        start = "λ = the paper's λ_init per layer at step 0"
+    if expanded:  # q2, k2 are copies of q1, k1
+        maps = (
+            "A2 = A1 at step 0 (q2, k2 copied from q1, k1): the two maps do not differ yet, so each head computes "
+            "(1 − λ)·A1·V and cancels nothing until training moves q2, k2 apart"
+        )
+    else:
+        maps = "A1 and A2 are two different Llama heads' maps"
+    return (
+        f"V1 calibrated on {conversion['calibration_text']} ({blocks} blocks x {length} tokens): o_proj refitted per "
+        f"layer by least squares (sub-layer norm weight kept at 1), {start}; {maps}; relative residual of the "
+        f"attention output per layer {conversion['subln_relative_residual']}."
+    )
 
 
 def _verify(args, out) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import math
 import os
 import re
 import shutil
@@ -27,7 +28,14 @@ from ..safe_output import Staging, check_target
 from .dtypes import cast_dtype, from_safetensors_code, parse_dtype
 from .errors import ConversionError, conversion_boundary, one_line
 from .families import CAUSAL_LM, DIFFLLAMA, FAMILIES, MOTIF, family_of, source_geometry, task_of
-from .layout import IGNORED_SOURCE_TENSORS, Geometry, LlamaToV1Expanded, choose_v1_layout, make_tensor_map
+from .layout import (
+    IGNORED_SOURCE_TENSORS,
+    Geometry,
+    LlamaToV1Expanded,
+    choose_v1_layout,
+    make_tensor_map,
+    pairable,
+)
 from .motif import is_motif, motif_config
 from .provenance import conversion_provenance
 from .source import SIDE_FILE_PATTERNS, SourceCheckpoint, check_float_dtypes, open_source, read_weights_headers
@@ -113,12 +121,13 @@ def convert_llama_to_diff(
         overwrite: replace a non-empty `out` (only once the new checkpoint is complete).
         progress: show a tqdm bar over tensors.
         lambda_std: std of V1's fresh λ vectors (ignored for V2).
-        seed: seeds V1's fresh λ vectors (per layer).
+        seed: seeds V1's fresh λ vectors (per layer) and the sampled calibration text.
         v1_init: V1 only. "calibrated" (the default for V1): differential, λ > 0 in every layer from step 0 and
-            throughout training (`lambda_floor` 0.05); the sub-layer norm gains are fitted by least squares, layer by
-            layer, so that each head's normalised output matches the source's on `calibration_blocks` blocks of
-            `calibration_block_size` tokens (`calibrate.py`); paired layout: λ_init = 0 and each layer's λ chosen
-            from [0.1, 0.5]; expanded layout: λ = the paper's λ_init. "calibrated-additive": the paired fit over
+            throughout training (`lambda_floor` 0.05); o_proj is refitted by least squares, layer by layer, so that
+            the normalised heads reproduce the source's attention output on `calibration_blocks` blocks of
+            `calibration_block_size` tokens (`calibrate.py`; the sub-layer norm weight stays 1); paired layout:
+            λ_init = 0 and each layer's λ chosen from [0.1, 0.5]; expanded layout: λ = the paper's λ_init (A2 = A1
+            at step 0: the maps differ only once training moves q2, k2). "calibrated-additive": the paired fit over
             [-1, 0.5], which picks λ < 0: the second map is ADDED at the start (no floor; closest to the source).
             "calibrated-lambda0": λ = 0 at the start (mirrored λ vectors). "paper": the paper's λ_init schedule,
             λ vectors ~ N(0, lambda_std), unit gains.
@@ -126,8 +135,9 @@ def convert_llama_to_diff(
             added (needs even numbers of attention and key/value heads). "expanded": one differential head per Llama
             head, with a second map (q2, k2 copied from q1, k1) and a second value half added (any head count).
             None (default): paired where the head counts allow it, expanded otherwise.
-        calibration_data: a UTF-8 text file to calibrate on (its first 4 MiB); default: a built-in public-domain
-            English text (assets/calibration.txt). A source without a tokenizer is calibrated on random token ids.
+        calibration_data: a UTF-8 text file to calibrate on (its first 4 MiB; the last fifth held out to measure
+            the start). Default: text sampled from the source itself (seeded by `seed`; no data needed); a source
+            that is not a causal LM reads a built-in public-domain text (assets/calibration.txt) instead.
         calibration_blocks: how many blocks of text the V1 calibration fits the gains on.
         calibration_block_size: tokens per calibration block.
         max_shard_size: bytes (int) or "5GB"-style string for the output shards; None mirrors the input shards.
@@ -576,7 +586,8 @@ def _check_v1_init(source_kind: str, diff_version: int, v1_init: str | None, cal
 def _calibrate(
     source, config, tensor_map, calibration_data, num_blocks: int, block_size: int, seed: int, v1_init: str
 ) -> None:
-    """Fit V1's sub-layer norm gains (and λ) on text (conversion/calibrate.py); record how in the provenance."""
+    """Refit V1's o_proj (and choose λ) on calibration data (conversion/calibrate.py); record how, and the step-0
+    perplexity on the data's held-out part, in the provenance."""
     from .calibrate import ADDITIVE_GRID, DIFFERENTIAL_GRID, calibrate_v1_start, plan_calibration
 
     plan = plan_calibration(
@@ -596,7 +607,7 @@ def _calibrate(
     if expanded:
         lambda_text = (
             "the paper's λ_init per layer, λq2 = λq1 and λk2 = λk1 (λ = λ_init at step 0, trainable); A2 = A1 at step "
-            "0 (q2, k2 copied), so the layer subtracts from the first step"
+            "0 (q2, k2 copied), so each head computes (1 − λ)·A1·V until training moves q2, k2 apart"
         )
     elif grid is None:
         lambda_text = "λ_init = 0, λq2 = λq1 and λk2 = λk1 (λ = 0 at step 0, trainable)"
@@ -620,6 +631,14 @@ def _calibrate(
     }
     if grid is not None:
         tensor_map.provenance["lambda_start"] = [start.lambdas[i] for i in sorted(start.lambdas)]
+    if start.heldout_loss is not None:  # measured on calibration blocks no fit saw
+        source_loss, converted_loss = start.heldout_loss["source"], start.heldout_loss["converted"]
+        tensor_map.provenance["step0_heldout"] = {
+            "tokens": start.heldout_loss["tokens"],
+            "source_perplexity": round(math.exp(source_loss), 4),
+            "converted_perplexity": round(math.exp(converted_loss), 4),
+            "ratio": round(math.exp(converted_loss - source_loss), 4),
+        }
 
 
 def _plan(
@@ -656,9 +675,10 @@ def _plan(
     if v1_init == "paper":
         tensor_map.provenance = {"v1_init": "paper", "v1_layout": layout}
     if layout == "expanded" and v1_init == "calibrated-additive":
+        pair = " (or --v1-layout paired)" if pairable(geometry) else ""  # never suggest a layout SRC cannot take
         raise ConversionError(
             "--v1-init calibrated-additive fits λ < 0 on paired heads; the expanded layout starts with A2 = A1, where "
-            "λ has no effect, so it has no additive start: use --v1-init calibrated (or --v1-layout paired)."
+            f"λ has no effect, so it has no additive start: use --v1-init calibrated{pair}."
         )
     # λ_init: the paper's schedule, except where λ starts fitted or at 0 (λ_init 0, mirrored vectors)
     lambda_init = 0.0 if calibrated and (layout == "paired" or v1_init == "calibrated-lambda0") else None

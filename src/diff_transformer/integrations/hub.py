@@ -198,8 +198,9 @@ def _v1_init(conversion: dict) -> str:
     if conversion.get("v1_layout") == "expanded":
         layout = (
             " Layout: expanded (the source's heads could not be paired, or --v1-layout expanded was asked): one "
-            "differential head per source head; q2 and k2 started as copies of q1 and k1 (A2 = A1 at step 0) and a "
-            "second value half was added behind zero `o_proj` columns."
+            "differential head per source head; q2 and k2 started as copies of q1 and k1 (A2 = A1 at step 0: the two "
+            "maps differ only once training moves them apart) and a second value half was added behind zero `o_proj` "
+            "columns."
         )
     if conversion.get("v1_init") == "paper":
         return layout + (
@@ -227,10 +228,18 @@ def _v1_init(conversion: dict) -> str:
         )
     else:
         start = "λ_init = 0 with λq2 = λq1 and λk2 = λk1, so λ = 0 exactly at step 0 and learns from the first step; "
+    step0 = conversion.get("step0_heldout")
+    quality = ""
+    if step0:
+        quality = (
+            f" At step 0 its perplexity on {step0['tokens']:,} held-out tokens of the calibration data was "
+            f"{step0['converted_perplexity']:.2f} against the source's {step0['source_perplexity']:.2f} "
+            f"({step0['ratio']:.2f}×)."
+        )
     return layout + (
         f" Start: calibrated, {start}`o_proj` was refitted per layer, in layer order, by least squares so that the "
         "normalised differential heads reproduce the source's attention output, on "
-        f"{conversion.get('calibration_text')} ({blocks} blocks of {length} tokens)."
+        f"{conversion.get('calibration_text')} ({blocks} blocks of {length} tokens).{quality}"
     )
 
 
