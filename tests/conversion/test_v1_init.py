@@ -312,7 +312,10 @@ def test_diffllama_import_has_no_v1_init_to_choose(tmp_path):
 def test_smollm2_converts_to_a_differential_v1_close_to_its_source(tmp_path, capsys):
     """The real checkpoint (SmolLM2-135M-Instruct: 9 heads over 3, which cannot pair): `convert --diff-version 1`
     picks the expanded layout and says so in one line; every layer starts with λ > 0 (the paper's λ_init) above the
-    floor; held-out perplexity at step 0 within 1.5x the source's (measured 1.32x)."""
+    floor. Step-0 perplexity against the source's on two domains, the default start being fitted on text sampled
+    from the source (issue 47): held-out Austen within 1.6x (measured 1.47-1.56x over seeds 0-2; 1.37x when the
+    start was fitted on Austen itself) and the Python Language Reference within 2.1x (1.84-1.99x; 2.54x when fitted
+    on Austen, so the old default fails here). The issue's aim, 1.5x on every domain, is not met yet."""
     from tests.helpers.smollm2 import smollm2
 
     source = smollm2()
@@ -326,9 +329,17 @@ def test_smollm2_converts_to_a_differential_v1_close_to_its_source(tmp_path, cap
     model = DiffForCausalLM.from_pretrained(out).eval()
     lambdas = [layer.self_attn.diff_lambda().item() for layer in model.model.layers]
     assert lambdas == pytest.approx([0.8 - 0.6 * math.exp(-0.3 * i) for i in range(30)], abs=1e-6)
+    from pydoc_data.topics import topics
+
     tokenizer = AutoTokenizer.from_pretrained(source)
-    text = (ASSETS / "heldout.txt").read_text(encoding="utf-8")
-    converted = heldout_perplexity(model, tokenizer, text, max_tokens=2040)  # as the demo and --verify score it
+    texts = {
+        "austen": ((ASSETS / "heldout.txt").read_text(encoding="utf-8"), 1.6),
+        "python reference": ("\n\n".join(topics[name] for name in sorted(topics)), 2.1),
+    }
+    # scored as the demo and --verify score it
+    converted = {name: heldout_perplexity(model, tokenizer, t, max_tokens=2040) for name, (t, _) in texts.items()}
     del model
-    original = heldout_perplexity(LlamaForCausalLM.from_pretrained(source).eval(), tokenizer, text, max_tokens=2040)
-    assert converted / original <= 1.5, (converted, original)  # measured 1.32x (1,020 and 4,080 tokens alike)
+    llama = LlamaForCausalLM.from_pretrained(source).eval()
+    for name, (text, bound) in texts.items():
+        original = heldout_perplexity(llama, tokenizer, text, max_tokens=2040)
+        assert converted[name] / original <= bound, (name, converted[name], original)
