@@ -150,8 +150,6 @@ def load_kwargs(dtype: str | None, attn_implementation: str | None = None) -> di
     import torch
 
     kwargs = {"dtype": "auto" if dtype in (None, "auto") else getattr(torch, dtype)}
-    if attn_implementation is not None:
-        from ..checkpoints.backends import check_attn_implementation
-
-        kwargs["attn_implementation"] = check_attn_implementation(attn_implementation)
+    if attn_implementation is not None:  # checked once before the command ran (`cli.main`)
+        kwargs["attn_implementation"] = attn_implementation
     return kwargs
