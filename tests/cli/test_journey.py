@@ -417,8 +417,8 @@ def test_peft_loads_the_adapter_from_another_directory(journey, tmp_path):
     """Issue 45: adapter_config.json kept the base as typed ("diff"), so PEFT's own AutoPeftModelForCausalLM, run
     anywhere but the training directory, looked "diff" up on the Hub and failed with a connection error. From an
     empty directory (a fresh interpreter) it now loads base + adapter; its logits are those of the package's load
-    (`adapters.load`, what generate and merge use), and those of the adapter and not of the base alone."""
-    from diff_transformer.checkpoints import adapters
+    (`checkpoints.open`, what generate and merge use), and those of the adapter and not of the base alone."""
+    from diff_transformer.checkpoints.opening import open_checkpoint
 
     root, _ = journey
     elsewhere = tmp_path / "elsewhere"
@@ -429,7 +429,7 @@ def test_peft_loads_the_adapter_from_another_directory(journey, tmp_path):
         report = run_json(PEFT_ELSEWHERE, *args, env={}, block_diff_transformer=False, cwd=elsewhere)
         assert report["base"] == str((root / "diff").resolve())
         with torch.no_grad():
-            ours = adapters.load(adapters.resolve(adapter)).eval()(torch.tensor(ids)).logits
+            ours = open_checkpoint(adapter).load().eval()(torch.tensor(ids)).logits
         assert torch.equal(torch.tensor(report["logits"]), ours), adapter
     base = AutoModelForCausalLM.from_pretrained(root / "diff")
     with torch.no_grad():

@@ -302,7 +302,7 @@ def test_train_lora_on_a_hub_base_names_the_hub_id_for_peft(hub, pushed, ids, tm
     card's metadata too; AutoPeftModelForCausalLM from another directory loads what the package's commands load, and
     the adapter pushes with its base named as trained."""
     from diff_transformer import cli
-    from diff_transformer.checkpoints import adapters
+    from diff_transformer.checkpoints.opening import open_checkpoint
     from tests.helpers.training import QUIET
 
     _, repo = pushed[2]
@@ -317,7 +317,7 @@ def test_train_lora_on_a_hub_base_names_the_hub_id_for_peft(hub, pushed, ids, tm
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     pulled = AutoPeftModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
-    ours = adapters.load(adapters.resolve(out), attn_implementation="eager").eval()
+    ours = open_checkpoint(out).load(attn_implementation="eager").eval()
     assert torch.equal(logits(pulled, ids), logits(ours, ids))
     assert not torch.equal(logits(pulled, ids), logits(pushed[2][0], ids))  # the adapter is on
     pulled.push_to_hub("trained-lora")

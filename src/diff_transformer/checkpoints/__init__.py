@@ -2,14 +2,17 @@
 base), turned into something to load: resolved, checked, then loaded, each problem one line naming the input and the
 fix (`CheckpointError`).
 
+* `opening.py`: `open_checkpoint(MODEL, base)` (also `checkpoints.open`), the one road from a name to a model:
+  resolved, checked, its tokenizer found once; the `Checkpoint` it returns loads without resolving again. Every
+  command that loads a model starts there.
 * `names.py`: a local directory or a Hub id (`org/name`, `hf://name`).
 * `configs.py`: config.json and generation_config.json, checked before anything is built from them.
 * `weights.py`: the safetensors files of a checkpoint and their headers (names, shapes, dtypes; no tensor data).
-* `loading.py`: a Diff checkpoint's config held against its weights; `load_causal_lm`.
+* `loading.py`: a Diff checkpoint's config held against its weights; `from_pretrained` (every failure one line).
 * `adapters.py`: PEFT adapter directories as MODEL (their base, loading, merging, their card).
 * `backends.py`: `--attn-implementation`, the attention backend a model is loaded with.
 
-Nothing is imported here, so naming this package costs nothing.
+Nothing is imported here (`open` imports `opening` when called), so naming this package costs nothing.
 """
 
 from ..errors import UserError
@@ -19,4 +22,12 @@ class CheckpointError(UserError):
     """A named model or checkpoint cannot be used. The message is one line: what is wrong, then how to fix it."""
 
 
-__all__ = ["CheckpointError"]
+def open(name, base: str | None = None, **options):  # noqa: A001  (the `tarfile.open` of checkpoints)
+    """NAME resolved, checked and its tokenizer found, once: `opening.open_checkpoint`, whose `Checkpoint.load()`
+    then loads the model without resolving again."""
+    from .opening import open_checkpoint
+
+    return open_checkpoint(name, base, **options)
+
+
+__all__ = ["CheckpointError", "open"]

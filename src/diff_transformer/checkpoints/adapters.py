@@ -28,7 +28,6 @@ from ..errors import require
 from ..safe_output import write_new_file
 from . import CheckpointError
 from .configs import read_json
-from .loading import check_diff_checkpoint, load_causal_lm
 from .names import HUB_PREFIX, resolve_model
 from .schema import ADAPTER_FIELDS, BASE_RECORD_FIELDS, FINGERPRINT_FIELDS, field_problem
 
@@ -278,19 +277,12 @@ def quiet_peft_wrapping():
         yield
 
 
-def load(source: Source, *, name: str = "MODEL", merge: bool = False, trainable: bool = False, prepare=None, **kwargs):
-    """The model of SOURCE; for an adapter, its base with the adapter on it (merged into the weights with `merge`,
-    trainable with `trainable`; `prepare(base)`, e.g. for 4-bit training, runs before the adapter goes on)."""
-    # A Hub id keeps its hf:// so that `load_causal_lm` does not take a one-part id ("gpt2") for a mistyped path.
-    location = source.location if source.local is not None else HUB_PREFIX + source.location
-    if source.adapter is None:
-        return load_causal_lm(location, name=name, **kwargs)
-    if source.local is not None:
-        check_diff_checkpoint(source.local, name="base model")
+def put_adapter_on(base, source: Source, *, merge: bool = False, trainable: bool = False, prepare=None):
+    """BASE (the loaded base model of SOURCE, an adapter) with the adapter on it: merged into the weights with
+    `merge`, trainable with `trainable`; `prepare(base)`, e.g. for 4-bit training, runs before the adapter goes on."""
     hide_bitsandbytes_kernel_notice()  # peft imports bitsandbytes, whose notice concerns 4-bit weights only
     from peft import PeftModel
 
-    base = load_causal_lm(location, name="base model", **kwargs)
     if prepare is not None:
         base = prepare(base)
     try:
@@ -419,8 +411,10 @@ def merge_adapter(
 
     from ..integrations.hub import diff_model_card
     from ..safe_output import Staging, check_target, write_manifest
+    from .opening import open_checkpoint
 
-    source = resolve(adapter, base, name="ADAPTER")
+    checkpoint = open_checkpoint(adapter, base, tokenizer=False, label="ADAPTER")
+    source = checkpoint.source
     if source.adapter is None:
         raise CheckpointError(
             f"ADAPTER {adapter} is a model, not a PEFT adapter directory (no {ADAPTER_CONFIG}): merge takes what "
@@ -434,7 +428,7 @@ def merge_adapter(
 
         placed = {} if device == "cpu" else {"device_map": {"": device}}
         torch_dtype = "auto" if dtype in (None, "auto") else getattr(torch, dtype)
-        model = load(source, name="ADAPTER", merge=True, dtype=torch_dtype, **placed)
+        model = checkpoint.load(merge=True, dtype=torch_dtype, **placed)
         from .finite import non_finite_tensors
 
         bad = [] if allow_non_finite else non_finite_tensors(model.state_dict())
@@ -474,7 +468,7 @@ __all__ = [
     "record_base",
     "weights_fingerprint",
     "is_adapter",
-    "load",
+    "put_adapter_on",
     "merge_adapter",
     "name_base",
     "peft_base_name",

@@ -262,22 +262,29 @@ def check_diff_checkpoint(directory: Path, *, name: str = "MODEL") -> None:
     )
 
 
-def load_causal_lm(text, *, name: str = "MODEL", **kwargs):
-    """`AutoModelForCausalLM.from_pretrained` of a command-line MODEL, every failure one `CheckpointError` line."""
+def from_pretrained(location: str, shown: str, **kwargs):
+    """`AutoModelForCausalLM.from_pretrained(LOCATION)` of a model already resolved and checked (`checkpoints.open`),
+    every failure one `CheckpointError` line naming SHOWN."""
     from transformers import AutoModelForCausalLM
 
     import diff_transformer  # noqa: F401  (registers the Auto classes)
 
-    location, local = resolve_model(text, name=name)
-    if local is not None:
-        check_diff_checkpoint(local, name=name)
     try:
         return AutoModelForCausalLM.from_pretrained(location, **kwargs)
     except Exception as exc:
         message = " ".join(str(exc).split())[:300] or type(exc).__name__
         raise CheckpointError(
-            f"cannot load {name} {text!r} ({message}): check that it is a complete checkpoint, or re-download it."
+            f"cannot load {shown} ({message}): check that it is a complete checkpoint, or re-download it."
         ) from None
 
 
-__all__ = ["check_config_against_weights", "check_diff_checkpoint", "load_causal_lm"]
+def load_causal_lm(text, *, name: str = "MODEL", **kwargs):
+    """`AutoModelForCausalLM.from_pretrained` of a command-line MODEL (resolved, its config held against its weights),
+    every failure one `CheckpointError` line. Commands use `checkpoints.open`; this is for a model named once."""
+    location, local = resolve_model(text, name=name)
+    if local is not None:
+        check_diff_checkpoint(local, name=name)
+    return from_pretrained(location, f"{name} {str(text)!r}", **kwargs)
+
+
+__all__ = ["check_config_against_weights", "check_diff_checkpoint", "from_pretrained", "load_causal_lm"]

@@ -61,11 +61,9 @@ def add_parser(commands) -> None:
 
 def run(args) -> int:
     import torch
-    from transformers import AutoConfig, AutoTokenizer
 
-    from ..checkpoints import adapters
-    from ..checkpoints.configs import check_generation_config, check_generation_tokens, float_generation_fields
-    from ..checkpoints.loading import check_diff_checkpoint
+    from ..checkpoints.configs import check_generation_tokens, float_generation_fields
+    from ..checkpoints.opening import open_checkpoint
     from ..templates import bound_chat_templates
     from ..text_input import check_text
 
@@ -88,11 +86,8 @@ def run(args) -> int:
     if args.compile:
         _check_compile(args, device)
     # Everything about the inputs is checked before the weights load.
-    source = adapters.resolve(args.model, args.base)
-    if source.local is not None:
-        check_diff_checkpoint(source.local)
-    check_generation_config(source.location, f"MODEL {args.model}")
-    tokenizer = adapters.load_tokenizer(AutoTokenizer, source.tokenizer, source.tokenizer_local, args.model)
+    checkpoint = open_checkpoint(args.model, args.base)
+    source, tokenizer = checkpoint.source, checkpoint.tokenizer
     session = args.prompt is None  # an interactive chat: its template checked on a first message
     if session and not args.chat:
         raise UserError("PROMPT is missing: pass one, or add --chat without PROMPT for an interactive chat.")
@@ -113,13 +108,8 @@ def run(args) -> int:
         inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
     if not ids:
         raise UserError("PROMPT is empty: pass some text (or token ids).")
-    try:
-        text_config = AutoConfig.from_pretrained(source.location).get_text_config()
-        vocab = text_config.vocab_size
-    except Exception as exc:
-        raise UserError(
-            f"cannot read the config of MODEL {args.model} ({' '.join(str(exc).split())[:200]})."
-        ) from None
+    text_config = checkpoint.text_config
+    vocab = text_config.vocab_size
     check_generation_tokens(source.location, f"MODEL {args.model}", vocab)
     _check_generation_length(args, len(ids), text_config)
     bad = [i for i in ids if not 0 <= i < vocab]
@@ -129,7 +119,7 @@ def run(args) -> int:
         )
     if args.stream and tokenizer is None:
         raise UserError(f"--stream prints text, and MODEL {args.model} has no tokenizer: drop --stream.")
-    model = adapters.load(source, **load_kwargs(args.dtype, args.attn_implementation)).eval().to(device)
+    model = checkpoint.load(**load_kwargs(args.dtype, args.attn_implementation)).eval().to(device)
     if getattr(model, "generation_config", None) is not None:
         float_generation_fields(model.generation_config)  # "repetition_penalty": 2 is the float 2.0
     inputs = {name: value.to(device) for name, value in inputs.items()}

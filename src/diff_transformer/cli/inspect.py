@@ -7,7 +7,6 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..checkpoints.adapters import load_tokenizer
 from ..checkpoints.backends import add_attn_option
 from ..errors import UserError, one_line
 from .options import (
@@ -177,8 +176,7 @@ def run(args) -> int:
     from diff_transformer.analysis import model_kind
     from diff_transformer.analysis.plotting import _matplotlib, head_figure
 
-    from ..checkpoints import adapters
-    from ..checkpoints.loading import check_diff_checkpoint
+    from ..checkpoints.opening import open_checkpoint
 
     _check_inspect_options(args)
     device = resolve_device(args.device)
@@ -194,19 +192,11 @@ def run(args) -> int:
         raise UserError("--out, --json and --grid name the same file: give each a different name.")
     if args.metric in ("answer", "noise") and args.grid and not args.span:
         raise UserError(f"--metric {args.metric} needs --span START:STOP (the answer's token positions).")
-    source = adapters.resolve(args.model, args.base)
-    location, local = source.location, source.local
+    checkpoint = open_checkpoint(args.model, args.base)
     outputs = (("--out", out), ("--json", json_out), ("--grid", grid_out))
-    for directory in (local, source.adapter):
+    for directory in (checkpoint.local, checkpoint.adapter):
         _refuse_inside_model(outputs, directory, args.model)
-    from transformers import AutoConfig, AutoTokenizer
-
-    import diff_transformer  # noqa: F401  (registers the Auto classes: AutoConfig reads Diff configs)
-
-    if local is not None:
-        check_diff_checkpoint(local)
-
-    tokenizer = load_tokenizer(AutoTokenizer, source.tokenizer, source.tokenizer_local, args.model)
+    tokenizer = checkpoint.tokenizer
     if tokenizer is not None:
         ids = tokenizer(args.text, return_tensors="pt")["input_ids"]
     else:
@@ -220,12 +210,7 @@ def run(args) -> int:
     if ids.numel() == 0:
         raise UserError("TEXT is empty: pass some text (or token ids).")
     # Everything about the inputs is checked before the weights load.
-    try:
-        config = AutoConfig.from_pretrained(location)
-    except Exception as exc:
-        raise UserError(
-            f"cannot read the config of MODEL {args.model} ({' '.join(str(exc).split())[:200]})."
-        ) from None
+    config = checkpoint.config
     try:
         kind = model_kind(SimpleNamespace(config=config))
     except ValueError as error:
@@ -254,7 +239,7 @@ def run(args) -> int:
             )
     need_metrics = json_out is not None or grid_out is not None
     _check_inspect_size(args, ids.shape[1], config, kind, all_layers=need_metrics)
-    model = adapters.load(source, merge=True, **load_kwargs(args.dtype, args.attn_implementation))  # merged: its maps
+    model = checkpoint.load(merge=True, **load_kwargs(args.dtype, args.attn_implementation))  # merged: its maps
     model = model.eval().to(device)
     entries, metrics = _inspect_maps(model, ids.to(device), args.layer, span, need_metrics)
     if tokenizer is not None:

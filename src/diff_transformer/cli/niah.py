@@ -100,10 +100,8 @@ def progress_line(description: str, total: int, quiet: bool):
 
 def run(args) -> int:
     import torch
-    from transformers import AutoConfig, AutoTokenizer
 
-    from ..checkpoints import adapters
-    from ..checkpoints.loading import check_diff_checkpoint
+    from ..checkpoints.opening import open_checkpoint
     from ..evaluation import niah
     from ..safe_output import Staging, check_target, write_manifest
     from ..templates import bound_chat_templates
@@ -129,21 +127,16 @@ def run(args) -> int:
     # Every model's inputs are checked (and its prompts built) before any weights load.
     plans = []
     for text in args.models:
-        source = adapters.resolve(text, None)
-        if args.backend == "vllm" and source.adapter is not None:
+        checkpoint = open_checkpoint(text)
+        tokenizer = checkpoint.tokenizer
+        if args.backend == "vllm" and checkpoint.adapter is not None:
             raise UserError(
                 f"MODEL {text} is a LoRA adapter: --backend vllm takes full checkpoints; merge it first "
                 "(diff-transformer merge) or use --backend transformers."
             )
-        if source.local is not None:
-            check_diff_checkpoint(source.local)
-        tokenizer = adapters.load_tokenizer(AutoTokenizer, source.tokenizer, source.tokenizer_local, text)
         if tokenizer is None:
             raise UserError(f"MODEL {text} has no tokenizer: niah writes text prompts, so save one with the model.")
-        try:
-            config = AutoConfig.from_pretrained(source.location).get_text_config()
-        except Exception as exc:
-            raise UserError(f"cannot read the config of MODEL {text} ({' '.join(str(exc).split())[:200]}).") from None
+        config = checkpoint.text_config
         context = getattr(config, "max_position_embeddings", None)
         if context is not None and lengths[-1] + args.max_new_tokens > context:
             raise UserError(
@@ -153,21 +146,22 @@ def run(args) -> int:
         chat = not args.no_chat and bool(getattr(tokenizer, "chat_template", None))
         builder = niah.PromptBuilder(tokenizer, haystack, chat=chat)
         prompts = niah.build_grid(builder, lengths, depths, args.needles, args.seed)
-        plans.append((text, source, tokenizer, chat, prompts))
+        plans.append((text, checkpoint, tokenizer, chat, prompts))
     out = check_target(args.out, name="--out")
-    for _, source, *_ in plans:  # one MODEL at a time, each named once in the message
-        check_target(args.out, name="--out", sources={"MODEL": source.local} if source.local else None)
+    for _, checkpoint, *_ in plans:  # one MODEL at a time, each named once in the message
+        local = checkpoint.local
+        check_target(args.out, name="--out", sources={"MODEL": local} if local else None)
     staging = Staging(out, overwrite=args.overwrite, name="--out")
     results = []
     with staging as tmp:
-        for text, source, tokenizer, chat, prompts in plans:
+        for text, checkpoint, tokenizer, chat, prompts in plans:
             if args.backend == "vllm":
                 dtype = None if args.dtype in (None, "auto") else args.dtype
                 samples = niah.evaluate_vllm(
-                    source.location, tokenizer, prompts, max_new_tokens=args.max_new_tokens, dtype=dtype
+                    checkpoint.location, tokenizer, prompts, max_new_tokens=args.max_new_tokens, dtype=dtype
                 )
             else:
-                model = adapters.load(source, **load_kwargs(args.dtype, args.attn_implementation)).eval().to(device)
+                model = checkpoint.load(**load_kwargs(args.dtype, args.attn_implementation)).eval().to(device)
                 with progress_line(f"niah {text}", len(prompts), args.quiet) as progress:
                     samples = niah.evaluate(
                         model, tokenizer, prompts, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,

@@ -8,12 +8,11 @@ import math
 import os
 from pathlib import Path
 
-from ..checkpoints.names import resolve_model
+from ..checkpoints.adapters import Source
 from ..checkpoints.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 from ..errors import installed, missing, require
 from ..safe_output import RUN_LOCK, check_target, refuse_links
 from . import TrainingError
-from .model import model_source
 from .resume import holds_run
 
 
@@ -37,11 +36,10 @@ def report_targets(args) -> tuple[list[str] | str, str | None]:
 _MODEL_FILES = ("config.json", "adapter_config.json", SAFETENSORS_SINGLE, SAFETENSORS_INDEX)
 
 
-def check_output(args) -> Path:
-    """--output must not be the model (or overlap it), a file, or a model that is no training run (the final save
-    would overwrite it) unless --overwrite."""
-    _, local = resolve_model(args.model)
-    source = model_source(args)
+def check_output(args, source: Source) -> Path:
+    """--output must not be the model SOURCE (or overlap it), a file, or a model that is no training run (the final
+    save would overwrite it) unless --overwrite."""
+    local = source.adapter or source.local  # what MODEL names: the adapter directory, or the model's
     sources = {"MODEL": local} if local else {}
     if source.adapter is not None and source.local is not None:
         sources["base model"] = source.local  # the adapter's base: never written either

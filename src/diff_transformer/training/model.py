@@ -1,41 +1,34 @@
-"""The model a run trains: MODEL resolved (a Diff checkpoint, any model with --any-model, or a LoRA adapter trained
+"""The model a run trains: MODEL opened (a Diff checkpoint, any model with --any-model, or a LoRA adapter trained
 further), its config checked, loaded (4-bit for QLoRA) and wrapped in a LoRA adapter with --lora."""
 
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig
 
 from ..checkpoints import adapters
 from ..checkpoints.backends import check_attn_implementation
-from ..checkpoints.loading import check_diff_checkpoint, load_causal_lm
+from ..checkpoints.opening import Checkpoint, open_checkpoint
 from . import TrainingError
 from .args import parse_train_args
 
 
-def model_source(args) -> adapters.Source:
-    """MODEL resolved; for a PEFT adapter directory (a --lora run's output), its base is where the model loads from."""
-    return adapters.resolve(args.model, getattr(args, "base", None))
-
-
-def load_config(args):
-    source = model_source(args)
-    location, local = source.location, source.local
-    if source.adapter is not None:
-        continue_adapter(args, source)
-    if local is not None:
-        check_diff_checkpoint(local)  # also: a config.json that does not parse, or that lies
-    try:
-        config = AutoConfig.from_pretrained(location)
-    except (OSError, ValueError, RecursionError) as error:
-        raise TrainingError(f"cannot load a model config from {args.model!r}: {str(error).splitlines()[0]}") from None
+def open_model(args) -> Checkpoint:
+    """MODEL opened once for the whole run (`checkpoints.open`: resolved, its config held against its weights, its
+    tokenizer loaded); for a PEFT adapter directory (a --lora run's output), its base is where the model loads from
+    and the run trains the adapter further. A model that is not a Diff model needs --any-model."""
+    checkpoint = open_checkpoint(args.model, getattr(args, "base", None))
+    if checkpoint.adapter is not None:
+        continue_adapter(args, checkpoint.source)
+    config = checkpoint.config
     if config.model_type != "diff" and not args.any_model:
         raise TrainingError(
             f"{args.model} is a {config.model_type!r} checkpoint, not a Diff model: convert it first "
             f"(diff-transformer convert {args.model} OUT), "
             "or pass --any-model to train it as it is (e.g. as a baseline)"
         )
-    return config
+    if checkpoint.tokenizer is None:
+        raise TrainingError(f"{args.model} has no tokenizer: save one with the model (tokenizer.save_pretrained)")
+    return checkpoint
 
 
 _LORA_OPTIONS = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout"}
@@ -68,7 +61,7 @@ def continue_adapter(args, source: adapters.Source) -> None:
     args.lora = True  # what the rest of the checks and the summary go by
 
 
-def load_model(args, training_args):
+def load_model(args, training_args, checkpoint: Checkpoint):
     kwargs = {"dtype": getattr(torch, args.dtype)}
     if args.attn_implementation:
         kwargs["attn_implementation"] = check_attn_implementation(args.attn_implementation)
@@ -83,10 +76,9 @@ def load_model(args, training_args):
             bnb_4bit_use_double_quant=True,
         )
         kwargs["device_map"] = {"": training_args.device}
-    source = model_source(args)
-    if source.adapter is not None:  # an adapter trained further: its base, its LoRA weights (trainable)
-        return adapters.load(source, trainable=True, prepare=lambda base: _prepare_4bit(base, args), **kwargs)
-    model = load_causal_lm(args.model, **kwargs)
+    if checkpoint.adapter is not None:  # an adapter trained further: its base, its LoRA weights (trainable)
+        return checkpoint.load(trainable=True, prepare=lambda base: _prepare_4bit(base, args), **kwargs)
+    model = checkpoint.load(**kwargs)
     if args.lora:
         model = add_lora(model, args)
     return model

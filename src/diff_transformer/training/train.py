@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from transformers import AutoTokenizer, Trainer, TrainerCallback, TrainingArguments, set_seed
+from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoints import adapters
+from ..checkpoints.opening import Checkpoint
 from ..errors import UserError, as_one_line, one_line
 from ..safe_output import OutputLock, record_written, refuse_links, remove_recorded, top_level_state
 from . import TrainingError
@@ -42,7 +43,7 @@ from .chat import ChatCollator, build_chat_datasets, check_chat_template, pad_id
 from .checks import check_args, check_output, report_targets
 from .data import build_datasets
 from .freeze import DiffOnlyCallback
-from .model import load_config, load_model, model_source
+from .model import load_model, open_model
 from .resume import (
     RecordCheckpointCallback,
     check_checkpoint_fits,
@@ -168,17 +169,14 @@ class PreparedRun(NamedTuple):
     block_size: int
 
 
-def build_trainer(args) -> PreparedRun:
+def build_trainer(args, checkpoint: Checkpoint | None = None) -> PreparedRun:
     """Everything `run` needs, without training: the Trainer (model, data, callbacks) for `args`, the checkpoint it
-    resumes from and the block size."""
-    config = load_config(args)
-    block_size = check_args(args, config)
-    check_output(args)
+    resumes from and the block size. CHECKPOINT: MODEL opened (`open_model`), when the caller already did."""
+    checkpoint = checkpoint or open_model(args)
+    block_size = check_args(args, checkpoint.config)
+    check_output(args, checkpoint.source)
     resume = resolve_resume(args, block_size)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_source(args).tokenizer)
-    except (OSError, ValueError, TypeError) as error:
-        raise TrainingError(f"{args.model} has no usable tokenizer ({str(error).splitlines()[0]})") from None
+    tokenizer = checkpoint.tokenizer
     set_seed(args.seed)  # before the model: LoRA's initialisation draws random numbers
     collator = None  # Trainer's default: it stacks the equal-length blocks
     if args.chat_data:
@@ -198,7 +196,7 @@ def build_trainer(args) -> PreparedRun:
             bos=not args.no_bos,
         )
     training_args = training_arguments(args, eval_data is not None, resume is not None)
-    model = load_model(args, training_args)
+    model = load_model(args, training_args, checkpoint)
     if resume is not None:
         check_checkpoint_fits(resume, model, args.lora)
     foreign = resume is not None and Path(resume).resolve().parent != Path(args.output).resolve()
@@ -217,7 +215,7 @@ def build_trainer(args) -> PreparedRun:
     callbacks = [RunSettingsCallback(block_size, bos=not args.no_bos, chat=bool(args.chat_data))]
     callbacks += [DiffOnlyCallback(model, args.diff_only_steps)] if args.diff_only_steps else []
     if args.lora:
-        source = model_source(args)
+        source = checkpoint.source
         # adapter_config.json names the base PEFT loads from anywhere (not as typed); cards show it as typed
         adapters.name_base(model, base_of(source))
         callbacks.append(AdapterCardCallback(source.base or args.model, model.config, base_of(source)))
@@ -263,15 +261,16 @@ class AdapterCardCallback(TrainerCallback):
 
 
 def run(args) -> int:
-    output = check_output(args)  # before the lock creates --output
+    checkpoint = open_model(args)
+    output = check_output(args, checkpoint.source)  # before the lock creates --output
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun the main process holds the lock for every rank
-        return _run(args)
+        return _run(args, checkpoint)
     with OutputLock(output, name="--output"):
-        return _run(args)
+        return _run(args, checkpoint)
 
 
-def _run(args) -> int:
-    trainer, resume, block_size = build_trainer(args)
+def _run(args, checkpoint: Checkpoint) -> int:
+    trainer, resume, block_size = build_trainer(args, checkpoint)
     before = top_level_state(args.output)  # after an --overwrite cleared the old run: what this run writes is new
     main = trainer.is_world_process_zero()
     model, train_data, eval_data = trainer.model, trainer.train_dataset, trainer.eval_dataset
@@ -302,7 +301,7 @@ def _run(args) -> int:
     refuse_links(Path(args.output), name="--output")
     trainer.save_model(args.output)  # model (or LoRA adapter) + tokenizer, main process only
     if main and args.lora:  # PEFT wrote its blank template as README.md: the adapter's own card replaces it
-        source = model_source(args)
+        source = checkpoint.source
         base = source.base or args.model
         adapters.write_adapter_card(args.output, base, model.config, last_lambda_summary(trainer.state.log_history))
         adapters.record_base(args.output, base_of(source), base)
