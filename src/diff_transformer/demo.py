@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING
 
 from .errors import UserError, as_one_line
 from .evaluation import EVAL_BLOCK_SIZE, heldout_perplexity
-from .safe_output import OutputError, Staging, check_target, write_manifest, wrote_this
+from .outputs.files import OutputError, check_target
+from .outputs.records import write_manifest, wrote_this
+from .outputs.staging import Staging
 
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from diff_transformer import cli
-from diff_transformer.safe_output import write_manifest, wrote_this
+from diff_transformer.outputs.records import write_manifest, wrote_this
 from tests.helpers import REPOSITORY
 from tests.helpers.checkpoints import tree_digest
 
@@ -89,7 +89,7 @@ def _train_argv(workdir, output, *extra):
 
 
 def test_second_train_into_the_same_output_is_refused(refused, workdir, tmp_path, capsys):
-    from diff_transformer.safe_output import OutputLock
+    from diff_transformer.outputs.staging import OutputLock
 
     out = tmp_path / "run"
     with OutputLock(out, name="--output"):  # a first run, still alive
