@@ -227,6 +227,18 @@ def _make_parents(directory: Path) -> Path | None:
     return created
 
 
+def _remove_while_empty(directory: Path, created: Path) -> None:
+    """Remove DIRECTORY and its parents up to CREATED (the top-most one a run created), stopping at the first that
+    is not empty: what a refused or failed run created, and nothing else."""
+    for folder in [directory, *directory.parents]:  # remove only what is still empty
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+        if folder == created:
+            break
+
+
 class Staging:
     """`with Staging(out, overwrite=...) as tmp:` write into `tmp`, then `staging.install()`. On any error before the
     install, `tmp` and the parent directories this created are removed and OUT is as it was.
@@ -337,13 +349,7 @@ class Staging:
             os.close(self._fd)
             self._fd = None
         if failed and self._created is not None:
-            for directory in [self.out.parent, *self.out.parent.parents]:  # remove only what is still empty
-                try:
-                    directory.rmdir()
-                except OSError:
-                    break
-                if directory == self._created:
-                    break
+            _remove_while_empty(self.out.parent, self._created)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._cleanup(failed=not self.installed)
@@ -467,13 +473,7 @@ class OutputLock:
             os.close(self._fd)
             self._fd = None
         if self._created is not None:
-            for directory in [self.out, *self.out.parents]:  # remove only what is still empty
-                try:
-                    directory.rmdir()
-                except OSError:
-                    break
-                if directory == self._created:
-                    break
+            _remove_while_empty(self.out, self._created)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._release()
