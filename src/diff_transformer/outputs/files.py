@@ -15,9 +15,10 @@ from __future__ import annotations
 import os
 import secrets
 import stat
+import tempfile
 from pathlib import Path
 
-from ..errors import UserError
+from ..errors import UserError, one_line
 
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -163,3 +164,99 @@ def _read_small(path: Path, limit: int = 4096) -> str | None:
         return os.read(fd, limit).decode("utf-8", "replace")
     finally:
         os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Single files a command writes (inspect's figures and JSON): checked before any work, written all or none.
+
+
+def check_output_file(path: str, option: str, overwrite: bool, suffixes=None) -> Path:
+    """A file the command will write: its directory exists, it is not there already (or --overwrite), its suffix
+    fits."""
+    out = Path(path)
+    if suffixes is not None and out.suffix.lower().lstrip(".") not in suffixes:
+        choices = ", ".join(f".{suffix}" for suffix in sorted(suffixes))
+        raise UserError(f"{option} {path} needs a file suffix it can be written as: one of {choices}.")
+    if not out.parent.is_dir():
+        raise UserError(f"{option} {path}: directory {out.parent} does not exist; create it first.")
+    if out.is_dir():
+        raise UserError(f"{option} {path} is a directory: give a file name.")
+    if out.exists() and not overwrite:
+        raise UserError(f"{option} {path} already exists: pass --overwrite to replace it, or choose another name.")
+    _probe_writable(out, option)
+    return out
+
+
+def _probe_writable(out: Path, option: str) -> None:
+    """Create and remove a file beside OUT: a read-only or full directory is refused before any work is done."""
+
+    try:
+        fd, probe = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UserError(
+            f"{option} {out}: cannot write in {out.parent} ({exc.strerror or exc}): choose a writable directory."
+        ) from None
+
+
+class OutputFiles:
+    """The files of one run, each written to a temporary file beside it (`add`) and renamed into place together
+    (`install`) once every one is complete: a failure leaves none of them, and nothing half-written."""
+
+    def __init__(self):
+        self.pending: list[tuple[str, Path]] = []
+
+    def add(self, out: Path, write) -> None:
+        try:
+            fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=out.suffix)
+        except OSError as exc:
+            self.discard()
+            raise UserError(
+                f"cannot write {out} ({exc.strerror or exc}): check the directory and free space."
+            ) from None
+        os.close(fd)
+        self.pending.append((tmp, out))
+        try:
+            write(tmp)
+        except OSError as exc:
+            self.discard()
+            raise UserError(
+                f"writing {out} failed ({exc.strerror or exc}): check free space and permissions."
+            ) from None
+        except (RuntimeError, ValueError) as exc:  # matplotlib: a format it cannot write here, text it cannot draw
+            self.discard()
+            raise UserError(f"writing {out} failed ({one_line(exc)}): choose another format, e.g. .png.") from None
+        except BaseException:
+            self.discard()
+            raise
+
+    def install(self) -> None:
+        umask = os.umask(0)
+        os.umask(umask)
+        try:
+            for tmp, out in self.pending:
+                os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private: the permissions of a file the user creates
+                os.replace(tmp, out)
+        except OSError as exc:
+            self.discard()
+            raise UserError(
+                f"writing {out} failed ({exc.strerror or exc}): check free space and permissions."
+            ) from None
+        self.pending = []
+
+    def discard(self) -> None:
+        for tmp, _ in self.pending:
+            Path(tmp).unlink(missing_ok=True)
+        self.pending = []
+
+
+def refuse_inside_source(paths, local: Path | None, shown: str) -> None:
+    """No output file of PATHS ((option, path) pairs) may be written inside the source directory LOCAL (SHOWN, e.g.
+    "MODEL org/name": its config.json, say): sources are never modified."""
+    if local is None:
+        return
+    root = local.resolve()
+    for option, path in paths:
+        if path is not None and (path.resolve() == root or root in path.resolve().parents):
+            raise UserError(f"{option} {path} lies inside {shown}, which is never modified: write it somewhere else.")
