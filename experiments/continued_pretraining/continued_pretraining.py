@@ -444,7 +444,7 @@ def check_args(args) -> str | None:
     """The CLI's rules: a problem as one line (None: none). --workdir is checked like every output: never the
     current directory, home or root, and a non-empty one only with --overwrite."""
     from diff_transformer.errors import UserError
-    from diff_transformer.safe_output import check_target
+    from diff_transformer.outputs.files import check_target
 
     for flag in ("steps", "batch_size", "block_size", "eval_every", "logging_steps", "save_every"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:

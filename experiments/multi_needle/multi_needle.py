@@ -54,7 +54,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from diff_transformer import DiffConfig, DiffForCausalLM
 from diff_transformer.analysis import attention_maps, layer_metrics, span_mass
 from diff_transformer.errors import UserError
-from diff_transformer.safe_output import check_target
+from diff_transformer.outputs.files import check_target
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -603,7 +603,7 @@ def tables(results: dict) -> str:
 
 
 def check_output(parser, args, resumable: bool = False) -> None:
-    """--output: a directory we may write (safe_output.check_target), holding results.json when only re-plotting or
+    """--output: a directory we may write (outputs.files.check_target), holding results.json when only re-plotting or
     re-evaluating, and empty unless --overwrite (or, where the script can pick up its runs, --resume)."""
     try:
         args.output = check_target(args.output, name="--output")

@@ -295,7 +295,7 @@ def test_serve_renders_a_chat_template_once_off_the_event_loop():
     from transformers.cli.serving.model_manager import ModelManager
     from transformers.cli.serving.utils import GenerationState
 
-    from diff_transformer.cli import serve
+    from diff_transformer.serving import server
     from diff_transformer.templates import bound_chat_templates
 
     bound_chat_templates()
@@ -313,7 +313,7 @@ def test_serve_renders_a_chat_template_once_off_the_event_loop():
         Template.generate = counting
 
         async def handle():  # what `client_facing`'s wrapper of the handler does, without patching transformers here
-            await serve.render_off_the_loop(handler, body)
+            await server.render_off_the_loop(handler, body)
             return await handler.handle_request(body, "request-1")
 
         response = asyncio.run(handle())

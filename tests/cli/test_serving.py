@@ -261,7 +261,7 @@ def test_generation_limit_clamps_to_the_context_and_the_flag():
 
     from fastapi import HTTPException
 
-    from diff_transformer.cli.serve import _generation_limit
+    from diff_transformer.serving.server import _generation_limit
 
     model = SimpleNamespace(
         config=DiffConfig(max_position_embeddings=64, hidden_size=32, num_attention_heads=2, diff_version=1)
@@ -404,7 +404,7 @@ def test_a_model_loads_off_the_event_loop():
     import time
     from types import SimpleNamespace
 
-    from diff_transformer.cli.serve import load_off_the_loop
+    from diff_transformer.serving.models import load_off_the_loop
 
     loaded = []
 
@@ -533,7 +533,7 @@ def test_stop_text_holds_back_only_what_could_begin_a_stop_string():
     at every point it holds back exactly the longest tail that is a proper prefix of a stop string."""
     import random
 
-    from diff_transformer.cli.serve_requests import StopText
+    from diff_transformer.serving.requests import StopText
 
     rng = random.Random(0)
     for _ in range(2000):
@@ -592,7 +592,7 @@ def test_stop_text_holds_back_only_what_could_begin_a_stop_string():
 )
 def test_bad_request_fields_are_400s_with_openai_s_error_body(servers, models, extra, param, words):
     """Issue 46: max_tokens 0 or -5, a huge seed, a bad logit_bias answered a plain-text 500. Every field is now
-    checked in one place (`serve_requests.check_request`) and answered like OpenAI's API: a 400 whose body is
+    checked in one place (`serving.requests.check_request`) and answered like OpenAI's API: a 400 whose body is
     `{"error": {"message", "type": "invalid_request_error", "param", "code"}}`."""
     body = {"model": str(models["v2"]), "messages": CHATS[0], "max_tokens": 4, **extra}
     request = urllib.request.Request(

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from diff_transformer import cli
-from diff_transformer.safe_output import write_manifest, wrote_this
+from diff_transformer.outputs.records import write_manifest, wrote_this
 from tests.helpers import REPOSITORY
 from tests.helpers.checkpoints import tree_digest
 
@@ -89,7 +89,7 @@ def _train_argv(workdir, output, *extra):
 
 
 def test_second_train_into_the_same_output_is_refused(refused, workdir, tmp_path, capsys):
-    from diff_transformer.safe_output import OutputLock
+    from diff_transformer.outputs.staging import OutputLock
 
     out = tmp_path / "run"
     with OutputLock(out, name="--output"):  # a first run, still alive
@@ -860,7 +860,7 @@ def test_merge_overwrite_of_a_foreign_model_keeps_only_what_is_no_model(finished
 
 
 def test_demo_overwrite_keeps_only_the_users_files(tmp_path, capsys):
-    from diff_transformer.cli.demo import DEMO_MARK, SCRATCH_MARK
+    from diff_transformer.demo import DEMO_MARK, SCRATCH_MARK
 
     out = tmp_path / "scratch"
     assert cli.main(["demo", "--scratch", "--output", str(out)]) == 0

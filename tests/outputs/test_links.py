@@ -12,7 +12,9 @@ import pytest
 
 from diff_transformer import cli
 from diff_transformer.conversion import convert_llama_to_diff
-from diff_transformer.safe_output import OutputLock, record_entry, write_new_file
+from diff_transformer.outputs.files import write_new_file
+from diff_transformer.outputs.records import record_entry
+from diff_transformer.outputs.staging import OutputLock
 from tests.helpers.checkpoints import HELDOUT, make_llama, save_trainable_checkpoint
 from tests.helpers.training import QUIET
 
@@ -247,7 +249,7 @@ def test_new_files_replace_a_link_at_their_name(tmp_path):
 
 
 def test_the_run_lock_is_never_truncated_through_a_hard_link(tmp_path):
-    from diff_transformer.safe_output import OutputError
+    from diff_transformer.outputs.files import OutputError
 
     target, victim = _victim(tmp_path, directory=False)
     out = tmp_path / "out"

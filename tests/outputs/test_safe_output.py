@@ -17,7 +17,7 @@ import pytest
 from diff_transformer import cli
 from diff_transformer.conversion import ConversionError, convert_llama_to_diff, verify_conversion
 from diff_transformer.conversion import convert as convert_module
-from diff_transformer.safe_output import write_manifest, wrote_this
+from diff_transformer.outputs.records import write_manifest, wrote_this
 from tests.helpers.checkpoints import make_llama, tree_digest
 
 
@@ -193,7 +193,7 @@ def test_second_conversion_into_the_same_out(llama, tmp_path, monkeypatch):
 KILL_BETWEEN_RENAMES = """
 import os, signal, sys
 from diff_transformer.conversion import convert_llama_to_diff
-from diff_transformer import safe_output
+from diff_transformer.outputs import staging
 
 rename = os.rename
 def rename_then_die(src, dst):
@@ -201,7 +201,7 @@ def rename_then_die(src, dst):
         rename(src, dst)
         os.kill(os.getpid(), signal.SIGKILL)
     rename(src, dst)
-safe_output.os.rename = rename_then_die
+staging.os.rename = rename_then_die
 convert_llama_to_diff(sys.argv[1], sys.argv[2], overwrite=True, progress=False)
 """
 
@@ -321,7 +321,8 @@ def test_bf16_conversion_verifies(llama, tmp_path, capsys):
 def test_a_run_record_proves_only_what_is_unchanged(tmp_path):
     """record_written / remove_recorded (train --overwrite): what appeared or changed since the snapshot is recorded;
     removal takes a file only while its hash matches and a directory only while it holds exactly what was recorded."""
-    from diff_transformer.safe_output import RUN_RECORD, record_written, remove_recorded, top_level_state
+    from diff_transformer.outputs.files import RUN_RECORD
+    from diff_transformer.outputs.records import record_written, remove_recorded, top_level_state
 
     out = tmp_path / "out"
     out.mkdir()

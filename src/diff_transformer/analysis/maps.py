@@ -424,6 +424,61 @@ def layer_metrics(entries: list[LayerMaps], span: tuple[int, int] | None = None,
     return metrics
 
 
+def maps_and_metrics(model, ids, layer: int, span, need_metrics: bool):
+    """`inspect`'s maps: (entries for head_figure: the plotted layer's maps, every layer's λ; the (layers, heads)
+    metrics or None), one layer's maps in memory at a time; without metrics only the plotted layer's maps are
+    computed."""
+    from dataclasses import replace
+
+    entries, rows = [], []
+    for index, entry in enumerate(iter_attention_maps(model, ids, maps_for=None if need_metrics else {layer})):
+        if need_metrics:
+            rows.append(layer_metrics([entry], span=span))  # (1, heads) each; answer/noise at the last position
+        entries.append(entry if index == layer else replace(entry, first=None, second=None, differential=None))
+    if not need_metrics:
+        return entries, None
+    return entries, {key: torch.cat([row[key] for row in rows]) for key in rows[0]}
+
+
+def maps_bytes(config, kind: str, tokens: int, all_layers: bool) -> int:
+    """The memory `maps_and_metrics` needs for TOKENS tokens, about. Each layer's maps are (query heads, N, N) fp32,
+    several at once (two softmaxes, their difference, the metrics' temporaries): about 10 of them for the layer being
+    measured plus the plotted layer's 3 when metrics run over every layer (ALL_LAYERS: inspect --grid/--json), 6 for
+    the plotted layer alone."""
+    query_heads = config.num_attention_heads * (2 if kind in ("diff-v1", "diff-v2") else 1)
+    return (13 if all_layers else 6) * query_heads * tokens * tokens * 4
+
+
+def head_record(entry: LayerMaps, head: int, metrics: dict) -> dict:
+    """One head's maps and λ from ENTRY and every (layers, heads) metric as plain lists for JSON (`inspect --json`),
+    NaN (Llama's λ) as null."""
+
+    def plain(tensor):
+        return None if tensor is None else [[None if v != v else v for v in row] for row in tensor.tolist()]
+
+    return {
+        "first": plain(entry.first[0, head]),
+        "second": plain(None if entry.second is None else entry.second[0, head]),
+        "differential": plain(entry.differential[0, head]),
+        "lambda": None if entry.lam is None else (entry.lam if entry.lam.dim() == 0 else entry.lam[0, head]).tolist(),
+        "metrics": {key: plain(value) for key, value in metrics.items()},  # (layers, heads) each
+    }
+
+
+def lambda_summary(entries, kind: str) -> str | None:
+    """λ per layer of ENTRIES (`maps_and_metrics`) and how many layers have λ < 0 (they add their second map instead
+    of subtracting it), as `inspect` prints it; None for a model without λ."""
+    lambdas = [float(entry.lam.float().mean()) for entry in entries if entry.lam is not None]
+    if not lambdas:
+        return None
+    each = "mean over tokens and heads" if kind == "diff-v2" else "one per layer"
+    negative = sum(value < 0 for value in lambdas)
+    return (
+        f"λ per layer ({each}): {', '.join(f'{value:+.3f}' for value in lambdas)}; {negative} of "
+        f"{len(lambdas)} layers have λ < 0 (they add their second map instead of subtracting it)"
+    )
+
+
 __all__ = [
     "LayerMaps",
     "attention_maps",

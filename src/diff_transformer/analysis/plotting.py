@@ -148,3 +148,16 @@ def metric_grid(values, name: str, title: str | None = None):
 
 
 __all__ = ["head_figure", "layer_ticks", "metric_grid"]
+
+
+def writable_figure_types(Figure) -> set[str]:
+    """The figure suffixes matplotlib writes here on its own: pgf needs a TeX program (xelatex by default) and
+    fails at the end of the run without one, so it counts only where that program is installed."""
+    import shutil
+
+    import matplotlib
+
+    types = set(Figure().canvas.get_supported_filetypes())
+    if not shutil.which(str(matplotlib.rcParams.get("pgf.texsystem", "xelatex"))):
+        types.discard("pgf")
+    return types

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import require
-from ..safe_output import write_new_file
+from ..outputs.files import write_new_file
 from . import CheckpointError
 from .configs import read_json
 from .names import HUB_PREFIX, resolve_model
@@ -404,13 +404,15 @@ def merge_adapter(
     in the base's dtype, the custom code, a card naming the adapter and its base, the tokenizer (the adapter's, else
     the base's). Nothing is written unless everything loads; OUT is replaced only with `overwrite`. The merge runs on
     DEVICE; DTYPE ("float32", "bfloat16", "float16") converts the weights, "auto" keeps the base's. With `overwrite`
-    the new checkpoint is installed whole: of the old OUT only the user's files stay (`safe_output.users_entries`); a
+    the new checkpoint is installed whole: of the old OUT only the user's files stay (`staging.users_entries`); a
     manifest records what merge wrote. A merged weight holding NaN or inf (an adapter's `lora_alpha` that overflows
     W + (alpha / r)·B·A, say) is refused before anything is written, unless `allow_non_finite`."""
     from transformers import AutoTokenizer
 
     from ..integrations.hub import diff_model_card
-    from ..safe_output import Staging, check_target, write_manifest
+    from ..outputs.files import check_target
+    from ..outputs.records import write_manifest
+    from ..outputs.staging import Staging
     from .opening import open_checkpoint
 
     checkpoint = open_checkpoint(adapter, base, tokenizer=False, label="ADAPTER")

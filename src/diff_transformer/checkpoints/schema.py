@@ -4,7 +4,7 @@ the code (or a value silently cast: `bool("no")` is True). One table per file: M
 converter), an adapter's `base_model.json` (`adapters.record_base`) and the `adapter_config.json` fields this
 package and PEFT compute with, and the generation_config.json fields whose types transformers leaves unchecked
 (their ranges: `configs.GENERATION_RANGES`). A Diff config.json is checked by `DiffConfig` itself (typed, `@strict`,
-its `validate_*` methods), run records by `safe_output._run_record` (anything unexpected proves nothing)."""
+its `validate_*` methods), run records by `outputs.records._run_record` (anything unexpected proves nothing)."""
 
 from __future__ import annotations
 

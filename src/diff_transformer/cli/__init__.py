@@ -18,7 +18,7 @@ COMMANDS = (demo, convert, generate, inspect, merge, train, serve, niah)
 
 
 class _Notes(logging.Handler):
-    """Our notes (e.g. what `safe_output` recovered after a killed run) as plain lines on the current stderr."""
+    """Our notes (e.g. what `outputs.staging` recovered after a killed run) as plain lines on the current stderr."""
 
     def emit(self, record):
         print(record.getMessage(), file=sys.stderr, flush=True)

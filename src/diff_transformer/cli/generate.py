@@ -1,18 +1,12 @@
 """`diff-transformer generate MODEL PROMPT`: text (or a chat turn) from a saved model or LoRA adapter, every input
-checked before the weights load."""
+checked before the weights load (what goes to transformers' `generate`: `diff_transformer.generation`)."""
 
 import math
 
 from ..checkpoints.backends import add_attn_option
 from ..checkpoints.configs import MIN_TEMPERATURE
 from ..errors import UserError, check_seed
-from .options import (
-    add_base_option,
-    add_device_options,
-    add_quiet_option,
-    load_kwargs,
-    resolve_device,
-)
+from .options import add_base_option, add_device_options, add_quiet_option, load_kwargs, resolve_device
 
 
 def add_parser(commands) -> None:
@@ -60,24 +54,13 @@ def add_parser(commands) -> None:
 
 
 def run(args) -> int:
-    import torch
-
-    from ..checkpoints.configs import check_generation_tokens, float_generation_fields
+    from ..checkpoints.configs import float_generation_fields
     from ..checkpoints.opening import open_checkpoint
+    from ..generation import chat_session, generate_kwargs
     from ..templates import bound_chat_templates
     from ..text_input import check_text
 
     bound_chat_templates()
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens {args.max_new_tokens} must be at least 1.")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise UserError(f"--temperature {args.temperature} must be a number >= 0 (0 = greedy).")
-    if 0 < args.temperature < MIN_TEMPERATURE:  # the logits / temperature overflow: NaN probabilities
-        raise UserError(
-            f"--temperature {args.temperature:g} is below {MIN_TEMPERATURE:g}, where sampling's probabilities "
-            f"overflow to NaN: pass 0 for greedy decoding (what such a temperature amounts to), or a temperature >= "
-            f"{MIN_TEMPERATURE:g}."
-        )
     _check_generate_options(args)
     for name, text in (("PROMPT", args.prompt), ("--system", args.system)):
         if text is not None:  # argv undecodable as UTF-8 arrives with lone surrogates
@@ -87,12 +70,50 @@ def run(args) -> int:
         _check_compile(args, device)
     # Everything about the inputs is checked before the weights load.
     checkpoint = open_checkpoint(args.model, args.base)
-    source, tokenizer = checkpoint.source, checkpoint.tokenizer
+    tokenizer = checkpoint.tokenizer
     session = args.prompt is None  # an interactive chat: its template checked on a first message
     if session and not args.chat:
         raise UserError("PROMPT is missing: pass one, or add --chat without PROMPT for an interactive chat.")
+    inputs, ids = _prompt_inputs(args, tokenizer, session)
+    text_config = _checked_text_config(args, checkpoint, ids)
+    if args.stream and tokenizer is None:
+        raise UserError(f"--stream prints text, and MODEL {args.model} has no tokenizer: drop --stream.")
+    model = checkpoint.load(**load_kwargs(args.dtype, args.attn_implementation)).eval().to(device)
+    if getattr(model, "generation_config", None) is not None:
+        float_generation_fields(model.generation_config)  # "repetition_penalty": 2 is the float 2.0
+    inputs = {name: value.to(device) for name, value in inputs.items()}
+    options = {name: getattr(args, name) for name in ("temperature", "repetition_penalty", "top_p", "top_k")}
+    compile_device = device if args.compile else None
+    kwargs = generate_kwargs(
+        model, tokenizer, args.model, max_new_tokens=args.max_new_tokens, compile_device=compile_device, **options
+    )
+    if args.seed is not None:
+        from transformers import set_seed
+
+        set_seed(args.seed)  # the sampling draws (python, numpy and torch generators)
+    if session:
+        return chat_session(
+            model,
+            tokenizer,
+            kwargs,
+            text_config,
+            device,
+            name=args.model,
+            system=args.system,
+            max_new_tokens=args.max_new_tokens,
+        )
+    return _answer(args, model, tokenizer, inputs, kwargs)
+
+
+def _prompt_inputs(args, tokenizer, session: bool):
+    """(the inputs of `generate`, the prompt's token ids): through the chat template (--chat; an interactive chat's
+    template is tried on a first message), the tokenizer, or PROMPT's own ids when the model has no tokenizer."""
+    import torch
+
+    from ..generation import chat_inputs
+
     if args.chat:
-        inputs = _chat_inputs(args, tokenizer, "Hello." if session else args.prompt)
+        inputs = chat_inputs(tokenizer, "Hello." if session else args.prompt, args.system, args.model)
         ids = inputs["input_ids"][0].tolist()
     elif tokenizer is not None:
         inputs = tokenizer(args.prompt, return_tensors="pt")
@@ -108,55 +129,27 @@ def run(args) -> int:
         inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
     if not ids:
         raise UserError("PROMPT is empty: pass some text (or token ids).")
+    return inputs, ids
+
+
+def _checked_text_config(args, checkpoint, ids: list[int]):
+    """MODEL's text config, with the prompt's ids and length (and --max-new-tokens) checked against it."""
+    from ..checkpoints.configs import check_generation_tokens
+
     text_config = checkpoint.text_config
     vocab = text_config.vocab_size
-    check_generation_tokens(source.location, f"MODEL {args.model}", vocab)
+    check_generation_tokens(checkpoint.location, f"MODEL {args.model}", vocab)
     _check_generation_length(args, len(ids), text_config)
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise UserError(
             f"token id {bad[0]} in PROMPT is out of range for MODEL {args.model}: use ids from 0 to {vocab - 1}."
         )
-    if args.stream and tokenizer is None:
-        raise UserError(f"--stream prints text, and MODEL {args.model} has no tokenizer: drop --stream.")
-    model = checkpoint.load(**load_kwargs(args.dtype, args.attn_implementation)).eval().to(device)
-    if getattr(model, "generation_config", None) is not None:
-        float_generation_fields(model.generation_config)  # "repetition_penalty": 2 is the float 2.0
-    inputs = {name: value.to(device) for name, value in inputs.items()}
-    from transformers import LogitsProcessorList
+    return text_config
 
-    from ..checkpoints.finite import FiniteLogits
 
-    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
-    kwargs["logits_processor"] = LogitsProcessorList([FiniteLogits(args.model)])  # NaN logits: one line, exit 2
-    kwargs["return_dict_in_generate"] = False  # the token ids, whatever generation_config.json says
-    generation = model.generation_config.to_dict() if getattr(model, "generation_config", None) else {}
-    needs_tokenizer = [name for name in ("stop_strings", "token_healing") if generation.get(name)]
-    if needs_tokenizer and tokenizer is None:
-        raise UserError(
-            f"MODEL {args.model}'s generation_config.json sets {needs_tokenizer[0]}, which needs a tokenizer, and the "
-            "model has none: remove the field, or save a tokenizer with the model."
-        )
-    if needs_tokenizer:
-        kwargs["tokenizer"] = tokenizer  # generate() matches stop strings and heals tokens with it
-    if generation.get("exponential_decay_length_penalty") and generation.get("eos_token_id") is None:
-        raise UserError(
-            f"MODEL {args.model}'s generation_config.json sets exponential_decay_length_penalty, which raises the "
-            "end-of-sequence token's score, but no eos_token_id: add it, or remove the field."
-        )
-    if args.temperature > 0:
-        kwargs["temperature"] = args.temperature
-    if args.repetition_penalty is not None:
-        kwargs["repetition_penalty"] = args.repetition_penalty
-    kwargs.update({name: getattr(args, name) for name in ("top_p", "top_k") if getattr(args, name) is not None})
-    if args.compile:
-        kwargs.update(compile_kwargs(device))
-    if args.seed is not None:
-        from transformers import set_seed
-
-        set_seed(args.seed)  # the sampling draws (python, numpy and torch generators)
-    if session:
-        return _chat_session(args, model, tokenizer, kwargs, text_config, device)
+def _answer(args, model, tokenizer, inputs: dict, kwargs: dict) -> int:
+    """The answer printed: streamed (--stream), else at once, as text or (no tokenizer) token ids."""
     if args.stream:  # TextStreamer prints each piece of text as it is decoded, and a newline at the end
         from transformers import TextStreamer
 
@@ -174,7 +167,17 @@ def run(args) -> int:
 
 
 def _check_generate_options(args) -> None:
-    """The options `generate` has beyond the prompt and length: one line each when out of range."""
+    """The options of `generate`: one line each when out of range."""
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens} must be at least 1.")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UserError(f"--temperature {args.temperature} must be a number >= 0 (0 = greedy).")
+    if 0 < args.temperature < MIN_TEMPERATURE:  # the logits / temperature overflow: NaN probabilities
+        raise UserError(
+            f"--temperature {args.temperature:g} is below {MIN_TEMPERATURE:g}, where sampling's probabilities "
+            f"overflow to NaN: pass 0 for greedy decoding (what such a temperature amounts to), or a temperature >= "
+            f"{MIN_TEMPERATURE:g}."
+        )
     if args.repetition_penalty is not None and not (
         math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0
     ):
@@ -204,122 +207,6 @@ def _check_compile(args, device: str) -> None:
             "--compile: transformers compiles generate's decoding step on CUDA or the CPU, not on mps: add --device "
             "cpu, or drop --compile."
         )
-
-
-def compile_kwargs(device: str) -> dict:
-    """`generate` keywords of --compile: a static cache, with which transformers compiles the decoding step (not the
-    prefill) by `compile_config`. fullgraph: a graph break is an error, not a silent slowdown. On CUDA transformers'
-    default mode, "reduce-overhead" (CUDA graphs); on the CPU inductor's default mode, and the flag that asks
-    transformers to compile there (it compiles by itself on accelerators only)."""
-    from transformers import CompileConfig
-
-    if device.startswith("cuda"):
-        return dict(cache_implementation="static", compile_config=CompileConfig(fullgraph=True))
-    config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
-    # Relies on: `GenerationMixin._valid_auto_compile_criteria` compiling off accelerators when the compile config's
-    # `_compile_all_devices` is set (transformers' own tests set it so). Guarded by
-    # tests/model/test_generation.py::test_compiled_decoding_equals_eager (it checks the call was compiled).
-    config._compile_all_devices = True
-    return dict(cache_implementation="static", compile_config=config)
-
-
-def _chat_inputs(args, tokenizer, prompt: str):
-    """PROMPT (and --system) as a chat, through the tokenizer's chat template, ending with the assistant's turn."""
-    from ..templates import ChatTemplateBoundError
-
-    if tokenizer is None:
-        raise UserError(f"--chat needs a tokenizer with a chat template, and MODEL {args.model} has no tokenizer.")
-    if not getattr(tokenizer, "chat_template", None):
-        raise UserError(
-            f"--chat: the tokenizer of MODEL {args.model} has no chat template: drop --chat for plain completion, "
-            "or save a chat_template.jinja with the tokenizer."
-        )
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    messages.append({"role": "user", "content": prompt})
-    try:
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
-        )
-    except ChatTemplateBoundError as exc:  # rendered within bounds (diff_transformer.templates)
-        raise UserError(f"--chat: MODEL {args.model}: {exc}.") from None
-    except Exception as exc:  # jinja2 raises its own errors (e.g. a template that rejects a system message)
-        raise UserError(
-            f"--chat: the chat template of MODEL {args.model} failed ({' '.join(str(exc).split())[:200]})"
-            + (": try without --system." if args.system else ".")
-        ) from None
-
-
-def _chat_session(args, model, tokenizer, kwargs: dict, config, device) -> int:
-    """`generate MODEL --chat` without PROMPT: messages read from stdin one per line, each answer streamed to stdout
-    with the model loaded once; the history (and --system) goes into each prompt, its oldest exchanges dropped when
-    it would not leave --max-new-tokens of the context; /reset clears it, /exit or end of input ends."""
-    import sys
-
-    import torch
-    from transformers import TextStreamer
-
-    from ..text_input import TextInputError, check_text
-
-    def note(text: str, end: str = "\n") -> None:
-        print(text, end=end, file=sys.stderr, flush=True)
-
-    context = getattr(config, "max_position_embeddings", None)
-    start = [{"role": "system", "content": args.system}] if args.system else []
-    history = list(start)
-
-    def prompt_ids(messages):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-
-    def fits(ids) -> bool:
-        return context is None or len(ids) + args.max_new_tokens <= context
-
-    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 become lone surrogates, refused per message
-        sys.stdin.reconfigure(errors="surrogateescape")
-    note(f"chat with {args.model}: type a message, then Enter; /reset starts over, /exit or Ctrl-D ends.")
-    while True:
-        note("> ", end="")
-        line = sys.stdin.readline()
-        text = line.strip()
-        if not line or text in ("/exit", "/quit"):
-            # End the "> " line: at end of input nothing was typed after it; a terminal echoed the Enter of /exit
-            # itself, piped input did not.
-            if not line or not sys.stdin.isatty():
-                note("")
-            break
-        if text == "/reset":
-            history = list(start)
-            note("(history cleared)")
-            continue
-        if not text:
-            continue
-        try:
-            check_text(text, "this message")  # stdin that is not UTF-8 arrives with lone surrogates
-        except TextInputError as error:
-            note(f"error: {error}")  # the session goes on
-            continue
-        message = {"role": "user", "content": text}
-        alone = prompt_ids([*start, message])
-        if not fits(alone):  # refused before the history is touched
-            note(
-                f"error: this message ({len(alone)} tokens with the template) + --max-new-tokens "
-                f"{args.max_new_tokens} exceed the model's context ({context} positions): send a shorter one."
-            )
-            continue
-        history.append(message)
-        ids = prompt_ids(history)
-        while not fits(ids):
-            del history[len(start) : len(start) + 2]  # the oldest exchange: a user message and its answer
-            note("(the oldest exchange was dropped to fit the model's context)")
-            ids = prompt_ids(history)
-        input_ids = torch.tensor([ids], device=device)
-        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        output = model.generate(
-            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), streamer=streamer, **kwargs
-        )
-        history.append(
-            {"role": "assistant", "content": tokenizer.decode(output[0, len(ids) :], skip_special_tokens=True)}
-        )
-    return 0
 
 
 def _check_generation_length(args, prompt_tokens: int, config) -> None:

@@ -3,19 +3,11 @@ every layer's metrics as a grid and JSON. Bounded before anything loads: TEXT wi
 within --max-memory-gb; outputs checked writable and outside MODEL."""
 
 import math
-import os
-import tempfile
 from pathlib import Path
 
 from ..checkpoints.backends import add_attn_option
-from ..errors import UserError, one_line
-from .options import (
-    add_base_option,
-    add_device_options,
-    add_quiet_option,
-    load_kwargs,
-    resolve_device,
-)
+from ..errors import UserError
+from .options import add_base_option, add_device_options, add_quiet_option, load_kwargs, resolve_device
 
 
 INSPECT_MAX_DPI = 600
@@ -60,143 +52,65 @@ def add_parser(commands) -> None:
     inspect.set_defaults(func=run)
 
 
-def _output_file(path: str, option: str, overwrite: bool, suffixes=None) -> Path:
-    """A file the command will write: its directory exists, it is not there already (or --overwrite), its suffix
-    fits."""
-    out = Path(path)
-    if suffixes is not None and out.suffix.lower().lstrip(".") not in suffixes:
-        choices = ", ".join(f".{suffix}" for suffix in sorted(suffixes))
-        raise UserError(f"{option} {path} needs a file suffix it can be written as: one of {choices}.")
-    if not out.parent.is_dir():
-        raise UserError(f"{option} {path}: directory {out.parent} does not exist; create it first.")
-    if out.is_dir():
-        raise UserError(f"{option} {path} is a directory: give a file name.")
-    if out.exists() and not overwrite:
-        raise UserError(f"{option} {path} already exists: pass --overwrite to replace it, or choose another name.")
-    _probe_writable(out, option)
-    return out
-
-
-def _probe_writable(out: Path, option: str) -> None:
-    """Create and remove a file beside OUT: a read-only or full directory is refused before any work is done."""
-
-    try:
-        fd, probe = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise UserError(
-            f"{option} {out}: cannot write in {out.parent} ({exc.strerror or exc}): choose a writable directory."
-        ) from None
-
-
-def _refuse_inside_model(paths, local: Path | None, model: str) -> None:
-    """No output may be written inside MODEL's directory (its config.json, say): sources are never modified."""
-    if local is None:
-        return
-    root = local.resolve()
-    for option, path in paths:
-        if path is not None and (path.resolve() == root or root in path.resolve().parents):
-            raise UserError(
-                f"{option} {path} lies inside MODEL {model}, which is never modified: write it somewhere else."
-            )
-
-
-def writable_figure_types(Figure) -> set[str]:
-    """The figure suffixes matplotlib writes here on its own: pgf needs a TeX program (xelatex by default) and
-    fails at the end of the run without one, so it counts only where that program is installed."""
-    import shutil
-
-    import matplotlib
-
-    types = set(Figure().canvas.get_supported_filetypes())
-    if not shutil.which(str(matplotlib.rcParams.get("pgf.texsystem", "xelatex"))):
-        types.discard("pgf")
-    return types
-
-
-class _Outputs:
-    """The files of one run, each written to a temporary file beside it (`add`) and renamed into place together
-    (`install`) once every one is complete: a failure leaves none of them, and nothing half-written."""
-
-    def __init__(self):
-        self.pending: list[tuple[str, Path]] = []
-
-    def add(self, out: Path, write) -> None:
-        try:
-            fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=out.suffix)
-        except OSError as exc:
-            self.discard()
-            raise UserError(
-                f"cannot write {out} ({exc.strerror or exc}): check the directory and free space."
-            ) from None
-        os.close(fd)
-        self.pending.append((tmp, out))
-        try:
-            write(tmp)
-        except OSError as exc:
-            self.discard()
-            raise UserError(
-                f"writing {out} failed ({exc.strerror or exc}): check free space and permissions."
-            ) from None
-        except (RuntimeError, ValueError) as exc:  # matplotlib: a format it cannot write here, text it cannot draw
-            self.discard()
-            raise UserError(f"writing {out} failed ({one_line(exc)}): choose another format, e.g. .png.") from None
-        except BaseException:
-            self.discard()
-            raise
-
-    def install(self) -> None:
-        umask = os.umask(0)
-        os.umask(umask)
-        try:
-            for tmp, out in self.pending:
-                os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private: the permissions of a file the user creates
-                os.replace(tmp, out)
-        except OSError as exc:
-            self.discard()
-            raise UserError(
-                f"writing {out} failed ({exc.strerror or exc}): check free space and permissions."
-            ) from None
-        self.pending = []
-
-    def discard(self) -> None:
-        for tmp, _ in self.pending:
-            Path(tmp).unlink(missing_ok=True)
-        self.pending = []
-
-
 def run(args) -> int:
     """Attention maps of one head (A1, A2, A1 - λA2, λ per layer) as a figure, and optionally every map as JSON."""
-    import json
-    from types import SimpleNamespace
-
-    import torch
-
-    from diff_transformer.analysis import model_kind
-    from diff_transformer.analysis.plotting import _matplotlib, head_figure
+    from diff_transformer.analysis.maps import maps_and_metrics
 
     from ..checkpoints.opening import open_checkpoint
+    from ..outputs.files import refuse_inside_source
 
     _check_inspect_options(args)
     device = resolve_device(args.device)
+    out, json_out, grid_out = _output_files(args)
+    checkpoint = open_checkpoint(args.model, args.base)
+    outputs = (("--out", out), ("--json", json_out), ("--grid", grid_out))
+    for directory in (checkpoint.local, checkpoint.adapter):
+        refuse_inside_source(outputs, directory, f"MODEL {args.model}")
+    tokenizer, ids = _token_ids(args, checkpoint.tokenizer)
+    # Everything about the inputs is checked before the weights load.
+    config, kind = _checked_config(args, checkpoint.config, ids)
+    span = _span(args, ids)
+    need_metrics = json_out is not None or grid_out is not None
+    _check_inspect_size(args, ids.shape[1], config, kind, all_layers=need_metrics)
+    model = checkpoint.load(merge=True, **load_kwargs(args.dtype, args.attn_implementation))  # merged: its maps
+    model = model.eval().to(device)
+    entries, metrics = maps_and_metrics(model, ids.to(device), args.layer, span, need_metrics)
+    if tokenizer is not None:
+        tokens = [tokenizer.decode([i]) for i in ids[0].tolist()]  # readable pieces, not byte-level symbols
+    else:
+        tokens = [str(i) for i in ids[0].tolist()]
+    wrote = _write_outputs(args, (out, json_out, grid_out), kind, tokens, span, entries, metrics)
+    for line in wrote:
+        print(line)
+    return 0
+
+
+def _output_files(args) -> tuple[Path | None, Path | None, Path | None]:
+    """--out, --json and --grid checked writable (figures: in a format matplotlib writes here), each a different
+    file, before anything loads."""
+    from ..outputs.files import check_output_file
+
     figure_types = set()
     if args.out or args.grid:  # figures: a missing matplotlib is one line, before anything loads
+        from diff_transformer.analysis.plotting import _matplotlib, writable_figure_types
+
         Figure, _ = _matplotlib()
         figure_types = writable_figure_types(Figure)
-    out = _output_file(args.out, "--out", args.overwrite, suffixes=figure_types) if args.out else None
-    json_out = _output_file(args.json, "--json", args.overwrite, suffixes={"json"}) if args.json else None
-    grid_out = _output_file(args.grid, "--grid", args.overwrite, suffixes=figure_types) if args.grid else None
+    out = check_output_file(args.out, "--out", args.overwrite, suffixes=figure_types) if args.out else None
+    json_out = check_output_file(args.json, "--json", args.overwrite, suffixes={"json"}) if args.json else None
+    grid_out = check_output_file(args.grid, "--grid", args.overwrite, suffixes=figure_types) if args.grid else None
     named = [path.resolve() for path in (out, json_out, grid_out) if path is not None]
     if len(set(named)) < len(named):
         raise UserError("--out, --json and --grid name the same file: give each a different name.")
     if args.metric in ("answer", "noise") and args.grid and not args.span:
         raise UserError(f"--metric {args.metric} needs --span START:STOP (the answer's token positions).")
-    checkpoint = open_checkpoint(args.model, args.base)
-    outputs = (("--out", out), ("--json", json_out), ("--grid", grid_out))
-    for directory in (checkpoint.local, checkpoint.adapter):
-        _refuse_inside_model(outputs, directory, args.model)
-    tokenizer = checkpoint.tokenizer
+    return out, json_out, grid_out
+
+
+def _token_ids(args, tokenizer):
+    """(TOKENIZER, TEXT's token ids (1, N)): a model without a tokenizer (None) takes space-separated ids."""
+    import torch
+
     if tokenizer is not None:
         ids = tokenizer(args.text, return_tensors="pt")["input_ids"]
     else:
@@ -209,8 +123,15 @@ def run(args) -> int:
             ) from None
     if ids.numel() == 0:
         raise UserError("TEXT is empty: pass some text (or token ids).")
-    # Everything about the inputs is checked before the weights load.
-    config = checkpoint.config
+    return tokenizer, ids
+
+
+def _checked_config(args, config, ids):
+    """(CONFIG, MODEL's kind), with --layer, --head and TEXT's token ids checked against it."""
+    from types import SimpleNamespace
+
+    from diff_transformer.analysis import model_kind
+
     try:
         kind = model_kind(SimpleNamespace(config=config))
     except ValueError as error:
@@ -226,43 +147,45 @@ def run(args) -> int:
     vocab = config.vocab_size
     if not ((0 <= ids) & (ids < vocab)).all():
         raise UserError(f"a token id in TEXT is out of range for MODEL {args.model}: use ids from 0 to {vocab - 1}.")
-    span = None
-    if args.span:
-        try:
-            span = tuple(int(part) for part in args.span.split(":"))
-        except ValueError:
-            span = ()
-        if len(span) != 2 or not 0 <= span[0] < span[1] <= ids.shape[1]:
-            raise UserError(
-                f"--span {args.span} must be START:STOP with "
-                f"0 <= START < STOP <= {ids.shape[1]} (the TEXT's token count)."
-            )
-    need_metrics = json_out is not None or grid_out is not None
-    _check_inspect_size(args, ids.shape[1], config, kind, all_layers=need_metrics)
-    model = checkpoint.load(merge=True, **load_kwargs(args.dtype, args.attn_implementation))  # merged: its maps
-    model = model.eval().to(device)
-    entries, metrics = _inspect_maps(model, ids.to(device), args.layer, span, need_metrics)
-    if tokenizer is not None:
-        tokens = [tokenizer.decode([i]) for i in ids[0].tolist()]  # readable pieces, not byte-level symbols
-    else:
-        tokens = [str(i) for i in ids[0].tolist()]
+    return config, kind
 
+
+def _span(args, ids) -> tuple[int, int] | None:
+    """--span START:STOP as token positions within TEXT, or None."""
+    if not args.span:
+        return None
+    try:
+        span = tuple(int(part) for part in args.span.split(":"))
+    except ValueError:
+        span = ()
+    if len(span) != 2 or not 0 <= span[0] < span[1] <= ids.shape[1]:
+        raise UserError(
+            f"--span {args.span} must be START:STOP with 0 <= START < STOP <= {ids.shape[1]} (the TEXT's token count)."
+        )
+    return span
+
+
+def _write_outputs(args, paths, kind: str, tokens, span, entries, metrics) -> list[str]:
+    """The figure, grid and JSON asked for, every one or none (an interrupt too leaves no temporary file); the lines
+    saying what was written."""
+    import json
+
+    from diff_transformer.analysis.maps import head_record, lambda_summary
+    from diff_transformer.analysis.plotting import head_figure
+
+    from ..outputs.files import OutputFiles
+
+    out, json_out, grid_out = paths
     name = {"diff-v1": "Diff V1", "diff-v2": "Diff V2", "diffllama": "DiffLlama", "llama": "Llama"}[kind]
-    title = f"{name}: {Path(str(args.model)).name}, {ids.shape[1]} tokens"
-    files, wrote = _Outputs(), []
-    try:  # every output, or none: an interrupt too leaves no temporary file
+    title = f"{name}: {Path(str(args.model)).name}, {len(tokens)} tokens"
+    files, wrote = OutputFiles(), []
+    try:
         if out is not None:
             figure = head_figure(entries, args.layer, args.head, tokens=tokens, title=title)
             files.add(out, lambda path: figure.savefig(path, dpi=args.dpi))
             wrote.append(f"wrote {out} ({name}, layer {args.layer}, head {args.head})")
-        lambdas = [float(entry.lam.float().mean()) for entry in entries if entry.lam is not None]
-        if lambdas:  # λ's sign: a layer with λ < 0 adds its second map instead of subtracting it
-            each = "mean over tokens and heads" if kind == "diff-v2" else "one per layer"
-            negative = sum(value < 0 for value in lambdas)
-            print(
-                f"λ per layer ({each}): {', '.join(f'{value:+.3f}' for value in lambdas)}; {negative} of "
-                f"{len(lambdas)} layers have λ < 0 (they add their second map instead of subtracting it)"
-            )
+        if summary := lambda_summary(entries, kind):  # λ's sign: a layer with λ < 0 adds its second map
+            print(summary)
         if grid_out is not None:
             from diff_transformer.analysis.plotting import metric_grid
 
@@ -270,11 +193,6 @@ def run(args) -> int:
             files.add(grid_out, lambda path: grid.savefig(path, dpi=args.dpi))
             wrote.append(f"wrote {grid_out} ({args.metric}, layers x heads)")
         if json_out is not None:
-            entry = entries[args.layer]
-
-            def plain(tensor):  # NaN (Llama's λ) as null
-                return None if tensor is None else [[None if v != v else v for v in row] for row in tensor.tolist()]
-
             report = {
                 "model": str(args.model),
                 "kind": kind,
@@ -282,13 +200,7 @@ def run(args) -> int:
                 "layer": args.layer,
                 "head": args.head,
                 "span": None if span is None else list(span),
-                "first": plain(entry.first[0, args.head]),
-                "second": plain(None if entry.second is None else entry.second[0, args.head]),
-                "differential": plain(entry.differential[0, args.head]),
-                "lambda": None
-                if entry.lam is None
-                else (entry.lam if entry.lam.dim() == 0 else entry.lam[0, args.head]).tolist(),
-                "metrics": {key: plain(value) for key, value in metrics.items()},  # (layers, heads) each
+                **head_record(entries[args.layer], args.head, metrics),
             }
             files.add(json_out, lambda path: Path(path).write_text(json.dumps(report)))
             wrote.append(f"wrote {json_out}")
@@ -296,9 +208,7 @@ def run(args) -> int:
     except BaseException:
         files.discard()
         raise
-    for line in wrote:
-        print(line)
-    return 0
+    return wrote
 
 
 def _check_inspect_options(args) -> None:
@@ -311,38 +221,18 @@ def _check_inspect_options(args) -> None:
 
 
 def _check_inspect_size(args, tokens: int, config, kind: str, all_layers: bool) -> None:
-    """TEXT fits the model's context, and the maps computed for it fit --max-memory-gb, before the weights load.
-    Each layer's maps are (query heads, N, N) fp32, several at once (two softmaxes, their difference, the metrics'
-    temporaries): about 10 of them for the layer being measured plus the plotted layer's 3 when metrics run over
-    every layer (--grid/--json), 6 for the plotted layer alone."""
+    """TEXT fits the model's context, and the maps computed for it fit --max-memory-gb (`maps_bytes`), before the
+    weights load."""
     context = getattr(config, "max_position_embeddings", None)
     if context is not None and tokens > context:
         raise UserError(
             f"TEXT has {tokens} tokens, beyond MODEL {args.model}'s context ({context} positions): shorten it."
         )
-    query_heads = config.num_attention_heads * (2 if kind in ("diff-v1", "diff-v2") else 1)
-    needed = (13 if all_layers else 6) * query_heads * tokens * tokens * 4
+    from diff_transformer.analysis.maps import maps_bytes
+
+    needed = maps_bytes(config, kind, tokens, all_layers)
     if needed > args.max_memory_gb * 1e9:
         raise UserError(
             f"TEXT has {tokens} tokens: its attention maps need about {needed / 1e9:.1f} GB, over --max-memory-gb "
             f"{args.max_memory_gb:g}: shorten the text, or raise --max-memory-gb if the memory is there."
         )
-
-
-def _inspect_maps(model, ids, layer: int, span, need_metrics: bool):
-    """(entries for head_figure: the plotted layer's maps, every layer's λ; the (layers, heads) metrics or None),
-    one layer's maps in memory at a time; without metrics only the plotted layer's maps are computed."""
-    from dataclasses import replace
-
-    import torch
-
-    from diff_transformer.analysis import iter_attention_maps, layer_metrics
-
-    entries, rows = [], []
-    for index, entry in enumerate(iter_attention_maps(model, ids, maps_for=None if need_metrics else {layer})):
-        if need_metrics:
-            rows.append(layer_metrics([entry], span=span))  # (1, heads) each; answer/noise at the last position
-        entries.append(entry if index == layer else replace(entry, first=None, second=None, differential=None))
-    if not need_metrics:
-        return entries, None
-    return entries, {key: torch.cat([row[key] for row in rows]) for key in rows[0]}

@@ -103,7 +103,9 @@ def run(args) -> int:
 
     from ..checkpoints.opening import open_checkpoint
     from ..evaluation import niah
-    from ..safe_output import Staging, check_target, write_manifest
+    from ..outputs.files import check_target
+    from ..outputs.records import write_manifest
+    from ..outputs.staging import Staging
     from ..templates import bound_chat_templates
 
     bound_chat_templates()

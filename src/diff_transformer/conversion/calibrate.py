@@ -309,6 +309,52 @@ ADDITIVE_GRID = tuple(round(-1.0 + 0.05 * i, 2) for i in range(31))
 DIFFERENTIAL_GRID = tuple(value for value in ADDITIVE_GRID if value >= 0.1)
 
 
+@dataclass
+class _LayerFit:
+    """One layer's o_proj fit (`calibrate_v1_start`): the maps' outputs OUT1 and OUT2 ((tokens x heads, 2d): A1 [v1|v2]
+    and A2 [v1|v2]), what the source computed (SOURCE_OUTPUT, (tokens, D), through SOURCE_O_PROJ), subln's epsilon,
+    the layer's output scale 1 - λ_init, and the channels of each head that are fitted (FITTED: d or 2d)."""
+
+    out1: torch.Tensor
+    out2: torch.Tensor
+    source_output: torch.Tensor
+    source_o_proj: torch.Tensor
+    epsilon: float
+    scale: float
+    fitted: int
+
+    def best(self, candidates, ridges, split: int | None, *, refit: bool, shrink_to_source: bool) -> tuple:
+        """(residual, λ, o_proj, ridge, features) of the λ in CANDIDATES and ridge in RIDGES whose fit leaves the
+        smallest residual: on the rows from SPLIT on (the held-out blocks) when SPLIT is given, fitted on the rows
+        before it (then, with REFIT, fitted again on every row), else fitted and measured on every row."""
+        d = self.out1.shape[-1] // 2
+        heads = self.source_o_proj.shape[1] // self.fitted
+        source_output, source_o_proj, fitted = self.source_output, self.source_o_proj, self.fitted
+        best = None
+        for lam in candidates:
+            pre_norm = self.out1 - lam * self.out2
+            normed = pre_norm * pre_norm.square().mean(-1, keepdim=True).add(self.epsilon).rsqrt()
+            features = self.scale * normed.reshape(-1, heads, 2 * d)[..., :fitted].reshape(-1, heads * fitted)
+            fit_rows = slice(0, split) if split is not None else slice(None)
+            check_rows = slice(split, None) if split is not None else slice(None)
+            prior = None
+            if shrink_to_source:
+                prior = scaled_source_projection(features[fit_rows], source_output[fit_rows], source_o_proj, heads)
+            for rho in ridges:
+                o_proj = least_squares_projection(features[fit_rows], source_output[fit_rows], rho, prior)
+                error = features[check_rows].double() @ o_proj.T - source_output[check_rows]
+                residual = float(error.square().sum() / source_output[check_rows].square().sum())
+                if best is None or residual < best[0]:
+                    best = (residual, lam, o_proj, rho, features)
+        if split is not None and refit:  # the chosen λ and ridge, fitted again on every block
+            prior = None
+            if shrink_to_source:
+                prior = scaled_source_projection(best[4], source_output, source_o_proj, heads)
+            o_proj = least_squares_projection(best[4], source_output, best[3], prior)
+            best = (best[0], best[1], o_proj, best[3], best[4])
+        return best
+
+
 @torch.no_grad()
 def calibrate_v1_start(
     source,
@@ -376,29 +422,9 @@ def calibrate_v1_start(
             # the source's attention output (before o_proj's bias): rows are tokens, the heads last but one
             source_output = target.reshape(-1, heads * fitted).double() @ source_o_proj.T  # (tokens, D)
             # rows of out1/out2/target are (block, position, head) in order: the last `heldout` blocks are held out
-            split = (plan.blocks.shape[0] - heldout) * plan.blocks.shape[1]
-            best = None
-            for lam in candidates:
-                pre_norm = out1 - lam * out2
-                normed = pre_norm * pre_norm.square().mean(-1, keepdim=True).add(attn.subln.variance_epsilon).rsqrt()
-                features = scale * normed.reshape(-1, heads, 2 * d)[..., :fitted].reshape(-1, heads * fitted)
-                fit_rows = slice(0, split) if heldout else slice(None)
-                check_rows = slice(split, None) if heldout else slice(None)
-                prior = None
-                if shrink_to_source:
-                    prior = scaled_source_projection(features[fit_rows], source_output[fit_rows], source_o_proj, heads)
-                for rho in ridges:
-                    o_proj = least_squares_projection(features[fit_rows], source_output[fit_rows], rho, prior)
-                    error = features[check_rows].double() @ o_proj.T - source_output[check_rows]
-                    residual = float(error.square().sum() / source_output[check_rows].square().sum())
-                    if best is None or residual < best[0]:
-                        best = (residual, lam, o_proj, rho, features)
-            if heldout and refit:  # the chosen λ and ridge, fitted again on every block
-                prior = None
-                if shrink_to_source:
-                    prior = scaled_source_projection(best[4], source_output, source_o_proj, heads)
-                o_proj = least_squares_projection(best[4], source_output, best[3], prior)
-                best = (best[0], best[1], o_proj, best[3], best[4])
+            split = (plan.blocks.shape[0] - heldout) * plan.blocks.shape[1] if heldout else None
+            fit = _LayerFit(out1, out2, source_output, source_o_proj, attn.subln.variance_epsilon, scale, fitted)
+            best = fit.best(candidates, ridges, split, refit=refit, shrink_to_source=shrink_to_source)
             chosen_ridges.append(best[3])
             residual, lam, o_proj = best[:3]
             del out1, out2, target, source_output

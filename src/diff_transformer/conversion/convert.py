@@ -3,7 +3,7 @@ checkpoint").
 
 The source is read tensor by tensor from its safetensors shards and the output is written shard by shard, so peak
 memory stays near one shard. Everything is written into a temporary directory next to OUT and renamed into place only
-once complete (`safe_output.Staging`); on any error the temporary directory is removed and OUT (and SRC, which is only
+once complete (`staging.Staging`); on any error the temporary directory is removed and OUT (and SRC, which is only
 ever read) is left as it was.
 """
 
@@ -24,7 +24,8 @@ from ..checkpoints.loading import check_config_against_weights, check_config_siz
 from ..configuration_diff import AUTO_MAP
 from ..errors import check_seed
 from ..integrations.hub import diff_model_card
-from ..safe_output import Staging, check_target
+from ..outputs.files import check_target
+from ..outputs.staging import Staging
 from .dtypes import cast_dtype, from_safetensors_code, parse_dtype
 from .errors import ConversionError, conversion_boundary, one_line
 from .families import CAUSAL_LM, DIFFLLAMA, FAMILIES, MOTIF, family_of, source_geometry, task_of

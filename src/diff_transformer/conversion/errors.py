@@ -12,7 +12,7 @@ class ConversionError(UserError):
 
 
 def conversion_boundary(function):
-    """FUNCTION, with every `UserError` from below (checkpoints, safe_output) raised as a `ConversionError`."""
+    """FUNCTION, with every `UserError` from below (checkpoints, outputs) raised as a `ConversionError`."""
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):

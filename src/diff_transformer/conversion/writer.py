@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoints.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
-from ..safe_output import write_new_file
+from ..outputs.files import write_new_file
 from .dtypes import SAFETENSORS_CODES
 from .errors import ConversionError
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..checkpoints.adapters import Source
 from ..checkpoints.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 from ..errors import installed, missing, require
-from ..safe_output import RUN_LOCK, check_target, refuse_links
+from ..outputs.files import RUN_LOCK, check_target, refuse_links
 from . import TrainingError
 from .resume import holds_run
 

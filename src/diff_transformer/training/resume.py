@@ -15,7 +15,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from ..checkpoints.configs import read_json
 from ..checkpoints.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
-from ..safe_output import forget_entry, has_flag, proven, record_entry, record_flag, recorded
+from ..outputs.records import forget_entry, has_flag, proven, record_entry, record_flag, recorded
 from . import TrainingError
 from .callbacks import RunSettingsCallback
 
@@ -57,7 +57,7 @@ CHECKPOINTS_RECORDED = "checkpoints-recorded"  # a run-record flag: this --outpu
 
 
 class RecordCheckpointCallback(TrainerCallback):
-    """Each checkpoint this run saves goes into the run record (`safe_output.record_entry`, with the hashes of its
+    """Each checkpoint this run saves goes into the run record (`outputs.records.record_entry`, with the hashes of its
     files) as soon as it is complete: the proof that lets this run's rotation, a resumed run's, or a later --overwrite
     delete it, and nothing else. The record also says that it records checkpoints (`old_checkpoints`)."""
 
@@ -74,7 +74,7 @@ class RecordCheckpointCallback(TrainerCallback):
 def old_checkpoints(output: Path) -> list[Path]:
     """The checkpoints of an earlier run that --overwrite deletes without its run record's proof: all Trainer
     checkpoints (`trainer_checkpoints`) of a run from before checkpoints were recorded, none otherwise (the record's
-    proven ones go with `safe_output.remove_recorded`; any other, a user's `checkpoint-0/` even with a
+    proven ones go with `outputs.records.remove_recorded`; any other, a user's `checkpoint-0/` even with a
     trainer_state.json, stays)."""
     return [] if has_flag(output, CHECKPOINTS_RECORDED) else trainer_checkpoints(output)
 

@@ -29,7 +29,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..checkpoints import adapters
 from ..checkpoints.opening import Checkpoint
 from ..errors import UserError, as_one_line, one_line
-from ..safe_output import OutputLock, record_written, refuse_links, remove_recorded, top_level_state
+from ..outputs.files import refuse_links
+from ..outputs.records import record_written, remove_recorded, top_level_state
+from ..outputs.staging import OutputLock
 from . import TrainingError
 from .args import parse_train_args
 from .callbacks import (

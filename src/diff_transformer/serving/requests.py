@@ -2,7 +2,7 @@
 
 * `check_request`: every request field transformers' handlers would turn into a 500 (an int() or a torch call deep
   inside generation) or silently ignore, checked before anything runs; a bad one is a 400 with OpenAI's error body
-  (`{"error": {"message", "type": "invalid_request_error", "param", "code"}}`, written by `serve.openai_errors`).
+  (`{"error": {"message", "type": "invalid_request_error", "param", "code"}}`, written by `server.openai_errors`).
 * `stop`: transformers maps it to `generation_config.stop_strings`, keeps the stop text in the answer, ignores it under
   continuous batching, and builds a `StopStringCriteria` whose set-up scans the whole vocabulary for each stop
   character (0.96 s for four 256-character stops on the tiny model's 2,048 tokens, 2 shared CPU cores; it grows with
@@ -31,7 +31,7 @@ SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
 
 
 def http_error(status: int, message: str, *, param: str | None = None, code: str | None = None):
-    """An HTTPException `serve.openai_errors` writes as OpenAI's error body, its message on one line."""
+    """An HTTPException `server.openai_errors` writes as OpenAI's error body, its message on one line."""
     from fastapi import HTTPException
 
     detail = {"message": " ".join(message.split()), "param": param, "code": code}

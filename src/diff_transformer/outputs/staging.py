@@ -1,8 +1,5 @@
-"""Output directories that never cost the user data: `convert`, `demo` and `train` all choose and write them here.
+"""Outputs installed whole, and runs that may die at any moment (see the package docstring for the other layers):
 
-* `check_target(out, name, sources)` refuses, whatever the flags, a path whose replacement would be a disaster: an
-  empty path (an unset shell variable), the current directory or one of its ancestors, the home directory, the
-  filesystem root, and any overlap with a source directory (which is never modified).
 * `Staging(out, overwrite=...)` writes into a hidden `.OUT.tmp-<token>` beside OUT, created with the umask's mode
   (as `save_pretrained` creates directories), and `install()` renames it into place once complete. Without
   `overwrite` that is one atomic rename, which replaces at most an empty directory: whatever appeared at OUT in the
@@ -18,14 +15,6 @@
   user's that happens to be called `.OUT.tmp-notes` is never touched.
 * `OutputLock(out)`: one run at a time into an output that is written in place (`train --output`): an flock on
   `OUT/.diff-transformer.lock`; a second run is refused while the first lives.
-* `write_manifest` / `wrote_this`: a directory listing every entry it holds (the hashes of its regular files, its
-  subdirectories), so a command (the demo) can replace a directory only when it can prove that it wrote it and nobody
-  changed it since. Anything else (a link, a FIFO, a socket, a device) is never opened and disproves authorship.
-* Nothing is ever written through a link: every file of ours is created new (`O_CREAT | O_EXCL`, which refuses an
-  existing name, a symbolic link included) and, where it replaces one, renamed over the name (`write_new_file`), which
-  replaces a link instead of following it. An output written in place (`train --output`, where Trainer writes with
-  plain `open()`) is first checked for links (`refuse_links`): the package never creates a symbolic link or a second
-  hard link there, so any it finds is not its own and is refused before anything is written, naming the link.
 * An --overwrite installs the new output whole: of the replaced OUT, only the user's top-level entries stay
   (`users_entries`: not a model's files, and not proven written by a command of this package, by its manifest or a
   training run's record); they are moved into the new OUT.
@@ -34,7 +23,6 @@
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -44,7 +32,8 @@ import stat
 import tempfile
 from pathlib import Path
 
-from .errors import UserError
+from .files import _NOFOLLOW, MANIFEST, RUN_LOCK, STAGING_MARK, OutputError, _read_small, refuse_links, write_new_file
+from .records import _manifest_entries, _manifest_proves, _proves, _run_record
 
 
 try:
@@ -55,133 +44,7 @@ except ImportError:  # Windows
 
 logger = logging.getLogger(__name__)
 
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-MANIFEST = ".diff-transformer-output.json"
-STAGING_MARK = ".diff-transformer-staging"  # inside a staging directory while it is ours: {"token": ...}
 _LOCK_LINE = "diff-transformer staging lock"  # a lock file's first line, with its token; an identity may follow
-
-
-class OutputError(UserError):
-    """An output path that cannot be written without losing data; one line naming the path and the fix."""
-
-
-def check_target(out, *, name: str = "OUT", sources: dict | None = None) -> Path:
-    """`out` as an absolute path, or `OutputError` if replacing or writing it could destroy something (module doc).
-    `sources` maps a name ("SRC", "MODEL") to a directory that OUT must neither be, lie inside, nor contain."""
-    text = "" if out is None else os.fspath(out)
-    if not text.strip():
-        raise OutputError(f"{name} is empty (an unset shell variable?): pass the directory to write.")
-    path = Path(text).expanduser().absolute()
-    try:
-        os.fsencode(path).decode("utf-8")
-    except UnicodeDecodeError:
-        # safetensors (Rust) takes only UTF-8 paths, and the model card names the directory in UTF-8 text.
-        raise OutputError(
-            f"{name} {ascii(text)} is not valid UTF-8 (bytes of another encoding in the path), which the weights "
-            "and the model card cannot be written under: choose a path of UTF-8 characters."
-        ) from None
-    real = path.resolve()
-    cwd = Path.cwd().resolve()
-    try:
-        home = Path.home().resolve()
-    except (RuntimeError, KeyError):  # no home directory known
-        home = None
-    if real.parent == real:
-        raise OutputError(f"{name} {text!r} is the filesystem root: pass a new directory for the output.")
-    if real == home:
-        raise OutputError(
-            f"{name} {text!r} is your home directory: pass a new directory for the output, e.g. ~/my-output."
-        )
-    if real == cwd or real in cwd.parents:
-        where = "the current directory" if real == cwd else "a parent of the current directory"
-        raise OutputError(f"{name} {text!r} is {where}: pass a new directory for the output, e.g. ./my-output.")
-    for source_name, source in (sources or {}).items():
-        source = Path(source).resolve()
-        if real == source:
-            raise OutputError(
-                f"{name} {path} is {source_name}: choose another {name} ({source_name} is never modified)."
-            )
-        if source in real.parents or real in source.parents:
-            raise OutputError(
-                f"{name} {path} overlaps {source_name} {source}: choose an output directory outside {source_name} "
-                f"that does not contain it ({source_name} is never modified)."
-            )
-    return path
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Never through a link: files created new, then renamed over their name; outputs written in place checked for links.
-
-
-def write_new_file(path, data: str | bytes) -> None:
-    """Write DATA (text: UTF-8) to PATH without writing through whatever is at PATH: into a new file beside it,
-    created with `O_EXCL` (which refuses an existing name, a symbolic link included) and the umask's mode, then renamed
-    over PATH. A symbolic or hard link at PATH is replaced, its target never touched; a reader sees the old file or
-    the new one, never half of it."""
-    path = Path(path)
-    data = data.encode("utf-8") if isinstance(data, str) else data
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_BINARY", 0)
-    while True:
-        temp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
-        try:
-            fd = os.open(temp, flags, 0o666)
-            break
-        except FileExistsError:
-            continue  # that random name is taken (by anything, a link included): draw another
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-
-
-def find_link(directory) -> tuple[Path, str] | None:
-    """The first entry under DIRECTORY (walked without following links) that a file written at its name could reach
-    something outside DIRECTORY through, with what it is: a symbolic link, or a regular file with more than one hard
-    link (its other names are elsewhere). None when there is none (or DIRECTORY is missing)."""
-    pending = [Path(directory)]
-    while pending:
-        folder = pending.pop()
-        try:
-            children = sorted(os.scandir(folder), key=lambda e: e.name)
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        for child in children:
-            info = child.stat(follow_symlinks=False)
-            path = Path(child.path)
-            if stat.S_ISLNK(info.st_mode):
-                try:
-                    target = os.readlink(path)
-                except OSError:
-                    target = "?"
-                return path, f"a symbolic link to {target}"
-            if stat.S_ISDIR(info.st_mode):
-                pending.append(path)
-            elif stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
-                return path, f"a file with {info.st_nlink} hard links (the same file under another name elsewhere)"
-    return None
-
-
-def refuse_links(directory, *, name: str = "OUT") -> None:
-    """`OutputError` when DIRECTORY (an output written in place, as `train --output`) holds a symbolic link or a hard
-    link (`find_link`). No command of this package creates one there, so it is not the run's own: refused (rather
-    than removed, which could lose the user's work) before a file is written through it to a file outside DIRECTORY."""
-    from .errors import as_one_line
-
-    found = find_link(directory)
-    if found is None:
-        return
-    path, what = found
-    raise OutputError(
-        as_one_line(
-            f"{name} {directory} holds {path.relative_to(directory)}, {what}, which no diff-transformer command "
-            f"creates: the run's files could be written through it to a file outside {name}. Remove it (or move it "
-            f"out of {name}), or choose another {name}."
-        )
-    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -245,20 +108,6 @@ def _write_lock(fd: int, token: str, **identities: tuple[int, int]) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, text.encode(), 0)
     os.fsync(fd)
-
-
-def _read_small(path: Path, limit: int = 4096) -> str | None:
-    """The text of a small regular file (never a FIFO or a device: opened non-blocking, checked), else None."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return os.read(fd, limit).decode("utf-8", "replace")
-    finally:
-        os.close(fd)
 
 
 def _lock_record(lock: Path, token: str, key: str) -> tuple[int, int] | None:
@@ -378,6 +227,18 @@ def _make_parents(directory: Path) -> Path | None:
     return created
 
 
+def _remove_while_empty(directory: Path, created: Path) -> None:
+    """Remove DIRECTORY and its parents up to CREATED (the top-most one a run created), stopping at the first that
+    is not empty: what a refused or failed run created, and nothing else."""
+    for folder in [directory, *directory.parents]:  # remove only what is still empty
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+        if folder == created:
+            break
+
+
 class Staging:
     """`with Staging(out, overwrite=...) as tmp:` write into `tmp`, then `staging.install()`. On any error before the
     install, `tmp` and the parent directories this created are removed and OUT is as it was.
@@ -488,13 +349,7 @@ class Staging:
             os.close(self._fd)
             self._fd = None
         if failed and self._created is not None:
-            for directory in [self.out.parent, *self.out.parent.parents]:  # remove only what is still empty
-                try:
-                    directory.rmdir()
-                except OSError:
-                    break
-                if directory == self._created:
-                    break
+            _remove_while_empty(self.out.parent, self._created)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._cleanup(failed=not self.installed)
@@ -523,36 +378,12 @@ MODEL_FILE_NAMES = frozenset(
         "chat_template.jinja",
     }
 )
+
+
 MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+
+
 _BOOKKEEPING = frozenset({MANIFEST, STAGING_MARK, ".diff-transformer.lock", ".diff-transformer-run.json"})
-
-
-def _manifest_entries(directory: Path) -> dict:
-    """The entries a diff-transformer command's manifest in `directory` records, or {} (none, or not ours)."""
-    try:
-        manifest = json.loads(_read_small(directory / MANIFEST, limit=64 << 20) or "null")
-    except (OSError, ValueError, RecursionError):
-        return {}
-    if not isinstance(manifest, dict) or not str(manifest.get("written_by", "")).startswith("diff-transformer"):
-        return {}
-    entries = manifest.get("entries")
-    return entries if isinstance(entries, dict) else {}
-
-
-def _manifest_proves(directory: Path, name: str, entries: dict) -> bool:
-    """The manifest's `entries` prove that a command wrote the top-level entry `name`, unchanged since."""
-    path = directory / name
-    try:
-        mode = os.lstat(path).st_mode
-    except OSError:
-        return False
-    if stat.S_ISREG(mode):
-        return entries.get(name) == _sha256(path)
-    if stat.S_ISDIR(mode) and entries.get(name) == "directory":
-        prefix = name + "/"
-        inside = {key[len(prefix) :]: value for key, value in entries.items() if key.startswith(prefix)}
-        return _file_hashes(path) == inside
-    return False
 
 
 def users_entries(old, new=None) -> list[str]:
@@ -590,8 +421,6 @@ def _carry_users_entries(old: Path, out: Path) -> list[str]:
 
 # --------------------------------------------------------------------------------------------------------------
 # Outputs written in place (train): one run at a time.
-
-RUN_LOCK = ".diff-transformer.lock"
 
 
 class OutputLock:
@@ -644,239 +473,8 @@ class OutputLock:
             os.close(self._fd)
             self._fd = None
         if self._created is not None:
-            for directory in [self.out, *self.out.parents]:  # remove only what is still empty
-                try:
-                    directory.rmdir()
-                except OSError:
-                    break
-                if directory == self._created:
-                    break
+            _remove_while_empty(self.out, self._created)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._release()
         return False
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Manifests: proof that a directory holds exactly what a command wrote there.
-
-
-def _file_hashes(directory: Path) -> dict[str, str] | None:
-    """relative path -> sha256 of every regular file under `directory` (the manifest excluded) and "directory" for
-    every subdirectory; None if anything else is found (a link, a FIFO, a socket, a device: never opened)."""
-    entries = {}
-    pending = [Path(directory)]
-    while pending:
-        folder = pending.pop()
-        try:
-            children = sorted(os.scandir(folder), key=lambda e: e.name)
-        except OSError:
-            return None
-        for child in children:
-            path = Path(child.path)
-            relative = path.relative_to(directory).as_posix()
-            mode = child.stat(follow_symlinks=False).st_mode
-            if stat.S_ISDIR(mode):
-                entries[relative] = "directory"
-                pending.append(path)
-            elif not stat.S_ISREG(mode):
-                return None
-            elif relative != MANIFEST:
-                digest = _sha256(path)
-                if digest is None:
-                    return None
-                entries[relative] = digest
-    return entries
-
-
-def _sha256(path: Path) -> str | None:
-    """The hash of a regular file, opened without following a link or blocking (it could have been swapped for a
-    FIFO since it was listed), else None."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        digest = hashlib.sha256()
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def write_manifest(directory, written_by: str, exclude=()) -> None:
-    """Record in `directory` every entry it holds (file hashes, subdirectories), as written by `written_by`, less the
-    top-level entries `exclude` (not written by it: what an --overwrite kept of the user's, `Staging.carried`)."""
-    directory = Path(directory)
-    entries = _file_hashes(directory)
-    if entries is not None and exclude:
-        entries = {k: v for k, v in entries.items() if k.split("/", 1)[0] not in set(exclude)}
-    manifest = {"written_by": written_by, "entries": entries}
-    write_new_file(directory / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-
-
-def wrote_this(directory, written_by: str) -> bool:
-    """True when `directory` holds exactly the entries `written_by` recorded there, unchanged."""
-    directory = Path(directory)
-    try:
-        manifest = json.loads(_read_small(directory / MANIFEST, limit=64 << 20) or "null")  # never a FIFO
-    except (OSError, ValueError, RecursionError):
-        return False
-    if not isinstance(manifest, dict) or manifest.get("written_by") != written_by:
-        return False
-    return manifest.get("entries") == _file_hashes(directory)
-
-
-RUN_RECORD = ".diff-transformer-run.json"  # what a training run wrote at the top of its --output (train)
-
-
-def top_level_state(directory) -> dict[str, tuple[int, int]]:
-    """name -> (size, mtime_ns) of each entry at the top of `directory` (what a run is about to change)."""
-    state = {}
-    for entry in os.scandir(directory) if os.path.isdir(directory) else []:
-        info = entry.stat(follow_symlinks=False)
-        state[entry.name] = (info.st_size, info.st_mtime_ns)
-    return state
-
-
-def record_written(directory, before: dict[str, tuple[int, int]], *, skip=()) -> None:
-    """Record the top-level entries of `directory` that appeared or changed since `before`: regular files with their
-    hash, directories with the hashes of everything inside (`_file_hashes`) (RUN_RECORD; added to what an earlier
-    record of the same directory still proves)."""
-    directory = Path(directory)
-    entries = _run_record(directory)
-    now = top_level_state(directory)
-    for name, state in now.items():
-        if name in skip or name in (RUN_RECORD, RUN_LOCK) or before.get(name) == state:
-            continue
-        path = directory / name
-        mode = os.lstat(path).st_mode
-        if stat.S_ISDIR(mode) and (inside := _file_hashes(path)) is not None:
-            entries[name] = inside
-        elif stat.S_ISREG(mode) and (digest := _sha256(path)) is not None:
-            entries[name] = digest
-    _write_record(directory, entries)
-
-
-def _run_record(directory: Path) -> dict:
-    try:
-        record = json.loads(_read_small(directory / RUN_RECORD, limit=1 << 20) or "{}")
-    except (OSError, ValueError, RecursionError):
-        return {}
-    if not isinstance(record, dict):
-        return {}
-    return {k: v for k, v in record.items() if isinstance(k, str) and isinstance(v, (str, dict))}
-
-
-def _proves(directory: Path, name: str, digest) -> bool:
-    """Whether the record's `digest` of `name` (a file's hash, or a directory's `_file_hashes`) still matches."""
-    path = directory / name
-    if "/" in name or name in (".", "..") or not os.path.lexists(path):
-        return False
-    mode = os.lstat(path).st_mode
-    if isinstance(digest, dict) and stat.S_ISDIR(mode):
-        return _file_hashes(path) == digest
-    return isinstance(digest, str) and stat.S_ISREG(mode) and _sha256(path) == digest
-
-
-def record_entry(directory, name: str) -> None:
-    """Add the top-level entry `name` of `directory` (e.g. a checkpoint a run just saved) to its RUN_RECORD, with the
-    hashes of everything inside: the proof that lets a later step of the run (checkpoint rotation) or a later run
-    delete it, as long as nobody changes it."""
-    directory = Path(directory)
-    path = directory / name
-    entries = _run_record(directory)
-    mode = os.lstat(path).st_mode
-    if stat.S_ISDIR(mode) and (inside := _file_hashes(path)) is not None:
-        entries[name] = inside
-    elif stat.S_ISREG(mode) and (digest := _sha256(path)) is not None:
-        entries[name] = digest
-    else:
-        entries.pop(name, None)
-    _write_record(directory, entries)
-
-
-def forget_entry(directory, name: str) -> None:
-    """Drop `name` from the RUN_RECORD of `directory` (deleted, or no longer the run's)."""
-    directory = Path(directory)
-    entries = _run_record(directory)
-    if entries.pop(name, None) is not None:
-        _write_record(directory, entries)
-
-
-def record_flag(directory, flag: str) -> None:
-    """Note FLAG in the RUN_RECORD of `directory`: a fact about the run, not an entry (its key starts with "/", which
-    no file name does, so nothing ever tries to prove or delete it)."""
-    directory = Path(directory)
-    entries = _run_record(directory)
-    if entries.get("/" + flag) != "yes":
-        entries["/" + flag] = "yes"
-        _write_record(directory, entries)
-
-
-def has_flag(directory, flag: str) -> bool:
-    return _run_record(Path(directory)).get("/" + flag) == "yes"
-
-
-def recorded(directory) -> list[str]:
-    """The names RUN_RECORD lists (whether or not they are still as recorded: see `proven`)."""
-    return sorted(_run_record(Path(directory)))
-
-
-def proven(directory, name: str) -> bool:
-    """Whether RUN_RECORD proves that a run wrote the entry `name` of `directory` and nobody changed it since."""
-    directory = Path(directory)
-    digest = _run_record(directory).get(name)
-    return digest is not None and _proves(directory, name, digest)
-
-
-def _write_record(directory: Path, entries: dict) -> None:
-    # Never half-written (it is what proves the run's files), and never written through a link at its name.
-    write_new_file(directory / RUN_RECORD, json.dumps(entries, indent=1, sort_keys=True) + "\n")
-
-
-def remove_recorded(directory) -> list[str]:
-    """Delete what RUN_RECORD proves an earlier run wrote and nobody changed since (a file whose hash still matches,
-    a directory holding exactly what was recorded inside it), then the record; everything else stays (the user's).
-    Returns what was deleted."""
-    directory = Path(directory)
-    removed = []
-    for name, digest in sorted(_run_record(directory).items()):
-        if not _proves(directory, name, digest):
-            continue
-        path = directory / name
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-        removed.append(name)
-    (directory / RUN_RECORD).unlink(missing_ok=True)
-    return removed
-
-
-__all__ = [
-    "MANIFEST",
-    "RUN_RECORD",
-    "RUN_LOCK",
-    "OutputError",
-    "OutputLock",
-    "Staging",
-    "check_target",
-    "find_link",
-    "forget_entry",
-    "has_flag",
-    "record_flag",
-    "proven",
-    "record_entry",
-    "record_written",
-    "recorded",
-    "recover",
-    "refuse_links",
-    "remove_recorded",
-    "top_level_state",
-    "users_entries",
-    "write_manifest",
-    "write_new_file",
-    "wrote_this",
-]

@@ -1,0 +1,48 @@
+"""The server of `diff-transformer serve`: transformers' own OpenAI-compatible server (`transformers serve`) for Diff
+models, with what it lacks for them and for clients.
+
+transformers 5.23's server looks the model class up by name on the `transformers` package
+(`getattr(transformers, config.architectures[0])` in `transformers/cli/serving/model_manager.py`), so it only loads
+architectures that transformers ships: `transformers serve --trust-remote-code` fails on every custom-code
+checkpoint with "module transformers has no attribute DiffForCausalLM". `diff-transformer serve` (`cli/serve.py`, the
+command) imports diff_transformer (which registers the Auto classes), makes the Diff classes resolvable where the
+server looks (`models.expose_to_transformers_serve`), installs what follows (`server.install`), and then runs
+transformers' `serve` command in this process with the same options (`diff-transformer serve --help`).
+
+What transformers' server does not bound, this package does (`server.limit_generation`, `server.graceful_shutdown`):
+
+* `max_tokens` (`max_completion_tokens`, `max_output_tokens`): transformers generates as many tokens as a request
+  asks (and 1024 by default). Here every generation is clamped to the model's context (`max_position_embeddings`
+  minus the prompt) and to `--max-new-tokens-limit N` when given; the answer then ends with finish_reason "length".
+  A prompt that already fills the context is refused (HTTP 400).
+* A client that disconnects: transformers cancels a *streaming* generation at its next token; a non-streaming one
+  runs to its end, which the clamp above bounds.
+* SIGTERM: uvicorn then waits for the requests in flight without limit; here for 5 s, after which they are cancelled
+  and the process exits (the generation thread is a daemon).
+* `serve MODEL` with a MODEL that does not exist: one line, exit status 2, before the server starts.
+* A model's config.json is held against its weights before it is built (`check_config_against_weights`; a config
+  claiming 10^5 layers kept transformers building for minutes), and a model directory with weights but no tokenizer
+  is refused: one line at start-up (`serve MODEL`), else a 400 when a request names it
+  (`models.check_model_directory`).
+* Chat templates render within bounds (`diff_transformer.templates`: 2 s, 5,000,000 steps, 4 Mi characters), in a
+  worker thread (`server.render_off_the_loop`): transformers renders on the event loop, where a template with nested
+  loops held up every request, /health included. One past its bound answers 400.
+
+What clients rely on and transformers' server gets wrong, this package fixes (`models.diff_model_manager`,
+`server.openai_errors`, `models.check_pinned`, and `requests`: request fields, `stop`, response names, `[DONE]`):
+
+* `GET /v1/models` lists the pinned model (`serve MODEL`), else the loaded ones and the Hub cache's LLMs; transformers
+  answers 500 when the Hub cache folder does not exist, and never lists a Diff model.
+* A request naming a model that does not exist (or, on a pinned server, another model) answers 404 at once, one
+  that cannot be loaded 400 (transformers retried the Hub for ~2 minutes, then answered a bare 500); the error body is
+  OpenAI's `{"error": {"message", "type", "param", "code"}}`, also for a 500.
+* Request fields are checked before anything runs (`requests.check_request`): `max_tokens: 0`, a seed torch
+  cannot take, a malformed `logit_bias` or `messages` were plain-text 500s; `n` > 1 is refused (transformers ignores
+  it).
+* `stop` ends the answer before the stop string, finish_reason "stop" (transformers kept the stop text, and ignored
+  `stop` under continuous batching); a response names the model as the request did (not "model@main"); a stream ends
+  with `data: [DONE]`.
+* A model is loaded in a worker thread (`models.load_off_the_loop`): transformers loads it on the event loop, where
+  every other request, /health included, waits for it.
+* `--help` is this command's own: its options, then a note of what goes to transformers (`--transformers-help`).
+"""

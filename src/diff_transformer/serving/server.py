@@ -1,0 +1,256 @@
+"""transformers' server (`transformers serve`) made into `diff-transformer serve`'s: what clients rely on installed
+where its `Serve` picks it up (`client_facing`: request checks, errors as OpenAI's bodies, models and templates off
+the event loop), every generation bounded (`limit_generation`) and shutdown bounded (`graceful_shutdown`). `install`
+does it all; the package docstring says why each is needed."""
+
+import functools
+
+from ..errors import one_line
+from .models import check_pinned, diff_model_manager, display_name, load_off_the_loop, model_http_error
+
+
+GRACEFUL_SHUTDOWN_S = 5
+
+_uvicorn_log_level = None  # --quiet: "warning" (transformers' `Serve` asks uvicorn for "info": a line per request)
+
+HTTP_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error"}
+
+
+async def render_off_the_loop(handler, body: dict) -> None:
+    """A chat request's template rendered in a worker thread, within the bounds of `diff_transformer.templates`: one
+    past them answers 400. transformers' handler renders it on the event loop; its render then returns this one's
+    text (`templates.prerendered`, matched on the template and every value it is rendered with), so a slow template
+    never holds up the loop (and /health, other models, other requests)."""
+    import asyncio
+
+    from transformers.cli.serving.utils import Modality
+
+    from .. import templates
+
+    if not isinstance(body.get("messages"), list):
+        return  # transformers' validation answers
+    handler._validate_request(body)
+
+    def render():
+        _, model, processor = handler._resolve_model(dict(body))
+        modality = handler.model_manager.get_model_modality(model, processor=processor)
+        messages = handler.get_processor_inputs_from_messages(body["messages"], modality)
+        has_video = any(
+            part.get("type") == "video"
+            for message in messages
+            for part in (message.get("content") if isinstance(message.get("content"), list) else [])
+        )
+        kwargs: dict = {"num_frames": 32} if has_video else {}
+        kwargs.update(handler.chat_template_kwargs)
+        kwargs.update(body.get("chat_template_kwargs", {}))
+        return templates.render_capturing(
+            processor.apply_chat_template,
+            messages,
+            add_generation_prompt=True,
+            tools=body.get("tools"),
+            tokenize=False,
+            return_dict=False,
+            load_audio_from_video=modality == Modality.MULTIMODAL and has_video,
+            **kwargs,
+        )
+
+    name = display_name(str(body.get("model")))
+    try:
+        rendered = await asyncio.to_thread(render)
+    except templates.ChatTemplateBoundError as error:
+        raise model_http_error(400, f"model {name!r}: {error}.") from None
+    except Exception as exc:
+        if getattr(exc, "status_code", None):
+            raise
+        raise model_http_error(400, f"the chat template of model {name!r} failed: {one_line(exc)[:300]}") from None
+    if rendered is not None:
+        templates.prerendered(rendered)
+
+
+def openai_errors(app) -> None:
+    """Errors as OpenAI's API returns them (`{"error": {"message", "type", "param", "code"}}`), which its clients
+    read: ours (`requests.http_error`), transformers' HTTPExceptions, and anything unforeseen (a 500 whose
+    body says so in JSON, where Starlette answered "Internal Server Error" in plain text)."""
+    from fastapi import HTTPException
+    from fastapi.responses import JSONResponse
+
+    async def handler(request, exc: HTTPException):
+        detail = exc.detail if isinstance(exc.detail, dict) else {"message": str(exc.detail)}
+        error = {
+            "message": detail.get("message", ""),
+            "type": HTTP_ERROR_TYPES.get(exc.status_code, "error"),
+            "param": detail.get("param"),
+            "code": detail.get("code"),
+        }
+        return JSONResponse({"error": error}, status_code=exc.status_code, headers=exc.headers)
+
+    async def unforeseen(request, exc: Exception):
+        message = f"the server failed on this request ({type(exc).__name__}: {one_line(exc)[:300]})"
+        error = {"message": message, "type": "server_error", "param": None, "code": None}
+        return JSONResponse({"error": error}, status_code=500)
+
+    app.add_exception_handler(HTTPException, handler)
+    app.add_exception_handler(Exception, unforeseen)
+
+
+def client_facing() -> None:
+    """Install `diff_model_manager`, `check_request`, `load_off_the_loop` and `openai_errors` where transformers'
+    `Serve` picks them up (it imports `ModelManager` and `build_server` when it starts, every handler validates
+    through `BaseHandler._validate_request`, and each model handler's `handle_request` is wrapped)."""
+    from transformers.cli.serving import model_manager, server, utils
+
+    from .requests import as_openai, check_request
+
+    model_manager.ModelManager = diff_model_manager()
+    build = server.build_server
+    if not getattr(build, "_diff_errors", False):
+
+        @functools.wraps(build)
+        def build_server(*args, **kwargs):
+            app = build(*args, **kwargs)
+            openai_errors(app)
+            return app
+
+        build_server._diff_errors = True
+        server.build_server = build_server
+    from transformers.cli.serving import chat_completion, completion, response, systemone
+
+    for handler_class in (
+        chat_completion.ChatCompletionHandler,
+        completion.CompletionHandler,
+        response.ResponseHandler,
+        systemone.SystemOneHandler,
+    ):
+        handle = handler_class.handle_request
+        if getattr(handle, "_diff_off_the_loop", False):
+            continue
+
+        def make(handle, handler_class=handler_class):
+            chat = handler_class is chat_completion.ChatCompletionHandler
+            openai_shaped = chat or handler_class is completion.CompletionHandler
+
+            @functools.wraps(handle)
+            async def handle_request(self, body: dict, *args, **kwargs):
+                if openai_shaped:
+                    check_pinned(self.model_manager, body)
+                await load_off_the_loop(self, body)
+                if chat:
+                    await render_off_the_loop(self, body)
+                if openai_shaped:
+                    return await as_openai(handle, self, body, *args, sse_done=True, **kwargs)
+                return await handle(self, body, *args, **kwargs)
+
+            handle_request._diff_off_the_loop = True
+            return handle_request
+
+        handler_class.handle_request = make(handle)
+    validate = utils.BaseHandler._validate_request
+    if not getattr(validate, "_diff_checked", False):
+
+        @functools.wraps(validate)
+        def validate_request(self, body: dict) -> None:
+            validate(self, body)
+            check_request(body)
+
+        validate_request._diff_checked = True
+        utils.BaseHandler._validate_request = validate_request
+
+
+def _generation_limit(model, inputs: dict, gen_config, limit: int | None) -> None:
+    """Clamp `gen_config.max_new_tokens` to the context left after the prompt (and to `limit`); a request's
+    settings outside their range (`num_beams: -3` in its generation_config) are an HTTP 400, not a 500 mid-run."""
+    from fastapi import HTTPException
+
+    from ..checkpoints.configs import generation_value_problem
+    from .requests import check_token_ids
+
+    for field in ("num_beams", "num_return_sequences", "top_k", "top_p", "temperature", "repetition_penalty"):
+        problem = generation_value_problem(field, getattr(gen_config, field, None))
+        if problem:
+            raise HTTPException(status_code=400, detail=f"{problem}.")
+
+    check_token_ids(gen_config, getattr(model.config.get_text_config(), "vocab_size", None))
+    input_ids = inputs["input_ids"]
+    prompt = len(input_ids) if isinstance(input_ids, list) else input_ids.shape[-1]
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    room = None if context is None else context - prompt
+    if room is not None and room < 1:
+        raise HTTPException(
+            status_code=400, detail=f"the prompt has {prompt} tokens: the model's context is {context} positions."
+        )
+    bound = min(x for x in (room, limit) if x is not None) if (room, limit) != (None, None) else None
+    if bound is not None and (gen_config.max_new_tokens is None or gen_config.max_new_tokens > bound):
+        gen_config.max_new_tokens = bound
+
+
+def limit_generation(limit: int | None = None) -> None:
+    """Every generation of transformers' server (plain and continuous batching, streaming or not) bounded by the
+    model's context and `limit` (see the module docstring), and ended at the request's stop strings
+    (`requests.stop_streaming`)."""
+    from transformers.cli.serving import utils
+
+    from .requests import stop_non_streaming, stop_streaming
+
+    for manager in (utils.GenerateManager, utils.CBGenerateManager):
+        for name in ("generate_streaming", "generate_non_streaming"):
+            method = getattr(manager, name)
+            if getattr(method, "_diff_limited", False):
+                continue
+
+            def make(method):
+                if name == "generate_non_streaming":
+                    stopping = stop_non_streaming(method)
+
+                    @functools.wraps(method)
+                    async def bounded(self, model, processor, inputs, gen_config, *args, **kwargs):
+                        _generation_limit(model, inputs, gen_config, limit)
+                        return await stopping(self, model, processor, inputs, gen_config, *args, **kwargs)
+
+                else:
+                    stopping = stop_streaming(method)
+
+                    @functools.wraps(method)
+                    def bounded(self, model, processor, inputs, gen_config, *args, **kwargs):
+                        _generation_limit(model, inputs, gen_config, limit)
+                        return stopping(self, model, processor, inputs, gen_config, *args, **kwargs)
+
+                bounded._diff_limited = True
+                return bounded
+
+            setattr(manager, name, make(method))
+
+
+def graceful_shutdown(seconds: float = GRACEFUL_SHUTDOWN_S) -> None:
+    """uvicorn servers created from now on wait at most `seconds` for requests in flight after SIGTERM/SIGINT."""
+    import uvicorn
+
+    init = uvicorn.Config.__init__
+    if getattr(init, "_diff_bounded", False):
+        return
+
+    @functools.wraps(init)
+    def bounded(self, *args, **kwargs):
+        kwargs.setdefault("timeout_graceful_shutdown", seconds)
+        if _uvicorn_log_level is not None:
+            kwargs["log_level"] = _uvicorn_log_level
+        init(self, *args, **kwargs)
+
+    bounded._diff_bounded = True
+    uvicorn.Config.__init__ = bounded
+
+
+def install(limit: int | None, quiet: bool, served: tuple[str, ...]) -> None:
+    """All of the above, before transformers' `Serve` starts: the models a `serve A B` server answers for, uvicorn's
+    log level under --quiet, chat templates within bounds, the Diff classes where transformers looks, what clients
+    see, every generation bounded by the context and LIMIT, and a bounded shutdown."""
+    global _uvicorn_log_level
+    from ..templates import bound_chat_templates
+    from . import models
+
+    models.served_models = served
+    _uvicorn_log_level = "warning" if quiet else None
+    bound_chat_templates()
+    models.expose_to_transformers_serve()
+    client_facing()
+    limit_generation(limit)
+    graceful_shutdown()
