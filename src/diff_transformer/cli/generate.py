@@ -66,10 +66,8 @@ def run(args) -> int:
     from ..checkpoints import adapters
     from ..checkpoints.configs import check_generation_config, check_generation_tokens, float_generation_fields
     from ..checkpoints.loading import check_diff_checkpoint
-    from ..templates import bound_chat_templates
     from ..text_input import check_text
 
-    bound_chat_templates()
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} must be at least 1.")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
@@ -235,7 +233,7 @@ def compile_kwargs(device: str) -> dict:
 
 def _chat_inputs(args, tokenizer, prompt: str):
     """PROMPT (and --system) as a chat, through the tokenizer's chat template, ending with the assistant's turn."""
-    from ..templates import ChatTemplateBoundError
+    from ..chat_templates import ChatRenderError, render_chat
 
     if tokenizer is None:
         raise UserError(f"--chat needs a tokenizer with a chat template, and MODEL {args.model} has no tokenizer.")
@@ -247,16 +245,12 @@ def _chat_inputs(args, tokenizer, prompt: str):
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": prompt})
     try:
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
-        )
-    except ChatTemplateBoundError as exc:  # rendered within bounds (diff_transformer.templates)
-        raise UserError(f"--chat: MODEL {args.model}: {exc}.") from None
-    except Exception as exc:  # jinja2 raises its own errors (e.g. a template that rejects a system message)
+        text = render_chat(tokenizer, messages, add_generation_prompt=True)
+    except ChatRenderError as exc:  # one line: the request's size, a bound, or the template's own error
         raise UserError(
-            f"--chat: the chat template of MODEL {args.model} failed ({' '.join(str(exc).split())[:200]})"
-            + (": try without --system." if args.system else ".")
+            f"--chat: MODEL {args.model}: {exc}" + ("; try without --system." if args.system else ".")
         ) from None
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt")  # the template placed the special tokens
 
 
 def _chat_session(args, model, tokenizer, kwargs: dict, config, device) -> int:
@@ -268,6 +262,7 @@ def _chat_session(args, model, tokenizer, kwargs: dict, config, device) -> int:
     import torch
     from transformers import TextStreamer
 
+    from ..chat_templates import ChatRenderError, render_chat
     from ..text_input import TextInputError, check_text
 
     def note(text: str, end: str = "\n") -> None:
@@ -278,7 +273,8 @@ def _chat_session(args, model, tokenizer, kwargs: dict, config, device) -> int:
     history = list(start)
 
     def prompt_ids(messages):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+        text = render_chat(tokenizer, messages, add_generation_prompt=True)  # a ChatRenderError: one turn refused
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def fits(ids) -> bool:
         return context is None or len(ids) + args.max_new_tokens <= context
@@ -308,19 +304,25 @@ def _chat_session(args, model, tokenizer, kwargs: dict, config, device) -> int:
             note(f"error: {error}")  # the session goes on
             continue
         message = {"role": "user", "content": text}
-        alone = prompt_ids([*start, message])
-        if not fits(alone):  # refused before the history is touched
-            note(
-                f"error: this message ({len(alone)} tokens with the template) + --max-new-tokens "
-                f"{args.max_new_tokens} exceed the model's context ({context} positions): send a shorter one."
-            )
-            continue
-        history.append(message)
-        ids = prompt_ids(history)
-        while not fits(ids):
-            del history[len(start) : len(start) + 2]  # the oldest exchange: a user message and its answer
-            note("(the oldest exchange was dropped to fit the model's context)")
+        kept = list(history)
+        try:
+            alone = prompt_ids([*start, message])
+            if not fits(alone):  # refused before the history is touched
+                note(
+                    f"error: this message ({len(alone)} tokens with the template) + --max-new-tokens "
+                    f"{args.max_new_tokens} exceed the model's context ({context} positions): send a shorter one."
+                )
+                continue
+            history.append(message)
             ids = prompt_ids(history)
+            while not fits(ids):
+                del history[len(start) : len(start) + 2]  # the oldest exchange: a user message and its answer
+                note("(the oldest exchange was dropped to fit the model's context)")
+                ids = prompt_ids(history)
+        except ChatRenderError as error:  # this turn refused in one line; the session and its history go on
+            history = kept
+            note(f"error: {error}; this message was not sent.")
+            continue
         input_ids = torch.tensor([ids], device=device)
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         output = model.generate(

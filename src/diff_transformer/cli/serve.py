@@ -21,7 +21,7 @@ What transformers' server does not bound, this command does (`limit_generation`,
 * A model's config.json is held against its weights before it is built (`check_config_against_weights`; a config
   claiming 10^5 layers kept transformers building for minutes), and a model directory with weights but no tokenizer
   is refused: one line at start-up (`serve MODEL`), else a 400 when a request names it (`_check_model_directory`).
-* Chat templates render within bounds (`diff_transformer.templates`: 2 s, 5,000,000 steps, 4 Mi characters), in a
+* Chat templates render within bounds (`..chat_templates`: 2 s, 5,000,000 steps, 4 Mi characters), in a
   worker thread (`render_off_the_loop`): transformers renders on the event loop, where a template with nested loops
   held up every request, /health included. One past its bound answers 400.
 
@@ -270,7 +270,7 @@ async def load_off_the_loop(handler, body: dict) -> None:
 
 
 async def render_off_the_loop(handler, body: dict) -> None:
-    """A chat request's template rendered in a worker thread, within the bounds of `diff_transformer.templates`: one
+    """A chat request's template rendered in a worker thread, within the bounds of `..chat_templates`: one
     past them answers 400. transformers' handler renders it on the event loop; its render then returns this one's
     text (`templates.prerendered`, matched on the template and every value it is rendered with), so a slow template
     never holds up the loop (and /health, other models, other requests)."""
@@ -278,7 +278,7 @@ async def render_off_the_loop(handler, body: dict) -> None:
 
     from transformers.cli.serving.utils import Modality
 
-    from .. import templates
+    from .. import chat_templates as templates
 
     if not isinstance(body.get("messages"), list):
         return  # transformers' validation answers
@@ -310,7 +310,7 @@ async def render_off_the_loop(handler, body: dict) -> None:
     name = _display_name(str(body.get("model")))
     try:
         rendered = await asyncio.to_thread(render)
-    except templates.ChatTemplateBoundError as error:
+    except templates.ChatRenderError as error:  # too large a request, or a bound: one line
         raise _http_error(400, f"model {name!r}: {error}.") from None
     except Exception as exc:
         if getattr(exc, "status_code", None):
@@ -617,7 +617,7 @@ def main(argv=None):
     global _uvicorn_log_level, _served_models
     argv, limit, quiet, _served_models = _own_options(sys.argv[1:] if argv is None else list(argv))
     _uvicorn_log_level = "warning" if quiet else None
-    from ..templates import bound_chat_templates
+    from ..chat_templates import bound_chat_templates
 
     bound_chat_templates()
     expose_to_transformers_serve()
