@@ -72,7 +72,7 @@ def compile_kwargs(device: str) -> dict:
 def chat_inputs(tokenizer, prompt: str, system: str | None, name: str):
     """PROMPT (and --system, SYSTEM) as a chat, through the tokenizer's chat template, ending with the assistant's
     turn; NAME: the model as the user named it."""
-    from .templates import ChatTemplateBoundError
+    from .chat_templates import ChatRenderError, render_chat
 
     if tokenizer is None:
         raise UserError(f"--chat needs a tokenizer with a chat template, and MODEL {name} has no tokenizer.")
@@ -84,16 +84,10 @@ def chat_inputs(tokenizer, prompt: str, system: str | None, name: str):
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": prompt})
     try:
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
-        )
-    except ChatTemplateBoundError as exc:  # rendered within bounds (diff_transformer.templates)
-        raise UserError(f"--chat: MODEL {name}: {exc}.") from None
-    except Exception as exc:  # jinja2 raises its own errors (e.g. a template that rejects a system message)
-        raise UserError(
-            f"--chat: the chat template of MODEL {name} failed ({' '.join(str(exc).split())[:200]})"
-            + (": try without --system." if system else ".")
-        ) from None
+        text = render_chat(tokenizer, messages, add_generation_prompt=True)
+    except ChatRenderError as exc:  # one line: the request's size, a bound, or the template's own error
+        raise UserError(f"--chat: MODEL {name}: {exc}" + ("; try without --system." if system else ".")) from None
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt")  # the template placed the special tokens
 
 
 def chat_session(
@@ -108,6 +102,7 @@ def chat_session(
     import torch
     from transformers import TextStreamer
 
+    from .chat_templates import ChatRenderError, render_chat
     from .text_input import TextInputError, check_text
 
     def note(text: str, end: str = "\n") -> None:
@@ -118,7 +113,8 @@ def chat_session(
     history = list(start)
 
     def prompt_ids(messages):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+        text = render_chat(tokenizer, messages, add_generation_prompt=True)  # a ChatRenderError: one turn refused
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def fits(ids) -> bool:
         return context is None or len(ids) + max_new_tokens <= context
@@ -148,19 +144,25 @@ def chat_session(
             note(f"error: {error}")  # the session goes on
             continue
         message = {"role": "user", "content": text}
-        alone = prompt_ids([*start, message])
-        if not fits(alone):  # refused before the history is touched
-            note(
-                f"error: this message ({len(alone)} tokens with the template) + --max-new-tokens "
-                f"{max_new_tokens} exceed the model's context ({context} positions): send a shorter one."
-            )
-            continue
-        history.append(message)
-        ids = prompt_ids(history)
-        while not fits(ids):
-            del history[len(start) : len(start) + 2]  # the oldest exchange: a user message and its answer
-            note("(the oldest exchange was dropped to fit the model's context)")
+        kept = list(history)
+        try:
+            alone = prompt_ids([*start, message])
+            if not fits(alone):  # refused before the history is touched
+                note(
+                    f"error: this message ({len(alone)} tokens with the template) + --max-new-tokens "
+                    f"{max_new_tokens} exceed the model's context ({context} positions): send a shorter one."
+                )
+                continue
+            history.append(message)
             ids = prompt_ids(history)
+            while not fits(ids):
+                del history[len(start) : len(start) + 2]  # the oldest exchange: a user message and its answer
+                note("(the oldest exchange was dropped to fit the model's context)")
+                ids = prompt_ids(history)
+        except ChatRenderError as error:  # this turn refused in one line; the session and its history go on
+            history = kept
+            note(f"error: {error}; this message was not sent.")
+            continue
         input_ids = torch.tensor([ids], device=device)
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         output = model.generate(

@@ -1,7 +1,7 @@
 """Issue "Trust 3": what a request can make us compute is bounded. A config.json that claims more model than the
 safetensors weights next to it hold (10^5 or 10^7 layers, a huge hidden size or vocabulary, heads that do not fit) is
 refused in one line by every entry point before anything is built from it (`check_config_against_weights`); chat
-templates render within bounds (`diff_transformer.templates`)."""
+templates render within bounds (`diff_transformer.chat_templates`)."""
 
 import json
 import re
@@ -170,7 +170,7 @@ def with_template(root: Path, template: str, name: str = "hostile-template") -> 
 def test_a_chat_template_renders_within_bounds(case):
     from transformers import AutoTokenizer
 
-    from diff_transformer.templates import ChatTemplateBoundError, bound_chat_templates
+    from diff_transformer.chat_templates import ChatTemplateBoundError, bound_chat_templates
 
     bound_chat_templates()
     tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA)
@@ -188,7 +188,7 @@ def test_a_chat_template_renders_within_bounds(case):
 def test_ordinary_templates_render_as_before():
     from transformers import AutoTokenizer
 
-    from diff_transformer.templates import bound_chat_templates
+    from diff_transformer.chat_templates import bound_chat_templates
 
     bound_chat_templates()
     tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA)
@@ -205,6 +205,43 @@ def test_generate_chat_refuses_a_template_past_its_bounds(refused, tmp_path):
     # jinja2's own cap on range() (10^5 items), for the issue's 10^6 x 10^6 loops
     model = with_template(tmp_path, NESTED_LOOPS.replace("10**5", "10**6"), "range")
     refused(["generate", model, "Hello", "--chat"], "MAX_RANGE (100000)")
+
+
+# Hostile only for some messages: "loop" runs nested loops, "boom" raises; the rest renders as the shipped template.
+SOMETIMES_HOSTILE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['content'] == 'loop' %}" + NESTED_LOOPS + "{% endif %}"
+    "{% if m['content'] == 'boom' %}{{ raise_exception('no boom here') }}{% endif %}"
+    "{{ '<|' + m['role'] + '|>\\n' + m['content'] + eos_token + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+def test_an_interactive_chat_survives_a_bad_turn(tmp_path, monkeypatch, capsys):
+    """Issue 46: one template error or one over-long message ended the whole session. Each is now one error line,
+    the message is not sent, and the chat goes on with its history as it was: the answers are those of the same chat
+    without the bad turns."""
+    import io
+    import sys
+
+    from diff_transformer import cli
+
+    model = with_template(tmp_path, SOMETIMES_HOSTILE)
+
+    def chat(lines):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
+        status = cli.main(["generate", str(model), "--chat", "--max-new-tokens", "3"])
+        out, err = capsys.readouterr()
+        assert status == 0, err
+        return out, [line for line in err.splitlines() if "error" in line]
+
+    huge = "x" * (1 << 20)
+    out, errors = chat(["Hi", "loop", "boom", huge, "Hi again"])
+    assert (out, []) == chat(["Hi", "Hi again"])
+    assert len(errors) == 3, errors
+    assert "the chat template went past a bound: rendering it" in errors[0]
+    assert "the chat template refuses these messages (no boom here)" in errors[1]
+    assert "come to more than 1,048,576 characters" in errors[2] and "fix the template" not in errors[2]
+    assert all(e.endswith("this message was not sent.") for e in errors)
 
 
 def test_serve_refuses_a_model_without_tokenizer_or_with_a_hostile_config(refused, tmp_path):
@@ -295,8 +332,8 @@ def test_serve_renders_a_chat_template_once_off_the_event_loop():
     from transformers.cli.serving.model_manager import ModelManager
     from transformers.cli.serving.utils import GenerationState
 
+    from diff_transformer.chat_templates import bound_chat_templates
     from diff_transformer.serving import server
-    from diff_transformer.templates import bound_chat_templates
 
     bound_chat_templates()
     manager = ModelManager(device="cpu")
@@ -356,3 +393,24 @@ def test_the_config_bound_names_the_field_it_read():
     with pytest.raises(CheckpointError, match="config.json's num_hidden_layers=100000 is beyond"):
         check_config_sizes_plausible({"num_hidden_layers": 2, "text_config": {"num_hidden_layers": 100_000}}, "m")
     check_config_sizes_plausible({"num_hidden_layers": 100_000, "text_config": {"num_hidden_layers": 2}}, "m")
+
+
+def test_serve_s_render_refuses_a_huge_request_as_the_request_s_size():
+    """serve renders through transformers' apply_chat_template, bounded by `bound_chat_templates` (the renderer every
+    command uses): a request over the input limit is refused as too large, before the template runs, and not blamed
+    on the template; media (a base64 image) is not counted."""
+    from transformers import AutoTokenizer
+
+    from diff_transformer.chat_templates import MAX_INPUT_CHARS, ChatInputTooLargeError, bound_chat_templates
+
+    bound_chat_templates()
+    tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA)
+    huge = [{"role": "user", "content": "x" * MAX_INPUT_CHARS}]
+    with pytest.raises(ChatInputTooLargeError, match="send a shorter conversation") as caught:
+        tokenizer.apply_chat_template(huge, chat_template=NESTED_LOOPS, tokenize=False)
+    assert "fix the template" not in str(caught.value)
+    many = [{"role": "user", "content": ""}] * (MAX_INPUT_CHARS // 32)  # 16 for a message, 16 for each entry
+    with pytest.raises(ChatInputTooLargeError):
+        tokenizer.apply_chat_template(many, tokenize=False)
+    image = [{"role": "user", "content": [{"type": "image", "url": "data:image/png;base64," + "A" * MAX_INPUT_CHARS}]}]
+    tokenizer.apply_chat_template(image, chat_template="{{ messages|length }}", tokenize=False)

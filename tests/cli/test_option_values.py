@@ -3,10 +3,11 @@ NaN, infinite, empty, non-numeric, shell and markup metacharacters, control char
 the value, a command ends with exit 0 (it was a valid value), or exit 2 and one error line (argparse's own refusals
 print their usage first), never a traceback; and nothing outside its working directory changes.
 
-Also: a symbolic or hard link planted at any name `train`, `convert` or `merge` writes in OUT is never written
-through, and any value of any field that the package reads from a metadata file (adapter_config.json,
-base_model.json, a Motif or Llama config.json, a Diff V1 config.json, generation_config.json) ends the same way,
-with no NaN logits or weights behind an exit 0.
+Also: any chat template (hostile ones and random text) ends every command that renders one the same way, a symbolic
+or hard link planted at any name `train`, `convert` or `merge` writes in OUT is never written through, and any value
+of any field that the package reads from a metadata file (adapter_config.json, base_model.json, a Motif or Llama
+config.json, a Diff V1 config.json, generation_config.json) ends the same way, with no NaN logits or weights behind
+an exit 0.
 
 The default profile keeps CI short; `pytest tests/cli/test_option_values.py --hypothesis-profile long` runs the long
 search (profiles in tests/conftest.py)."""
@@ -225,6 +226,48 @@ def test_any_chat_data_ends_in_a_result_or_one_line(inputs, tmp_path_factory, ca
         chat = tmp_path_factory.mktemp("chat") / "chat.jsonl"
         chat.write_text("".join(json.dumps(line) + "\n" for line in lines))
         argv = [part.format(**inputs | {"chat": str(chat)}) for part in base]
+        run_once(argv, tmp_path_factory, inputs, capsys)
+
+    check()
+
+
+# Chat templates a model may come with: past a bound, raising, broken, or writing the messages other than once.
+HOSTILE_TEMPLATES = [
+    "{% for a in range(10**5) %}{% for b in range(10**5) %}{% endfor %}{% endfor %}",
+    "{{ 'x' * 10**10 }}",
+    "{{ range(10**6)|list }}",
+    "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "{{ raise_exception('no') }}",
+    "{{ messages[0]['nothing'].strip() }}",
+    "{{ 1 / 0 }}",
+    "{{ messages[0]['content'] }}{{ messages[0]['content'] }}",
+    "{% for m in messages %}{{ m['content'][:3] }}{% endfor %}",
+    "{{ messages|length }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    "{% for m in messages %}",
+    "",
+]
+TEMPLATE_COMMANDS = {  # the shipped tiny Llama with the template, as {model}
+    "train-chat": ["train", "{model}", "--any-model", "--chat-data", "{chat}", "--output", "out/run"]
+    + ["--max-steps", "1", "--block-size", "64", "--report-to", "none", "--quiet"],
+    "niah": ["niah", "{model}", "--out", "out/niah", "--lengths", "96", "--depths", "0", "--needles", "1"]
+    + ["--no-figure", "--max-new-tokens", "1", "--quiet"],
+    "generate-chat": ["generate", "{model}", "Hi", "--chat", "--max-new-tokens", "1"],
+}
+
+
+@pytest.mark.parametrize("command", list(TEMPLATE_COMMANDS))
+def test_any_chat_template_ends_in_a_result_or_one_line(command, inputs, tmp_path_factory, capsys):
+    """Issue 46: every command renders through the one bounded renderer, so a hostile template (or random text as
+    one) ends each of them in a result or one line, within the render bounds."""
+    import shutil
+
+    @settings(**BASE_SETTINGS)
+    @given(template=st.one_of(st.sampled_from(HOSTILE_TEMPLATES), st.text(st.characters(exclude_categories=["Cs"]))))
+    def check(template):
+        model = tmp_path_factory.mktemp("templated") / "model"
+        shutil.copytree(inputs["source"], model)
+        (model / "chat_template.jinja").write_text(template, encoding="utf-8")
+        argv = [part.format(**inputs | {"model": str(model)}) for part in TEMPLATE_COMMANDS[command]]
         run_once(argv, tmp_path_factory, inputs, capsys)
 
     check()

@@ -244,3 +244,50 @@ def test_the_heatmap_draws_any_model_name():
 
     fig.savefig(io.BytesIO(), format="png")
     assert fig.axes[0].get_title() == r"runs/\$HOME_\$x^{/model"
+
+
+def test_a_grid_over_its_budget_is_refused_before_anything_is_built(refused, tmp_path, monkeypatch):
+    """Issue 46: a grid of 19.9M prompts was built in memory before any model loaded. Prompts (lengths x depths x
+    needles) and their tokens are counted from the options alone: refused before a tokenizer loads (MODEL does not
+    even exist here) and before any prompt is built."""
+
+    def never(*args, **kwargs):
+        raise AssertionError("a prompt was built")
+
+    monkeypatch.setattr(niah.PromptBuilder, "__init__", never)
+    missing, out = str(tmp_path / "no-model"), str(tmp_path / "out")
+    depths = [str(d / 100) for d in range(100)]
+    lengths = [str(n) for n in range(1000, 1200)]
+    refused(
+        ["niah", missing, "--out", out, "--lengths", *lengths, "--depths", *depths, "--needles", "1000"],
+        f"--lengths (200) x --depths (100) x --needles 1000 make 20,000,000 prompts, more than {niah.MAX_PROMPTS:,}",
+    )
+    refused(
+        ["niah", missing, "--out", out, "--lengths", "1000000", "--depths", "0", "0.5", "1", "--needles", "30"],
+        "the grid's 90 prompts hold 90,000,000 tokens", f"more than {niah.MAX_GRID_TOKENS:,} per model",
+    )  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("template", "words"),
+    [
+        ("{% for a in range(10**5) %}{% for b in range(10**5) %}{% endfor %}{% endfor %}", "went past a bound"),
+        ("{{ raise_exception('no system here') }}", "the chat template refuses these messages (no system here)"),
+        ("{{ messages[0]['content'] }}{{ messages[0]['content'] }}", "writes the user's message 2 times"),
+        ("{{ messages[0]['content'][:10] }}", "writes the user's message 0 times"),
+    ],
+    ids=["nested-loops", "raises", "twice", "changed"],
+)
+def test_a_hostile_chat_template_is_refused_in_one_line_before_the_model_loads(refused, tmp_path, template, words):
+    """niah renders through the one bounded renderer; its template errors were bug lines, and a rendering without the
+    user's message exactly once broke the prompt's split."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(TINY, model)
+    (model / "chat_template.jinja").write_text(template, encoding="utf-8")
+    line = refused(
+        ["niah", model, "--out", tmp_path / "out", "--lengths", "200", "--no-figure"], f"MODEL {model}", words
+    )
+    assert "--no-chat" in line and not (tmp_path / "out").exists()

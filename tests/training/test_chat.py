@@ -3,12 +3,14 @@ computation on the shipped tiny tokenizer's chat template, padding, truncation, 
 full and LoRA runs on a 2-layer model, and every refusal of bad chat data."""
 
 import json
+import shutil
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from diff_transformer import DiffForCausalLM, cli
+from diff_transformer.errors import UserError
 from diff_transformer.training.chat import IGNORE, ChatCollator, build_chat_datasets, conversation_tokens
 from tests.helpers import REPOSITORY
 from tests.helpers.checkpoints import save_trainable_checkpoint
@@ -216,3 +218,129 @@ def test_labels_equal_trls_prompt_completion_masking(workdir, tokenizer, tmp_pat
         )
         assert example["input_ids"] == ids
         assert example["labels"] == [IGNORE] * prompt + labels[prompt:]
+
+
+# ---- issue 46: one bounded renderer, linear in the turns, streamed ----
+
+NUMBERED = (  # message by message, but each turn's text depends on its index: prefixes rendered instead
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>{{ loop.index }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def turns(n, system=False):
+    messages = [{"role": "system", "content": "Be brief."}] if system else []
+    return messages + [
+        {"role": ("user", "assistant")[i % 2], "content": f"turn {i}" + " word" * (i % 7)} for i in range(n)
+    ]
+
+
+def prefix_rendering(tokenizer, messages):
+    """The labels as they were computed before issue 46: each assistant turn from renders of its two prefixes."""
+    from diff_transformer.training import chat
+
+    return chat._prefix_tokens(tokenizer, messages, "x", chat._text(tokenizer, messages, False, "x"))
+
+
+def test_labels_from_one_rendering_equal_those_of_every_prefix(tokenizer):
+    """The boundaries found in one rendering (from renders of a few messages each) give exactly the labels that
+    rendering every prefix gives: the repository's chat data, the hand-checked conversation, conversations of 2 to 41
+    messages with and without a system message; and a template that numbers its turns (not message by message: each
+    prefix is rendered for it)."""
+    conversations = [json.loads(line)["messages"] for line in (REPOSITORY / "data" / "chat.jsonl").open()]
+    conversations += [MESSAGES, *(turns(n) for n in (2, 3, 5, 6, 9, 40)), *(turns(n, True) for n in (4, 7, 40))]
+    for messages in conversations:
+        assert conversation_tokens(tokenizer, messages) == prefix_rendering(tokenizer, messages), messages
+    numbered = AutoTokenizer.from_pretrained(TOKENIZER)
+    numbered.chat_template = NUMBERED
+    for n in (4, 12):
+        ids, labels = conversation_tokens(numbered, turns(n))
+        assert (ids, labels) == prefix_rendering(numbered, turns(n))
+        assert numbered.decode([t for t in labels if t != IGNORE]).startswith("turn 1 word</s>2\n")
+
+
+class CountingRenders:
+    """The tokenizer's renders counted: calls, and characters rendered."""
+
+    def __init__(self, tokenizer):
+        self.calls = self.characters = 0
+        self.apply = tokenizer.apply_chat_template
+        tokenizer.apply_chat_template = self
+
+    def __call__(self, *args, **kwargs):
+        text = self.apply(*args, **kwargs)
+        self.calls += 1
+        self.characters += len(text)
+        return text
+
+
+@pytest.mark.parametrize("n", [500, 2000])
+def test_a_long_conversation_is_rendered_in_linear_work(n):
+    """A 2,000-turn line took minutes: every assistant turn rendered (and tokenised) both its prefixes, n^2/2 message
+    renders. Now the characters rendered are a constant multiple of the conversation's own rendering (about 9: ~3
+    renders of 3-4 messages per message), whatever n; the prefix renders would have been n/2 times it."""
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    counter = CountingRenders(tokenizer)
+    messages = turns(n)
+    ids, labels = conversation_tokens(tokenizer, messages)
+    whole = len(counter.apply(messages, tokenize=False))
+    print(f"{n} turns: {counter.calls} renders, {counter.characters} characters, whole rendering {whole}")
+    assert counter.calls <= 4 * n and counter.characters <= 12 * whole, (counter.calls, counter.characters, whole)
+    assert tokenizer.decode([t for t in labels if t != IGNORE]).count("</s>") == n // 2
+
+
+def test_a_template_not_message_by_message_is_refused_past_its_exact_limit(refused, workdir, tmp_path):
+    from diff_transformer.training.chat import EXACT_MESSAGES
+
+    model = tmp_path / "model"
+    save_trainable_checkpoint(model, 2)
+    (model / "chat_template.jinja").write_text(NUMBERED, encoding="utf-8")
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"messages": turns(EXACT_MESSAGES + 2)}) + "\n", encoding="utf-8")
+    refused(
+        ["train", model, "--chat-data", data, "--output", tmp_path / "out", *QUIET],
+        "long.jsonl:1:",
+        "does not render this conversation message by message",
+        f"{EXACT_MESSAGES + 2} messages are more than the {EXACT_MESSAGES}",
+    )
+
+
+def test_hostile_templates_and_huge_conversations_are_refused_in_one_line(refused, tmp_path):
+    """The renderer of every command (chat_templates.render_chat): a template with nested loops is stopped at its
+    bound, one that raises is quoted, and a conversation over the input limit is refused as too large (not blamed on
+    the template): each one line naming the file and line."""
+    model = tmp_path / "model"
+    save_trainable_checkpoint(model, 2)
+    data = write_chats(tmp_path / "chat.jsonl", SHORT[:1])
+    argv = ["train", model, "--chat-data", data, "--output", tmp_path / "out", *QUIET]
+    nested = "{% for a in range(10**5) %}{% for b in range(10**5) %}{% endfor %}{% endfor %}"
+    (model / "chat_template.jinja").write_text(nested, encoding="utf-8")
+    refused(argv, "chat.jsonl:1:", "the chat template went past a bound", "rendering it")
+    (model / "chat_template.jinja").write_text("{{ range(10**6)|list }}", encoding="utf-8")
+    refused(argv, "chat.jsonl:1:", "the chat template went past a bound", "MAX_RANGE")
+    shutil.copy(TOKENIZER / "chat_template.jinja", model / "chat_template.jinja")
+    write_chats(data, [[("user", "x" * (1 << 20)), ("assistant", "y")]])
+    line = refused(argv, "chat.jsonl:1:", "come to more than 1,048,576 characters", "send a shorter conversation")
+    assert "fix the template" not in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_conversations_are_tokenised_as_they_are_read_into_flat_arrays(tokenizer, tmp_path, monkeypatch):
+    """Streamed: the progress line of each conversation comes before a bad line further on is read; the tokens are
+    held in two flat int32 arrays, not a Python list per conversation."""
+    from diff_transformer.training import chat
+
+    monkeypatch.setattr(chat, "PROGRESS_EVERY", 2)
+    path = write_chats(tmp_path / "c.jsonl", SHORT * 2)
+    lines = []
+    train, held = build_chat_datasets(tokenizer, [path], 64, eval_fraction=0, progress=lines.append)
+    assert lines == [f"training chat data: {k:,} conversations tokenised ({path}:{k})" for k in (2, 4, 6, 8)]
+    assert held is None and len(train) == 8 and train.ids.typecode == train.labels.typecode == "i"
+    expected = [conversation_tokens(tokenizer, [{"role": r, "content": c} for r, c in t]) for t in SHORT * 2]
+    assert [train.example(i) for i in range(8)] == expected
+    assert train[3]["input_ids"].dtype == torch.long and train[3]["labels"].tolist() == expected[3][1]
+    path.write_text(path.read_text() + "{not json\n", encoding="utf-8")
+    lines.clear()
+    with pytest.raises(UserError, match="c.jsonl:9: not valid JSON"):
+        build_chat_datasets(tokenizer, [path], 64, eval_fraction=0, progress=lines.append)
+    assert len(lines) == 4  # the eight conversations before it were tokenised before line 9 was read

@@ -57,10 +57,8 @@ def run(args) -> int:
     from ..checkpoints.configs import float_generation_fields
     from ..checkpoints.opening import open_checkpoint
     from ..generation import chat_session, generate_kwargs
-    from ..templates import bound_chat_templates
     from ..text_input import check_text
 
-    bound_chat_templates()
     _check_generate_options(args)
     for name, text in (("PROMPT", args.prompt), ("--system", args.system)):
         if text is not None:  # argv undecodable as UTF-8 arrives with lone surrogates

@@ -106,9 +106,7 @@ def run(args) -> int:
     from ..outputs.files import check_target
     from ..outputs.records import write_manifest
     from ..outputs.staging import Staging
-    from ..templates import bound_chat_templates
 
-    bound_chat_templates()
     _check_options(args)
     if not args.no_figure and not installed("matplotlib"):
         raise UserError(
@@ -146,7 +144,7 @@ def run(args) -> int:
                 f"({context} positions): ask for lengths up to {context - args.max_new_tokens}."
             )
         chat = not args.no_chat and bool(getattr(tokenizer, "chat_template", None))
-        builder = niah.PromptBuilder(tokenizer, haystack, chat=chat)
+        builder = niah.PromptBuilder(tokenizer, haystack, chat=chat, name=text)
         prompts = niah.build_grid(builder, lengths, depths, args.needles, args.seed)
         plans.append((text, checkpoint, tokenizer, chat, prompts))
     out = check_target(args.out, name="--out")

@@ -37,6 +37,9 @@ KEYS = (
     "sparrow", "thistle", "timber", "tundra", "violet", "walnut", "willow", "zephyr",
 )  # fmt: skip
 MAX_NEEDLES = 1000  # per cell: what one run may be asked to generate
+# The grid's budget, checked before anything is built: every prompt is held (its token ids) until it is scored.
+MAX_PROMPTS = 100_000  # lengths x depths x needles, per model
+MAX_GRID_TOKENS = 1 << 26  # 64 Mi tokens: the sum of the prompts' lengths, per model (~0.5 GiB of token ids)
 MAX_HAYSTACK_BYTES = 64 * 2**20
 _PLACEHOLDER = "\x00HAYSTACK\x00"
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s*$|\n\s*$")
@@ -86,8 +89,9 @@ def needle_for(seed: int, length: int, depth: float, index: int) -> tuple[str, s
 class PromptBuilder:
     """Prompts of exact token lengths from one tokenizer and one haystack text."""
 
-    def __init__(self, tokenizer, haystack: str, *, chat: bool):
-        self.tokenizer, self.chat = tokenizer, chat
+    def __init__(self, tokenizer, haystack: str, *, chat: bool, name: str = "the model"):
+        self.tokenizer, self.chat, self.name = tokenizer, chat, name
+        self._frames: dict[str, tuple[list[int], list[int]]] = {}
         self.haystack = tokenizer(haystack, add_special_tokens=False, verbose=False)["input_ids"]
         # Sentence boundaries: offsets i where token i-1 ends a sentence (or a line); 0 is one too.
         ends = {}
@@ -101,12 +105,26 @@ class PromptBuilder:
     def frame(self, key: str) -> tuple[list[int], list[int]]:
         """Token ids before and after the haystack (the needle not counted): template, instruction, question and
         the start of the answer."""
+        if key not in self._frames:  # one render per key (a few dozen), whatever the grid
+            self._frames[key] = self._frame(key)
+        return self._frames[key]
+
+    def _frame(self, key: str) -> tuple[list[int], list[int]]:
+        from ..chat_templates import ChatRenderError, render_chat
+
         question, answer = QUESTION.format(key=key), ANSWER_PREFIX.format(key=key)
         if self.chat:
             content = f"{INSTRUCTION}\n\n{_PLACEHOLDER}\n\n{question}"
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-            )
+            try:
+                text = render_chat(self.tokenizer, [{"role": "user", "content": content}], add_generation_prompt=True)
+            except ChatRenderError as error:
+                raise UserError(f"MODEL {self.name}: {error}; or pass --no-chat for plain-text prompts.") from None
+            if text.count(_PLACEHOLDER) != 1:  # the haystack goes where the template wrote the user's message
+                raise UserError(
+                    f"MODEL {self.name}: its chat template writes the user's message {text.count(_PLACEHOLDER)} "
+                    "times, not once as it was given, so the haystack has no one place in the prompt: pass "
+                    "--no-chat for plain-text prompts."
+                )
             before, after = text.split(_PLACEHOLDER)
             # The rendered template holds its own special tokens (BOS included where it wants one).
             return self._encode(before), self._encode(after + answer)
@@ -407,6 +425,19 @@ def check_grid(lengths, depths, needles: int) -> None:
         raise UserError("--depths repeats a depth: give each once.")
     if not 1 <= needles <= MAX_NEEDLES:
         raise UserError(f"--needles {needles} must be from 1 to {MAX_NEEDLES} (prompts per cell).")
+    prompts = len(lengths) * len(depths) * needles
+    if prompts > MAX_PROMPTS:
+        raise UserError(
+            f"--lengths ({len(lengths)}) x --depths ({len(depths)}) x --needles {needles} make {prompts:,} prompts, "
+            f"more than {MAX_PROMPTS:,} per model: give fewer lengths, depths or needles."
+        )
+    tokens = sum(lengths) * len(depths) * needles
+    if tokens > MAX_GRID_TOKENS:
+        raise UserError(
+            f"the grid's {prompts:,} prompts hold {tokens:,} tokens (--lengths summed x --depths x --needles), more "
+            f"than {MAX_GRID_TOKENS:,} per model, all held until scored: give fewer or shorter lengths, fewer depths "
+            "or needles."
+        )
 
 
 def save(out: Path, settings: dict, results: list[dict], lengths, depths, *, figure: bool = True) -> None:

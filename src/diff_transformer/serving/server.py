@@ -17,15 +17,15 @@ HTTP_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 422: "
 
 
 async def render_off_the_loop(handler, body: dict) -> None:
-    """A chat request's template rendered in a worker thread, within the bounds of `diff_transformer.templates`: one
+    """A chat request's template rendered in a worker thread, within the bounds of `..chat_templates`: one
     past them answers 400. transformers' handler renders it on the event loop; its render then returns this one's
-    text (`templates.prerendered`, matched on the template and every value it is rendered with), so a slow template
+    text (`prerendered`, matched on the template and every value it is rendered with), so a slow template
     never holds up the loop (and /health, other models, other requests)."""
     import asyncio
 
     from transformers.cli.serving.utils import Modality
 
-    from .. import templates
+    from ..chat_templates import ChatRenderError, prerendered, render_capturing
 
     if not isinstance(body.get("messages"), list):
         return  # transformers' validation answers
@@ -43,7 +43,7 @@ async def render_off_the_loop(handler, body: dict) -> None:
         kwargs: dict = {"num_frames": 32} if has_video else {}
         kwargs.update(handler.chat_template_kwargs)
         kwargs.update(body.get("chat_template_kwargs", {}))
-        return templates.render_capturing(
+        return render_capturing(
             processor.apply_chat_template,
             messages,
             add_generation_prompt=True,
@@ -57,14 +57,14 @@ async def render_off_the_loop(handler, body: dict) -> None:
     name = display_name(str(body.get("model")))
     try:
         rendered = await asyncio.to_thread(render)
-    except templates.ChatTemplateBoundError as error:
+    except ChatRenderError as error:  # too large a request, or a bound: one line
         raise model_http_error(400, f"model {name!r}: {error}.") from None
     except Exception as exc:
         if getattr(exc, "status_code", None):
             raise
         raise model_http_error(400, f"the chat template of model {name!r} failed: {one_line(exc)[:300]}") from None
     if rendered is not None:
-        templates.prerendered(rendered)
+        prerendered(rendered)
 
 
 def openai_errors(app) -> None:
@@ -244,7 +244,7 @@ def install(limit: int | None, quiet: bool, served: tuple[str, ...]) -> None:
     log level under --quiet, chat templates within bounds, the Diff classes where transformers looks, what clients
     see, every generation bounded by the context and LIMIT, and a bounded shutdown."""
     global _uvicorn_log_level
-    from ..templates import bound_chat_templates
+    from ..chat_templates import bound_chat_templates
     from . import models
 
     models.served_models = served

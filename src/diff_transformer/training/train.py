@@ -184,8 +184,9 @@ def build_trainer(args, checkpoint: Checkpoint | None = None) -> PreparedRun:
     if args.chat_data:
         check_chat_template(tokenizer, args.model)
         train_data, eval_data = build_chat_datasets(
-            tokenizer, args.chat_data, block_size, eval_data=args.eval_data, eval_fraction=args.eval_fraction
-        )
+            tokenizer, args.chat_data, block_size, eval_data=args.eval_data, eval_fraction=args.eval_fraction,
+            progress=None if args.quiet else lambda line: print(line, file=sys.stderr, flush=True),
+        )  # fmt: skip
         collator = ChatCollator(pad_id(tokenizer))
     else:
         train_data, eval_data = build_datasets(

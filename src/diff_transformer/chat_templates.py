@@ -1,16 +1,21 @@
-"""Chat templates rendered within bounds. A chat template is code that comes with a model (chat_template.jinja, or
-tokenizer_config.json's `chat_template`), and transformers renders it in jinja2's sandbox, which stops a template from
-reaching Python's internals but not from computing without end: two nested `range(10**5)` loops, a string doubled
-forty times, `"x" * 10**10`. Here every template transformers renders (`apply_chat_template`, once
-`bound_chat_templates` has run: `generate --chat`, `niah`, `serve`) stays within:
+"""The one chat-template renderer of the package, and its bounds. A chat template is code that comes with a model
+(chat_template.jinja, or tokenizer_config.json's `chat_template`), and transformers renders it in jinja2's sandbox,
+which stops a template from reaching Python's internals but not from computing without end: two nested
+`range(10**5)` loops, a string doubled forty times, `"x" * 10**10`. Every command renders through here: `render_chat`
+(train --chat-data, niah, generate --chat and its interactive session) and, in serve, transformers'
+`apply_chat_template` once `bound_chat_templates` has run. Every render stays within:
 
+* `MAX_INPUT_CHARS` characters of what the template is given (the text of the messages, tools, documents and other
+  values, each message and list item counted as 16 more; media such as a base64 image not counted; checked before
+  it runs): a larger request is refused as the request's size, not the template's fault,
 * `RENDER_SECONDS` of wall-clock time and `RENDER_STEPS` Python line events (the template's code and the Python
   functions it calls, counted by a trace function in the rendering thread),
 * `RENDER_CHARS` characters of output, and of any one string or list it builds (`*`, `+`, `~`, `%`, `**`,
   `join`, `replace`, `center`, `format`, ... are checked before they run),
 * jinja2's own `range()` limit (`jinja2.sandbox.MAX_RANGE`, 100,000 items).
 
-A template past one of them is refused with `ChatTemplateBoundError`, one line naming the bound and its value.
+Refusals are one line, all `ChatRenderError`s: `ChatInputTooLargeError` (the request), `ChatTemplateBoundError` (the
+template went past a bound) and `ChatTemplateFailedError` (the template raised, e.g. its own `raise_exception`).
 """
 
 from __future__ import annotations
@@ -23,16 +28,39 @@ import re
 import sys
 import time
 
-from .errors import UserError
+from .errors import UserError, one_line
 
 
 RENDER_SECONDS = 2.0
 RENDER_STEPS = 5_000_000
 RENDER_CHARS = 4 << 20  # 4 Mi characters: far more than any model's context holds as text
+MAX_INPUT_CHARS = 1 << 20  # 1 Mi characters given to one render: a quarter of RENDER_CHARS, room for the markup
 _CHECK_EVERY = 1000  # line events between two looks at the clock
 
 
-class ChatTemplateBoundError(UserError):
+class ChatRenderError(UserError):
+    """A render refused: the request too large, the template past a bound, or the template's own error."""
+
+
+class ChatInputTooLargeError(ChatRenderError):
+    """What a template would be given (the messages and other values) is over `MAX_INPUT_CHARS`."""
+
+    def __init__(self, size: int):
+        super().__init__(
+            f"the messages (with the tools and other values a chat template is given) come to more than "
+            f"{MAX_INPUT_CHARS:,} characters, the limit of one chat render ({size:,} counted, 16 for each message "
+            "or item): send a shorter conversation"
+        )
+
+
+class ChatTemplateFailedError(ChatRenderError):
+    """The template raised while rendering (its own `raise_exception`, a missing key, a type error)."""
+
+    def __init__(self, detail: str):
+        super().__init__(f"the chat template refuses these messages ({detail})")
+
+
+class ChatTemplateBoundError(ChatRenderError):
     """A chat template went past a bound while rendering (the message says which, and its value)."""
 
     def __init__(self, detail: str):
@@ -177,6 +205,33 @@ def _digest(source: str, kwargs) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+_ITEM_CHARS = 16  # what one list item or dict entry counts for: a template's work grows with items, not only text
+# Media a multimodal request holds (a base64 image): the template writes a placeholder for it, never its text.
+_MEDIA_KEYS = frozenset({"image", "image_url", "url", "audio", "input_audio", "video", "path", "base64"})
+
+
+def check_input(*values) -> None:
+    """`ChatInputTooLargeError` when what a render is given is over `MAX_INPUT_CHARS`: the characters of its strings,
+    and `_ITEM_CHARS` for each list item or dict entry (a template's steps and time grow with the number of messages).
+    Walked without recursion, and only until the limit is passed, so a deep or huge request costs no more than that."""
+    size, stack = 0, list(values)
+    while stack:
+        value = stack.pop()
+        if isinstance(value, (str, bytes)):
+            size += len(value)
+        elif isinstance(value, dict):
+            size += _ITEM_CHARS * len(value)
+            for key, item in value.items():
+                stack.append(key)
+                if key not in _MEDIA_KEYS:
+                    stack.append(item)
+        elif isinstance(value, (list, tuple)):
+            size += _ITEM_CHARS * len(value)
+            stack.extend(value)
+        if size > MAX_INPUT_CHARS:
+            raise ChatInputTooLargeError(size)
+
+
 def _deadline_tracer(limit_s: float, steps: int):
     """A trace function that raises `ChatTemplateBoundError` once `limit_s` seconds or `steps` line events passed."""
     start = time.monotonic()
@@ -241,6 +296,7 @@ def _bounded_template_class():
         """`render` and `generate` within the bounds (see the module docstring)."""
 
         def render(self, *args, **kwargs):
+            check_input(args, kwargs)
             ahead = _PRERENDERED.get()
             if ahead is not None or _CAPTURE.get() is not None:
                 digest = _digest(getattr(self, "_diff_source", ""), [args, kwargs])
@@ -253,6 +309,7 @@ def _bounded_template_class():
             return text
 
         def generate(self, *args, **kwargs):
+            check_input(args, kwargs)
             previous = sys.gettrace()
             tracer = _deadline_tracer(RENDER_SECONDS, RENDER_STEPS)
             sys.settrace(tracer)
@@ -306,6 +363,25 @@ def bound_chat_templates() -> None:
     chat_template_utils._compile_jinja_template = compile_bounded
 
 
+def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool, **kwargs) -> str:
+    """The text of `messages` through the tokenizer's chat template, within the bounds (see the module docstring):
+    any failure is a one-line `ChatRenderError`, whichever command renders."""
+    bound_chat_templates()
+    check_input(messages, kwargs)  # before transformers copies the messages
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+    except ChatRenderError:
+        raise
+    except RecursionError:  # a template's recursive macro
+        raise ChatTemplateBoundError("it recursed past Python's depth limit") from None
+    except (OverflowError, MemoryError) as error:  # jinja2's MAX_RANGE, a number too large to convert
+        raise ChatTemplateBoundError(one_line(error)) from None
+    except Exception as error:  # jinja2's TemplateError (raise_exception), a KeyError, a TypeError in the template
+        raise ChatTemplateFailedError(one_line(error)) from None
+
+
 def render_capturing(apply, *args, **kwargs) -> tuple[str, str] | None:
     """`apply(*args, **kwargs)` (an `apply_chat_template(..., tokenize=False)`), and what its render was: (the digest
     of the template and its kwargs, the text), to hand to `prerendered` in the context that renders it again."""
@@ -325,11 +401,17 @@ def prerendered(render: tuple[str, str]) -> None:
 
 
 __all__ = [
+    "MAX_INPUT_CHARS",
     "RENDER_CHARS",
     "RENDER_SECONDS",
     "RENDER_STEPS",
+    "ChatInputTooLargeError",
+    "ChatRenderError",
     "ChatTemplateBoundError",
+    "ChatTemplateFailedError",
     "bound_chat_templates",
+    "check_input",
     "prerendered",
     "render_capturing",
+    "render_chat",
 ]
