@@ -9,7 +9,8 @@ fix (`CheckpointError`).
 * `configs.py`: config.json and generation_config.json, checked before anything is built from them.
 * `weights.py`: the safetensors files of a checkpoint and their headers (names, shapes, dtypes; no tensor data).
 * `loading.py`: a Diff checkpoint's config held against its weights; `from_pretrained` (every failure one line).
-* `adapters.py`: PEFT adapter directories as MODEL (their base, loading, merging, their card).
+* `adapters.py`: PEFT adapter directories as MODEL (their base, the adapter put on it, their card).
+* `merging.py`: `merge_adapter`, an adapter folded into its base and written as a full checkpoint.
 * `backends.py`: `--attn-implementation`, the attention backend a model is loaded with.
 
 Nothing is imported here (`open` imports `opening` when called), so naming this package costs nothing.

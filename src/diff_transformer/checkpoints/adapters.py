@@ -389,77 +389,6 @@ def write_adapter_card(directory, base: str, config, lambda_summary: str | None 
 # --- merge ---------------------------------------------------------------------------------------------------------
 
 
-def merge_adapter(
-    adapter,
-    out,
-    *,
-    base: str | None = None,
-    overwrite: bool = False,
-    device: str = "cpu",
-    dtype: str = "auto",
-    allow_non_finite: bool = False,
-) -> Path:
-    """Fold the PEFT adapter directory ADAPTER into its base model (`merge_and_unload`: each adapted weight becomes
-    W + (alpha / r)·B·A, λ copies in `modules_to_save` replace the base's) and write a full checkpoint to OUT: weights
-    in the base's dtype, the custom code, a card naming the adapter and its base, the tokenizer (the adapter's, else
-    the base's). Nothing is written unless everything loads; OUT is replaced only with `overwrite`. The merge runs on
-    DEVICE; DTYPE ("float32", "bfloat16", "float16") converts the weights, "auto" keeps the base's. With `overwrite`
-    the new checkpoint is installed whole: of the old OUT only the user's files stay (`staging.users_entries`); a
-    manifest records what merge wrote. A merged weight holding NaN or inf (an adapter's `lora_alpha` that overflows
-    W + (alpha / r)·B·A, say) is refused before anything is written, unless `allow_non_finite`."""
-    from transformers import AutoTokenizer
-
-    from ..integrations.hub import diff_model_card
-    from ..outputs.files import check_target
-    from ..outputs.records import write_manifest
-    from ..outputs.staging import Staging
-    from .opening import open_checkpoint
-
-    checkpoint = open_checkpoint(adapter, base, tokenizer=False, label="ADAPTER")
-    source = checkpoint.source
-    if source.adapter is None:
-        raise CheckpointError(
-            f"ADAPTER {adapter} is a model, not a PEFT adapter directory (no {ADAPTER_CONFIG}): merge takes what "
-            "`diff-transformer train --lora` wrote."
-        )
-    sources = {"ADAPTER": source.adapter} | ({"BASE": source.local} if source.local is not None else {})
-    out_path = check_target(out, sources=sources)
-    staging = Staging(out_path, overwrite=overwrite)  # refuses a non-empty OUT before anything loads
-    with staging as staging_dir:
-        import torch
-
-        placed = {} if device == "cpu" else {"device_map": {"": device}}
-        torch_dtype = "auto" if dtype in (None, "auto") else getattr(torch, dtype)
-        model = checkpoint.load(merge=True, dtype=torch_dtype, **placed)
-        from .finite import non_finite_tensors
-
-        bad = [] if allow_non_finite else non_finite_tensors(model.state_dict())
-        if bad:
-            raise CheckpointError(
-                f"merging ADAPTER {adapter} gives NaN or inf in {len(bad)} weight(s), e.g. {bad[0]} (its lora_alpha "
-                "or weights overflow W + (alpha / r)·B·A): nothing was written; fix the adapter, or pass "
-                "--allow-non-finite (allow_non_finite=True) to write them anyway."
-            )
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source.tokenizer)
-        except (OSError, ValueError, TypeError):  # a model saved without a tokenizer (prompts are token ids)
-            tokenizer = None
-        if getattr(model.config, "model_type", None) == "diff":
-            card = diff_model_card(model.config, out_path.name)
-            card.text += (
-                f"\n## Merged adapter\n\nThe LoRA adapter `{adapter}` merged into `{source.base}` with "
-                "`diff-transformer merge` (PEFT's `merge_and_unload`): no PEFT is needed to load it.\n"
-            )
-            card.save(staging_dir / "README.md")  # before save_pretrained, which then keeps it
-        model.save_pretrained(staging_dir)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging_dir)
-        staging.seal()
-        write_manifest(staging_dir, MERGE_MARK)  # what proves to a later --overwrite which files merge wrote
-        staging.install()
-    return out_path
-
-
 __all__ = [
     "ADAPTER_CONFIG",
     "hide_bitsandbytes_kernel_notice",
@@ -471,7 +400,6 @@ __all__ = [
     "weights_fingerprint",
     "is_adapter",
     "put_adapter_on",
-    "merge_adapter",
     "name_base",
     "peft_base_name",
     "quiet_peft_wrapping",

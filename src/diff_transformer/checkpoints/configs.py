@@ -9,9 +9,9 @@ import math
 from pathlib import Path
 
 from . import CheckpointError
+from .schema import FP32_TINY
 
 
-FP32_TINY = 1.1754943508222875e-38  # the smallest normal float32 (as configuration_diff.py, which imports torch)
 CONFIG_MAX_BYTES = 16 << 20  # a config.json is kilobytes; anything near this is not one (and is not read whole)
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import math
 
-from .configs import FP32_TINY
+
+FP32_TINY = 1.1754943508222875e-38  # the smallest normal float32 (as configuration_diff.py; here without importing it)
 
 
 # A field's kind: "int" (a whole number, not a bool), "number" (finite), "bool", "str", "str-list" (a list of

@@ -1,5 +1,5 @@
 """`diff-transformer merge ADAPTER OUT`: a LoRA adapter (what `train --lora` writes) folded into its base model's
-weights, written as a full Diff checkpoint (`checkpoints.adapters.merge_adapter`)."""
+weights, written as a full Diff checkpoint (`checkpoints.merging.merge_adapter`)."""
 
 from .options import add_base_option, add_device_options, add_quiet_option, resolve_device
 
@@ -24,7 +24,7 @@ def add_parser(commands) -> None:
 
 def run(args) -> int:
     """A PEFT adapter folded into its base model's weights: a full Diff checkpoint (custom code, card, tokenizer)."""
-    from ..checkpoints.adapters import merge_adapter
+    from ..checkpoints.merging import merge_adapter
 
     device = resolve_device(args.device)
     out = merge_adapter(
