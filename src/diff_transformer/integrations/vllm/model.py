@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
+from vllm.distributed import divide, get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -138,7 +138,9 @@ class DiffLambdaV1(nn.Module):
 
 
 class DiffLambdaV2(nn.Module):
-    """λ = sigmoid(W_λ x), one value per token and differential head; W_λ's rows are split with the heads (TP)."""
+    """λ = sigmoid(W_λ x), one value per token and differential head; W_λ's rows are split with the heads (TP). Used
+    where W_λ cannot join q/k/v's GEMM (`QKVLambdaParallelLinear`): the model in another dtype than fp32, or
+    quantized."""
 
     def __init__(self, hidden_size: int, num_heads: int, prefix: str):
         super().__init__()
@@ -150,6 +152,51 @@ class DiffLambdaV2(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         gate, _ = self.proj(hidden_states.float())
         return torch.sigmoid(gate)  # (T, H_local) fp32
+
+
+class QKVLambdaParallelLinear(QKVParallelLinear):
+    """V2's q/k/v projection with W_λ's H rows appended: ONE GEMM writes [q | k | v | gate] per rank, as vLLM's Llama
+    writes [q | k | v]. As a GEMM of its own, W_λ (H outputs) cost each layer one more GEMM call (on CPU a oneDNN
+    call, one more OpenMP parallel region; on GPU one more launch), the one extra op of V2's layer that is not
+    elementwise (benchmarks/census_vllm.py). Rank r holds the λ rows of its own differential heads,
+    [r H/tp, (r+1) H/tp), as `ColumnParallelLinear` would split them; under `attention_bias` the λ rows' bias is 0
+    (W_λ has none). Only for unquantized fp32 models: W_λ stays fp32 in any dtype and is never quantized (the
+    transformers model's `_keep_in_fp32_modules`), so in bf16 or quantized it stays a `DiffLambdaV2` of its own.
+    The checkpoint's `diff_lambda.proj.weight` loads as the shard "lambda" (`DiffModel`'s mapper)."""
+
+    def __init__(self, hidden_size: int, head_size: int, query_heads: int, kv_heads: int, bias: bool, prefix: str):
+        # QKVParallelLinear's own bookkeeping of heads (which also sizes its weight): set as its __init__ does, then
+        # the weight built with the λ rows, as vLLM's MinimaxM3QKVParallelLinearWithIndexer does for its extra rows.
+        self.hidden_size, self.head_size, self.v_head_size = hidden_size, head_size, head_size
+        self.total_num_heads, self.total_num_kv_heads = query_heads, kv_heads
+        tp_size = get_tensor_model_parallel_world_size()
+        self.num_heads = divide(query_heads, tp_size)
+        if tp_size >= kv_heads:
+            self.num_kv_heads, self.num_kv_head_replicas = 1, divide(tp_size, kv_heads)
+        else:
+            self.num_kv_heads, self.num_kv_head_replicas = divide(kv_heads, tp_size), 1
+        self.num_lambda = self.num_heads // 2  # one λ per differential head (a pair of query heads)
+        q, kv = self.num_heads * head_size, self.num_kv_heads * head_size
+        self.lambda_offset = q + 2 * kv  # in this rank's rows
+        self.output_sizes = [q * tp_size, kv * tp_size, kv * tp_size, self.num_lambda * tp_size]
+        ColumnParallelLinear.__init__(
+            self, input_size=hidden_size, output_size=sum(self.output_sizes), bias=bias, gather_output=False,
+            params_dtype=torch.float32, prefix=prefix,
+        )  # fmt: skip
+        if bias:  # W_λ has no bias: its rows stay 0 (the loader writes q/k/v's over theirs)
+            self.bias.data.zero_()
+
+    def validate_shard_id(self, shard_id) -> bool:
+        return shard_id == "lambda" or super().validate_shard_id(shard_id)
+
+    def weight_loader_v2(self, param, loaded_weight: torch.Tensor, loaded_shard_id: str | None = None):
+        if loaded_shard_id != "lambda":
+            return super().weight_loader_v2(param, loaded_weight, loaded_shard_id)
+        # num_heads=1: rank r takes rows [r H/tp, (r+1) H/tp) of W_λ, as q takes its heads
+        param.load_qkv_weight(
+            loaded_weight=loaded_weight, num_heads=1, shard_id="lambda", shard_offset=self.lambda_offset,
+            shard_size=self.num_lambda,
+        )  # fmt: skip
 
 
 class DiffAttention(nn.Module):
@@ -168,6 +215,7 @@ class DiffAttention(nn.Module):
         quant_config,
         prefix: str,
         qkv_heads: tuple[int, int, int] | None = None,
+        lambda_rows: bool = False,
     ):
         super().__init__()
         tp_size = get_tensor_model_parallel_world_size()
@@ -179,13 +227,22 @@ class DiffAttention(nn.Module):
         out_bias = config.attention_bias if config.attention_out_bias is None else config.attention_out_bias
 
         qkv_size, qkv_query_heads, qkv_kv_heads = qkv_heads or (head_size, query_heads, H_kv)
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, qkv_size, qkv_query_heads, qkv_kv_heads, bias=config.attention_bias,
-            quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
-        )  # fmt: skip
+        if lambda_rows:  # V2, fp32, unquantized: W_λ's rows in the same GEMM
+            self.qkv_proj = QKVLambdaParallelLinear(
+                config.hidden_size, qkv_size, qkv_query_heads, qkv_kv_heads, config.attention_bias,
+                prefix=f"{prefix}.qkv_proj",
+            )  # fmt: skip
+        else:
+            self.qkv_proj = QKVParallelLinear(
+                config.hidden_size, qkv_size, qkv_query_heads, qkv_kv_heads, bias=config.attention_bias,
+                quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
+            )  # fmt: skip
         # both versions: 2 d-wide query sub-heads per differential head; GDA: r signal queries and 1 noise per group
         self.q_size = qkv_query_heads // tp_size * qkv_size
         self.kv_size = self.num_kv_heads * head_size
+        self.qkv_split = [self.q_size, self.kv_size, self.kv_size]
+        if lambda_rows:
+            self.qkv_split.append(self.qkv_proj.num_lambda)  # V2's gate: one λ per differential head
         self.o_proj = RowParallelLinear(
             H * head_size, config.hidden_size, bias=out_bias, quant_config=quant_config, prefix=f"{prefix}.o_proj"
         )
@@ -208,29 +265,35 @@ class DiffAttention(nn.Module):
         return norm(x.reshape(-1, self.head_dim)).view(x.shape)  # every d-wide sub-head on its own
 
     def project(self, positions: torch.Tensor, hidden_states: torch.Tensor):
-        """q (T, 2H*d), k and v (T, H_kv*head_size), normed and rotated."""
+        """q (T, 2H*d), k and v (T, H_kv*head_size), normed and rotated; with `lambda_rows` also λ's gate (T, H)."""
         qkv, _ = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v, *gate = qkv.split(self.qkv_split, dim=-1)
         q, k = self._sub_head_norm(self.q_norm, q), self._sub_head_norm(self.k_norm, k)
         q, k = self.rotary_emb(positions, q, k)
-        return q, k, v
+        return q, k, v, *gate
 
 
 class DiffAttentionV2(DiffAttention):
     """V2: a Llama attention with 2H query heads of size d (heads 2h, 2h+1 form differential head h) over H_kv
-    key/value heads; head h outputs `a_2h - sigmoid(W_λ x)_h a_2h+1`."""
+    key/value heads; head h outputs `a_2h - sigmoid(W_λ x)_h a_2h+1`. Unquantized fp32: W_λ's rows are in qkv_proj
+    (`QKVLambdaParallelLinear`), so the layer dispatches Llama's ops plus a sigmoid and an addcmul; otherwise W_λ is a
+    fp32 projection of its own (`DiffLambdaV2`)."""
 
     def __init__(self, config: DiffConfig, layer_idx: int, cache_config, quant_config, prefix: str):
         H, d = config.num_attention_heads, config.head_dim
-        super().__init__(config, d, 2 * H, cache_config, quant_config, prefix)
-        self.diff_lambda = DiffLambdaV2(config.hidden_size, H, prefix=f"{prefix}.diff_lambda")
+        fused = quant_config is None and torch.get_default_dtype() == torch.float32  # the model's dtype while built
+        super().__init__(config, d, 2 * H, cache_config, quant_config, prefix, lambda_rows=fused)
+        self.diff_lambda = None if fused else DiffLambdaV2(config.hidden_size, H, prefix=f"{prefix}.diff_lambda")
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         T, d, H = hidden_states.shape[0], self.head_dim, self.num_heads
-        q, k, v = self.project(positions, hidden_states)
+        q, k, v, *gate = self.project(positions, hidden_states)
+        if gate:
+            lam = torch.sigmoid(gate[0])  # (T, H)
+        else:
+            lam = self.diff_lambda(hidden_states).to(hidden_states.dtype)  # (T, H)
         out = self.attn(q, k, v).view(T, H, 2, d)  # (T, H, 2, d): query heads (2h, 2h+1)
-        lam = self.diff_lambda(hidden_states).unsqueeze(-1).to(out.dtype)  # (T, H, 1)
-        out = out[:, :, 0] - lam * out[:, :, 1]  # (T, H, d)
+        out = torch.addcmul(out[:, :, 0], lam.unsqueeze(-1), out[:, :, 1], value=-1)  # (T, H, d): a_2h - λ a_2h+1
         out, _ = self.o_proj(out.reshape(T, H * d))
         return out
 
@@ -248,6 +311,9 @@ class DiffAttentionV1(DiffAttention):
         super().__init__(config, 2 * d, H, cache_config, quant_config, prefix, qkv_heads=qkv)
         self.lambda_init = config.lambda_init_for_layer(layer_idx)
         self.diff_lambda = DiffLambdaV1(d, self.lambda_init, getattr(config, "lambda_floor", None))
+        # λ depends on the weights only: computed once they are loaded (`DiffModel.load_weights`), not every step
+        # (up to 11 ops a layer, a third of what the layer dispatched beyond Llama's in a decode step).
+        self.register_buffer("lambda_value", torch.zeros((), dtype=torch.float32), persistent=False)
         subln_eps = getattr(config, "subln_eps", None)
         self.subln = RMSNorm(2 * d, eps=config.rms_norm_eps if subln_eps is None else subln_eps)
         self.group_size = None if self.num_noise_heads is None else H // self.num_noise_heads + 1
@@ -266,8 +332,8 @@ class DiffAttentionV1(DiffAttention):
             (torch.cat((q[:, :, 0], zeros), dim=-1), torch.cat((zeros, q[:, :, 1]), dim=-1)), dim=2
         )  # (T, H, 2, 2d): [q1 | 0], [0 | q2] against keys [k1 | k2]
         out = self.attn(q.reshape(T, H * 2 * 2 * d), k, v).view(T, H, 2, 2 * d)  # (T, H, 2, 2d): A1 v, A2 v
-        lam = self.diff_lambda().to(out.dtype)
-        out = out[:, :, 0] - lam * out[:, :, 1]  # (T, H, 2d)
+        lam = self.lambda_value.to(out.dtype)
+        out = torch.addcmul(out[:, :, 0], out[:, :, 1], lam, value=-1)  # (T, H, 2d): A1 v - λ A2 v
         out = self.subln(out.reshape(T * H, 2 * d)) * (1.0 - self.lambda_init)  # (T*H, 2d)
         out, _ = self.o_proj(out.reshape(T, H * 2 * d))
         return out
@@ -329,6 +395,10 @@ class DiffModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if isinstance(self.layers[0].self_attn.qkv_proj, QKVLambdaParallelLinear):  # V2, fp32, unquantized
+            self.hf_to_vllm_mapper = self.hf_to_vllm_mapper | WeightsMapper(
+                orig_to_new_stacked={".diff_lambda.proj": (".qkv_proj", "lambda")}
+            )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -344,7 +414,13 @@ class DiffModel(nn.Module):
         return hidden_states
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        loaded = AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        with torch.no_grad():
+            for layer in self.layers:
+                attention = layer.self_attn
+                if isinstance(attention, DiffAttentionV1):  # λ from the vectors just loaded
+                    attention.lambda_value.copy_(attention.diff_lambda())
+        return loaded
 
 
 class DiffForCausalLM(nn.Module):
