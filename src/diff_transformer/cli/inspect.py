@@ -174,7 +174,7 @@ def run(args) -> int:
 
     import torch
 
-    from diff_transformer.analysis import model_kind
+    from diff_transformer.analysis import KIND_NAMES, heads_per_layer, model_kind
     from diff_transformer.analysis.plotting import _matplotlib, head_figure
 
     from ..checkpoints import adapters
@@ -231,7 +231,7 @@ def run(args) -> int:
     except ValueError as error:
         raise UserError(f"MODEL {args.model}: {error}") from None
     layers = config.num_hidden_layers
-    heads = config.num_attention_heads // (2 if kind == "diffllama" else 1)  # DiffLlama pairs head h with h + H/2
+    heads = heads_per_layer(kind, config)
     if not 0 <= args.layer < layers:
         raise UserError(f"--layer {args.layer} is out of range: MODEL {args.model} has layers 0 to {layers - 1}.")
     if not 0 <= args.head < heads:
@@ -262,7 +262,7 @@ def run(args) -> int:
     else:
         tokens = [str(i) for i in ids[0].tolist()]
 
-    name = {"diff-v1": "Diff V1", "diff-v2": "Diff V2", "diffllama": "DiffLlama", "llama": "Llama"}[kind]
+    name = KIND_NAMES[kind]
     title = f"{name}: {Path(str(args.model)).name}, {ids.shape[1]} tokens"
     files, wrote = _Outputs(), []
     try:  # every output, or none: an interrupt too leaves no temporary file
