@@ -395,8 +395,8 @@ def _diff_config(
     diff_version, lambda_std = options.diff_version, options.lambda_std
 
     fields = {name: getattr(source_config, name) for name in _COPIED_FIELDS if hasattr(source_config, name)}
-    # What the family hard-codes or configures (conversion/families.py); o_proj's bias is written only where it
-    # differs from q/k/v's (Qwen2), so Llama conversions keep the config they always had.
+    # What the family hard-codes or configures (`attention_flags`); o_proj's bias is written only where it differs
+    # from q/k/v's (Qwen2), so Llama conversions keep the config they always had.
     out_bias = None if geometry.out_bias == geometry.attention_bias else geometry.out_bias
     fields.update(attention_bias=geometry.attention_bias, attention_out_bias=out_bias, mlp_bias=geometry.mlp_bias)
     fields.update(use_qk_norm=geometry.qk_norm)
