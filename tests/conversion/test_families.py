@@ -220,3 +220,28 @@ def test_unsupported_is_refused_in_one_line(tmp_path, capsys, case):
         assert word in err, (word, err)
     assert not (tmp_path / "diff").exists()
     assert sorted((p.name, p.read_bytes()) for p in src.iterdir()) == before
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "diffllama"])
+def test_each_family_s_flags_are_what_its_transformers_modules_build(name, bias):
+    """The registry's attention/MLP flags (`diff_transformer.families`, read by `conversion.families.attention_flags`)
+    against the modules transformers builds for that family from a config asking for biases (or not): q/k/v, o_proj
+    and MLP biases where the family's layer has them, q_norm/k_norm where it normalises heads."""
+    import transformers
+
+    from diff_transformer.conversion.families import attention_flags
+    from diff_transformer.families import family_of
+
+    family = family_of(name)
+    config_class = getattr(transformers, family.config_class)
+    config = config_class(
+        **COMMON, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, attention_bias=bias, mlp_bias=bias
+    )
+    layer = getattr(transformers, family.prefix + "ForCausalLM")(config).model.layers[0]
+    flags, attention, mlp = attention_flags(family, config), layer.self_attn, layer.mlp
+    assert flags["attention_bias"] == (attention.q_proj.bias is not None) == (attention.k_proj.bias is not None)
+    assert flags["attention_bias"] == (attention.v_proj.bias is not None)
+    assert flags["attention_out_bias"] == (attention.o_proj.bias is not None)
+    assert flags["mlp_bias"] == (mlp.gate_proj.bias is not None) == (mlp.down_proj.bias is not None)
+    assert flags["qk_norm"] == hasattr(attention, "q_norm") == hasattr(attention, "k_norm")

@@ -176,6 +176,8 @@ def write_raw(path, config, sd):
         (dict(k_ratio=2), ("k_ratio=2", "stripe")),
         (dict(num_noise_heads=3), ("num_noise_heads=3", "groups of at least two")),
         (dict(num_key_value_heads=6), ("num_key_value_heads=6", "k_proj has 64 rows")),  # the config-vs-weights check
+        # fewer heads than q_proj's rows: every family the converter reads has exactly heads x head_dim (same check)
+        (dict(num_attention_heads=8, num_noise_heads=2), ("num_attention_heads=8", "q_proj has 160 rows")),
         (dict(attn_rms_norm_eps=None), ("attn_rms_norm_eps",)),
         (dict(use_sliding_window=True, sliding_window=16), ("sliding-window",)),
         (dict(hidden_act="silu"), ("hidden_act='silu'",)),

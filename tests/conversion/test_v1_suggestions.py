@@ -5,6 +5,7 @@ source whose heads pair (4 over 2) and one whose heads cannot (9 over 3, SmolLM2
 follows the new run's suggestions in turn, so a loop of refusals cannot hide."""
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -62,8 +63,8 @@ def test_every_v1_suggestion_the_converter_prints_converts(tmp_path, capsys, mon
     # a few short calibration blocks: what is printed does not depend on how many (the walk runs ~20 conversions)
     calibrate = convert_module._calibrate
 
-    def small(source, config, tensor_map, data, num_blocks, block_size, seed, v1_init):
-        return calibrate(source, config, tensor_map, data, 2, 32, seed, v1_init=v1_init)
+    def small(source, config, tensor_map, options):
+        return calibrate(source, config, tensor_map, replace(options, calibration_blocks=2, calibration_block_size=32))
 
     monkeypatch.setattr(convert_module, "_calibrate", small)
     src = make_llama(tmp_path / "llama", hidden_size=hidden, num_attention_heads=H, num_key_value_heads=H_kv)

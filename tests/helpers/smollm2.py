@@ -51,8 +51,15 @@ def build_smollm2(out: Path) -> Path:
 
 
 def smollm2() -> Path:
-    """The checkpoint, built once per checkout (about a minute) into .pytest_cache."""
-    return build_smollm2(CACHE)
+    """The checkpoint, built once per checkout (about a minute) into .pytest_cache; one build at a time when several
+    pytest processes (pytest-xdist workers) ask for it at once, the others then find it built."""
+    from filelock import FileLock  # huggingface_hub's dependency
+
+    if (CACHE / "model.safetensors").is_file():
+        return CACHE
+    CACHE.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(CACHE) + ".lock"):
+        return build_smollm2(CACHE)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,8 @@ from ..modeling_diff import gda_component_major, v1_component_major
 
 
 SUPPORTED_MODEL_TYPES = ("diff", "diffllama", "llama")
+# What each kind of model (`model_kind`) is called in titles.
+KIND_NAMES = {"diff-v1": "Diff V1", "diff-v2": "Diff V2", "diffllama": "DiffLlama", "llama": "Llama"}
 
 
 @dataclass
@@ -99,6 +101,11 @@ def model_kind(model) -> str:
         f"attention maps are read from Diff, DiffLlama and Llama models, not model_type={model_type!r}: convert it "
         "first (`diff-transformer convert`)."
     )
+
+
+def heads_per_layer(kind: str, config) -> int:
+    """The heads a layer's maps are read for: the differential heads (DiffLlama pairs head h with h + H/2)."""
+    return config.num_attention_heads // (2 if kind == "diffllama" else 1)
 
 
 def _layers(model):
@@ -480,9 +487,11 @@ def lambda_summary(entries, kind: str) -> str | None:
 
 
 __all__ = [
+    "KIND_NAMES",
     "LayerMaps",
     "attention_maps",
     "entropy",
+    "heads_per_layer",
     "iter_attention_maps",
     "lambda_per_layer",
     "layer_metrics",

@@ -10,6 +10,7 @@ import math
 import re
 from pathlib import Path
 
+from ..families import family_of, is_motif
 from . import CheckpointError
 from .configs import check_model_config, check_model_type, read_json, refuse_special_files
 from .names import resolve_model
@@ -35,8 +36,6 @@ _SIZE_FIELDS = {
     "head_dim": ("head_dim",),
     "intermediate": ("intermediate_size", "n_inner", "ffn_dim"),
 }
-# Families whose q_proj/k_proj rows are exactly heads x head_dim.
-_LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "diffllama")
 # How many more parameters a config may imply than the weights hold (quantized weights pack up to 8 values into one
 # stored element; shared layers, e.g. ALBERT's, store one for many), plus a constant for tiny models.
 IMPLIED_PARAMETERS_FACTOR = 64
@@ -103,8 +102,8 @@ def check_config_against_weights(directory: Path, raw: dict, where: str, shapes:
     * the config's layer count is at most the layers the weights hold (`<prefix>.layers.<i>.` names);
     * vocab_size and hidden_size are the embedding's shape;
     * hidden_size is a multiple of num_attention_heads (when head_dim is not given), and the heads times head_dim
-      are the rows of `self_attn.q_proj`/`k_proj` (exactly for Llama-shaped families, at least for others; Diff's
-      layout is `_mismatch`'s to check; a quantized checkpoint packs them in other shapes);
+      are the rows of `self_attn.q_proj`/`k_proj` (exactly for the families the converter reads, at least for
+      others; Diff's layout is `_mismatch`'s to check; a quantized checkpoint packs them in other shapes);
     * whatever the names, the parameters the config implies are at most `IMPLIED_PARAMETERS_FACTOR` times the stored
       ones (plus `IMPLIED_PARAMETERS_SLACK`).
 
@@ -151,13 +150,15 @@ def check_config_against_weights(directory: Path, raw: dict, where: str, shapes:
             f"{where}: config.json's hidden_size={hidden} is not a multiple of num_attention_heads={heads}: {fix}."
         )
     model_type = text.get("model_type", raw.get("model_type"))
+    # The families the converter reads (`diff_transformer.families`): q_proj/k_proj rows exactly heads x head_dim
+    exact = family_of(model_type) is not None or is_motif(raw)
     if model_type != "diff" and head_dim and not raw.get("quantization_config"):  # packed weights: other shapes
         for proj, count in (("q_proj", heads), ("k_proj", sizes.get("kv_heads", heads))):
             shape = next((s for n, s in shapes.items() if n.endswith(f".0.self_attn.{proj}.weight")), None)
             if shape is None or count is None or len(shape) != 2:
                 continue
             # other families may add rows (a gate in q_proj); none has fewer than the heads need
-            if shape[0] < count * head_dim or (model_type in _LLAMA_SHAPED and shape[0] != count * head_dim):
+            if shape[0] < count * head_dim or (exact and shape[0] != count * head_dim):
                 field = "num_attention_heads" if proj == "q_proj" else "num_key_value_heads"
                 raise CheckpointError(
                     f"{where}: config.json's {field}={count} x head_dim {head_dim} = {count * head_dim}, but "

@@ -91,7 +91,7 @@ def run(args) -> int:
                 f"{step0['source_perplexity']:.2f} ({step0['ratio']:.2f}x) on {step0['tokens']:,} held-out tokens of "
                 "the calibration data (never fitted on)."
             )
-    if args.diff_version == 1 and conversion.get("source_model_type") not in ("diffllama", "motif"):
+    if args.diff_version == 1 and not conversion.get("function_preserving"):  # Llama-shaped -> V1
         closer = ""
         if conversion.get("v1_init") == "calibrated" and conversion.get("v1_layout") == "paired":  # it works there
             closer = " (or use --v1-init calibrated-additive, which starts closer but adds its second map)"

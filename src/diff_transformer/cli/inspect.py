@@ -130,14 +130,14 @@ def _checked_config(args, config, ids):
     """(CONFIG, MODEL's kind), with --layer, --head and TEXT's token ids checked against it."""
     from types import SimpleNamespace
 
-    from diff_transformer.analysis import model_kind
+    from diff_transformer.analysis import heads_per_layer, model_kind
 
     try:
         kind = model_kind(SimpleNamespace(config=config))
     except ValueError as error:
         raise UserError(f"MODEL {args.model}: {error}") from None
     layers = config.num_hidden_layers
-    heads = config.num_attention_heads // (2 if kind == "diffllama" else 1)  # DiffLlama pairs head h with h + H/2
+    heads = heads_per_layer(kind, config)
     if not 0 <= args.layer < layers:
         raise UserError(f"--layer {args.layer} is out of range: MODEL {args.model} has layers 0 to {layers - 1}.")
     if not 0 <= args.head < heads:
@@ -170,13 +170,14 @@ def _write_outputs(args, paths, kind: str, tokens, span, entries, metrics) -> li
     saying what was written."""
     import json
 
+    from diff_transformer.analysis import KIND_NAMES
     from diff_transformer.analysis.maps import head_record, lambda_summary
     from diff_transformer.analysis.plotting import head_figure
 
     from ..outputs.files import OutputFiles
 
     out, json_out, grid_out = paths
-    name = {"diff-v1": "Diff V1", "diff-v2": "Diff V2", "diffllama": "DiffLlama", "llama": "Llama"}[kind]
+    name = KIND_NAMES[kind]
     title = f"{name}: {Path(str(args.model)).name}, {len(tokens)} tokens"
     files, wrote = OutputFiles(), []
     try:

@@ -15,6 +15,7 @@ import math
 import os
 import re
 import shutil
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -23,12 +24,13 @@ from ..checkpoints.configs import check_generation_config, check_model_config
 from ..checkpoints.loading import check_config_against_weights, check_config_sizes_plausible
 from ..configuration_diff import AUTO_MAP
 from ..errors import check_seed
+from ..families import DIFFLLAMA, FAMILIES, LLAMA, MOTIF, Family, family_of_config
 from ..integrations.hub import diff_model_card
 from ..outputs.files import check_target
 from ..outputs.staging import Staging
 from .dtypes import cast_dtype, from_safetensors_code, parse_dtype
 from .errors import ConversionError, conversion_boundary, one_line
-from .families import CAUSAL_LM, DIFFLLAMA, FAMILIES, MOTIF, family_of, source_geometry, task_of
+from .families import CAUSAL_LM, check_supported, source_geometry, task_of
 from .layout import (
     IGNORED_SOURCE_TENSORS,
     Geometry,
@@ -37,7 +39,7 @@ from .layout import (
     make_tensor_map,
     pairable,
 )
-from .motif import is_motif, motif_config
+from .motif import motif_config
 from .provenance import conversion_provenance
 from .source import SIDE_FILE_PATTERNS, SourceCheckpoint, check_float_dtypes, open_source, read_weights_headers
 from .writer import ShardWriter
@@ -74,14 +76,39 @@ V1_INITS = ("calibrated", "calibrated-additive", "calibrated-lambda0", "paper")
 CALIBRATED_INITS = ("calibrated", "calibrated-additive", "calibrated-lambda0")
 # The least λ of the default (differential) V1 start, kept throughout training (`DiffConfig.lambda_floor`).
 DIFFERENTIAL_LAMBDA_FLOOR = 0.05
-_SOURCE_KINDS = {
-    **dict.fromkeys(FAMILIES, "convert_llama_to_diff"),
-    "diffllama": "convert_diffllama_to_diff",
-    "motif": "convert_motif_to_diff",
-}
-# Sources imported exactly into V1: nothing to initialise or calibrate.
-_EXACT_V1_SOURCES = ("diffllama", "motif")
+# What `convert_to_diff` drops for a family imported exactly into V1: nothing to initialise or calibrate.
+_V1_START_OPTIONS = (
+    "lambda_std",
+    "seed",
+    "v1_init",
+    "v1_layout",
+    "calibration_data",
+    "calibration_blocks",
+    "calibration_block_size",
+)
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """What one conversion was asked for: the arguments of `convert_llama_to_diff` (see there) past SRC and OUT,
+    passed down the converter's chain as one object. `_checked` returns it with `dtype` parsed into a torch dtype,
+    `max_shard_size` into bytes, `seed` checked and `v1_init` the start to use (None: there is none to choose)."""
+
+    diff_version: int
+    dtype: str | torch.dtype | None = None
+    overwrite: bool = False
+    progress: bool = True
+    lambda_std: float = 0.1
+    seed: int = 0
+    v1_init: str | None = None
+    v1_layout: str | None = None
+    calibration_data: str | os.PathLike | None = None
+    calibration_blocks: int = 16
+    calibration_block_size: int = 256
+    max_shard_size: int | str | None = None
+    revision: str | None = None
+    token: str | bool | None = None
 
 
 @conversion_boundary
@@ -156,14 +183,11 @@ def convert_llama_to_diff(
         convert_llama_to_diff("meta-llama/Llama-3.2-1B", "llama-3.2-1b-diff")  # V2, same logits
         ```
     """
-    return _convert(
-        src,
-        out,
-        source_kind="llama",
-        diff_version=diff_version,
-        dtype=dtype,
-        overwrite=overwrite,
-        progress=progress,
+    options = ConvertOptions(
+        diff_version,
+        dtype,
+        overwrite,
+        progress,
         lambda_std=lambda_std,
         seed=seed,
         v1_init=v1_init,
@@ -175,6 +199,7 @@ def convert_llama_to_diff(
         revision=revision,
         token=token,
     )
+    return _convert(src, out, LLAMA, options)
 
 
 @conversion_boundary
@@ -201,18 +226,10 @@ def convert_diffllama_to_diff(
     Raises:
         ConversionError: any problem with the inputs or the output.
     """
-    return _convert(
-        src,
-        out,
-        source_kind="diffllama",
-        diff_version=diff_version,
-        dtype=dtype,
-        overwrite=overwrite,
-        progress=progress,
-        max_shard_size=max_shard_size,
-        revision=revision,
-        token=token,
+    options = ConvertOptions(
+        diff_version, dtype, overwrite, progress, max_shard_size=max_shard_size, revision=revision, token=token
     )
+    return _convert(src, out, DIFFLLAMA, options)
 
 
 @conversion_boundary
@@ -241,18 +258,10 @@ def convert_motif_to_diff(
     Raises:
         ConversionError: any problem with the inputs or the output.
     """
-    return _convert(
-        src,
-        out,
-        source_kind="motif",
-        diff_version=diff_version,
-        dtype=dtype,
-        overwrite=overwrite,
-        progress=progress,
-        max_shard_size=max_shard_size,
-        revision=revision,
-        token=token,
+    options = ConvertOptions(
+        diff_version, dtype, overwrite, progress, max_shard_size=max_shard_size, revision=revision, token=token
     )
+    return _convert(src, out, MOTIF, options)
 
 
 @conversion_boundary
@@ -265,36 +274,27 @@ def convert_to_diff(
     progress: bool = True,
     **kwargs,
 ) -> Path:
-    """Dispatch on SRC's `model_type`: "llama", "mistral", "qwen2", "qwen3" -> `convert_llama_to_diff` (diff_version
-    defaults to 2), "diffllama" -> `convert_diffllama_to_diff` (diff_version 1); `architectures:
-    ["MotifForCausalLM"]` -> `convert_motif_to_diff` (diff_version 1)."""
+    """Dispatch on SRC's family (`diff_transformer.families`): "llama", "mistral", "qwen2", "qwen3" ->
+    `convert_llama_to_diff` (diff_version defaults to 2), "diffllama" -> `convert_diffllama_to_diff` (diff_version 1);
+    `architectures: ["MotifForCausalLM"]` -> `convert_motif_to_diff` (diff_version 1)."""
     source = open_source(src, revision=kwargs.get("revision"), token=kwargs.get("token"))
-    model_type = "motif" if is_motif(source.config) else source.model_type
-    if model_type in FAMILIES:
-        version = 2 if diff_version is None else diff_version
-        return convert_llama_to_diff(
-            source.path if source.repo_id is None else src, out, version, dtype, overwrite, progress, **kwargs
-        )
-    if model_type in _EXACT_V1_SOURCES:
-        version = 1 if diff_version is None else diff_version
+    family = family_of_config(source.config)
+    if family is None:
+        raise _model_type_error(source, expected=None)
+    version = family.default_version if diff_version is None else diff_version
+    if family.exact_v1:
         if (
             kwargs.get("calibration_data") is not None
             or kwargs.get("v1_init") not in (None, *CALIBRATED_INITS)
             or kwargs.get("v1_layout") is not None
         ):
-            name = {"diffllama": "DiffLlama", "motif": "Motif"}[model_type]
             raise ConversionError(
-                f"{src} is a {name} checkpoint, imported exactly: there is no V1 initialisation to choose or "
+                f"{src} is a {family.name} checkpoint, imported exactly: there is no V1 initialisation to choose or "
                 "calibrate; drop --v1-init / --v1-layout / --calibration-data."
             )
-        dropped = ("lambda_std", "seed", "v1_init", "v1_layout", "calibration_data", "calibration_blocks")
-        dropped += ("calibration_block_size",)
-        kwargs = {k: v for k, v in kwargs.items() if k not in dropped}
-        convert = convert_diffllama_to_diff if model_type == "diffllama" else convert_motif_to_diff
-        return convert(
-            source.path if source.repo_id is None else src, out, version, dtype, overwrite, progress, **kwargs
-        )
-    raise _model_type_error(source, expected=None)
+        kwargs = {k: v for k, v in kwargs.items() if k not in _V1_START_OPTIONS}
+    convert = _CONVERTERS[family.converter]
+    return convert(source.path if source.repo_id is None else src, out, version, dtype, overwrite, progress, **kwargs)
 
 
 def parse_size(size: int | str | None) -> int | None:
@@ -316,39 +316,43 @@ def parse_size(size: int | str | None) -> int | None:
     )
 
 
-def _model_type_error(source: SourceCheckpoint, expected: str | None) -> ConversionError:
-    model_type = "motif" if is_motif(source.config) else source.model_type
+def _accepted(converter: str) -> str:
+    """The families `converter` reads, as messages name them."""
+    return ", ".join(family.describe() for family in FAMILIES.values() if family.converter == converter)
+
+
+def _model_type_error(source: SourceCheckpoint, expected: Family | None) -> ConversionError:
+    """SRC is not of a family the converter reads, or (`expected`) not of one that `expected`'s converter reads."""
+    family = family_of_config(source.config)
+    model_type = family.model_type if family is not None else source.model_type
     where = source.repo_id or str(source.path)
     if model_type == "diff":
         return ConversionError(
             f"{where} is already a Diff checkpoint (model_type 'diff'): load it directly, no conversion is needed."
         )
-    if expected is not None and model_type in _SOURCE_KINDS:
+    if expected is not None and family is not None:
         return ConversionError(
             f"{where} has model_type {model_type!r}, "
-            f"but this converter expects {expected!r}: use {_SOURCE_KINDS[model_type]}."
+            f"but this converter expects {expected.model_type!r}: use {family.converter}."
         )
-    llama_family = ", ".join(repr(name) for name in FAMILIES)
-    motif = 'Motif (architectures ["MotifForCausalLM"])'
-    accepted = {"llama": llama_family, "diffllama": "'diffllama'", "motif": motif}.get(
-        expected, f"{llama_family}, 'diffllama' or {motif}"
-    )
+    if expected is not None:
+        accepted = _accepted(expected.converter)
+    else:
+        groups = [_accepted(converter) for converter in dict.fromkeys(f.converter for f in FAMILIES.values())]
+        accepted = ", ".join(groups[:-1]) + " or " + groups[-1]
     return ConversionError(
         f"{where} has model_type {model_type!r}; only {accepted} checkpoints convert: pick a checkpoint of one of "
         "these families (config.json's model_type says which)."
     )
 
 
-def _source_config(source: SourceCheckpoint, source_kind: str):
-    """SRC's parsed config, family and task. `source_kind` "llama" accepts every Llama-shaped family (`FAMILIES`)."""
+def _source_config(source: SourceCheckpoint, expected: Family):
+    """SRC's parsed config, family and task. SRC may be of any family that `expected`'s converter reads (LLAMA: every
+    Llama-shaped family)."""
     where = source.repo_id or str(source.path)
-    family = MOTIF if is_motif(source.config) else family_of(source.model_type)
-    if (
-        family is None
-        or (family is DIFFLLAMA) != (source_kind == "diffllama")
-        or (family is MOTIF) != (source_kind == "motif")
-    ):
-        raise _model_type_error(source, expected=source_kind)
+    family = family_of_config(source.config)
+    if family is None or family.converter != expected.converter:
+        raise _model_type_error(source, expected=expected)
     if source.config.get("quantization_config"):
         method = (
             source.config["quantization_config"].get("quant_method", "?")
@@ -370,38 +374,40 @@ def _source_config(source: SourceCheckpoint, source_kind: str):
         raise ConversionError(
             f"config.json of {where} is not a valid {config_class.__name__} ({one_line(exc)}): fix or re-download it."
         ) from exc
-    family.check_supported(config, where)
+    check_supported(family, config, where)
     return config, family, task
 
 
 def _diff_config(
     source_config,
-    source_kind: str,
-    diff_version: int,
+    family: Family,
+    task,
     geometry: Geometry,
-    lambda_std: float,
+    options: ConvertOptions,
     where: str,
-    task=CAUSAL_LM,
     lambda_init: float | None = None,
     v1_layout: str | None = None,
     lambda_floor: float | None = None,
 ):
+    """The Diff config of SRC converted as `options` ask (`v1_layout` the layout chosen, `lambda_init` and
+    `lambda_floor` the V1 start's)."""
     from ..configuration_diff import DiffConfig
 
+    diff_version, lambda_std = options.diff_version, options.lambda_std
+
     fields = {name: getattr(source_config, name) for name in _COPIED_FIELDS if hasattr(source_config, name)}
-    # What the family hard-codes or configures (conversion/families.py); o_proj's bias is written only where it
-    # differs from q/k/v's (Qwen2), so Llama conversions keep the config they always had.
+    # What the family hard-codes or configures (`attention_flags`); o_proj's bias is written only where it differs
+    # from q/k/v's (Qwen2), so Llama conversions keep the config they always had.
     out_bias = None if geometry.out_bias == geometry.attention_bias else geometry.out_bias
     fields.update(attention_bias=geometry.attention_bias, attention_out_bias=out_bias, mlp_bias=geometry.mlp_bias)
     fields.update(use_qk_norm=geometry.qk_norm)
     if task is not CAUSAL_LM:  # the head's labels
         fields.update(id2label=source_config.id2label, label2id=source_config.label2id)
         fields.update(problem_type=getattr(source_config, "problem_type", None))
-    if source_kind == "diffllama":
-        fields["mlp_bias"] = False
-        lambda_std = getattr(source_config, "lambda_std_dev", None)
+    if family.lambda_std_field:  # differential already: its λ vectors' init std
+        lambda_std = getattr(source_config, family.lambda_std_field, None)
         lambda_std = 0.1 if lambda_std is None else float(lambda_std)
-    if source_kind == "motif":  # H = the signal heads; GDA's noise heads, λ_init at depth i - 1, subln's own eps
+    if family is MOTIF:  # H = the signal heads; GDA's noise heads, λ_init at depth i - 1, subln's own eps
         motif = source_config.motif
         heads, kv_heads = geometry.num_heads - geometry.motif_groups, geometry.num_kv_heads // 2
         fields.update(num_noise_heads=None if motif.num_noise_heads is None else motif.groups)
@@ -422,7 +428,7 @@ def _diff_config(
             lambda_floor=lambda_floor,
         )
     except Exception as exc:
-        hint = " or use diff_version=2" if diff_version == 1 and source_kind == "llama" else ""
+        hint = " or use diff_version=2" if diff_version == 1 and family.llama_shaped else ""
         raise ConversionError(
             f"{where} cannot be expressed as a Diff V{diff_version} config ({one_line(exc)}): fix config.json{hint}."
         ) from exc
@@ -431,9 +437,9 @@ def _diff_config(
     return config
 
 
-def _validate_tensors(source: SourceCheckpoint, geometry: Geometry, source_kind: str) -> None:
+def _validate_tensors(source: SourceCheckpoint, geometry: Geometry, family: Family) -> None:
     where = source.repo_id or str(source.path)
-    expected, optional = geometry.expected_source_tensors(source_kind)
+    expected, optional = geometry.expected_source_tensors(family)
     for name, info in source.tensors.items():
         if geometry.canonical(name) in expected:
             if info.shape != expected[geometry.canonical(name)]:
@@ -515,50 +521,24 @@ def _copy_custom_code(target: Path) -> None:
         shutil.copyfile(package / name, target / name)
 
 
-def _convert(
-    src,
-    out,
-    *,
-    source_kind: str,
-    diff_version: int,
-    dtype,
-    overwrite: bool,
-    progress: bool,
-    lambda_std: float = 0.1,
-    seed: int = 0,
-    v1_init: str | None = None,
-    v1_layout: str | None = None,
-    calibration_data=None,
-    calibration_blocks: int = 16,
-    calibration_block_size: int = 256,
-    max_shard_size=None,
-    revision=None,
-    token=None,
-) -> Path:
-    target_dtype = parse_dtype(dtype)
-    max_shard_bytes = parse_size(max_shard_size)
-    if lambda_std < 0:
-        raise ConversionError(f"lambda_std={lambda_std} must be >= 0.")
-    seed = check_seed(seed, "seed", ConversionError)
-    v1_init = _check_v1_init(source_kind, diff_version, v1_init, calibration_data)
-    if v1_layout is not None and v1_init is None:
-        raise ConversionError("--v1-layout chooses how Llama heads map onto V1: add --diff-version 1, or drop it.")
+def _convert(src, out, expected: Family, options: ConvertOptions) -> Path:
+    """Convert SRC, of a family `expected`'s converter reads, into OUT as `options` ask."""
+    options = _checked(options, expected)
     # A local SRC is held against OUT first: `convert SRC SRC` is "OUT is SRC", not Staging's "pass --overwrite"
     # (which would then be refused as overlapping SRC).
     local_src = Path(os.fspath(src)).expanduser() if isinstance(src, (str, os.PathLike)) else None
     out_path = check_target(out, sources={"SRC": local_src} if local_src is not None and local_src.is_dir() else None)
     # Refused (and dead runs' leftovers recovered) before anything is downloaded or read.
-    staging = Staging(out_path, overwrite=overwrite, flag="overwrite=True (--overwrite)")
+    staging = Staging(out_path, overwrite=options.overwrite, flag="overwrite=True (--overwrite)")
 
-    source = open_source(src, revision=revision, token=token)
+    source = open_source(src, revision=options.revision, token=options.token)
     check_target(out_path, sources={"SRC": source.path})
-    config, tensor_map = _plan(source, source_kind, diff_version, target_dtype, lambda_std, seed, v1_init, v1_layout)
-    if v1_init in CALIBRATED_INITS:  # before anything is written: a bad calibration text is refused, OUT untouched
-        plan = (calibration_data, calibration_blocks, calibration_block_size, seed)
-        _calibrate(source, config, tensor_map, *plan, v1_init=v1_init)
+    config, tensor_map = _plan(source, expected, options)
+    if options.v1_init in CALIBRATED_INITS:  # before anything is written: a bad calibration text is refused, OUT kept
+        _calibrate(source, config, tensor_map, options)
     try:
         with staging as tmp:
-            _write(source, config, tensor_map, tmp, out_path.name, target_dtype, max_shard_bytes, progress)
+            _write(source, config, tensor_map, tmp, out_path.name, options)
             staging.install()
     except OSError as exc:
         raise ConversionError(
@@ -567,11 +547,24 @@ def _convert(
     return out_path
 
 
-def _check_v1_init(source_kind: str, diff_version: int, v1_init: str | None, calibration_data) -> str | None:
-    """The V1 initialisation to use ("calibrated" / "paper"), None where there is none to choose (V2, DiffLlama)."""
+def _checked(options: ConvertOptions, expected: Family) -> ConvertOptions:
+    """`options` checked before anything is read, with `dtype`, `max_shard_size`, `seed` and `v1_init` resolved."""
+    dtype, max_shard_size = parse_dtype(options.dtype), parse_size(options.max_shard_size)
+    if options.lambda_std < 0:
+        raise ConversionError(f"lambda_std={options.lambda_std} must be >= 0.")
+    seed = check_seed(options.seed, "seed", ConversionError)
+    v1_init = _check_v1_init(expected, options.diff_version, options.v1_init, options.calibration_data)
+    if options.v1_layout is not None and v1_init is None:
+        raise ConversionError("--v1-layout chooses how Llama heads map onto V1: add --diff-version 1, or drop it.")
+    return replace(options, dtype=dtype, max_shard_size=max_shard_size, seed=seed, v1_init=v1_init)
+
+
+def _check_v1_init(expected: Family, diff_version: int, v1_init: str | None, calibration_data) -> str | None:
+    """The V1 initialisation to use ("calibrated" / "paper"), None where there is none to choose (V2, a family
+    imported exactly)."""
     if v1_init not in (None, *V1_INITS):
         raise ConversionError(f"v1_init={v1_init!r} is not one of {', '.join(V1_INITS)} (--v1-init).")
-    if source_kind != "llama" or diff_version != 1:
+    if not expected.llama_shaped or diff_version != 1:
         if v1_init is not None or calibration_data is not None:
             raise ConversionError(
                 "--v1-init / --calibration-data choose how a Llama -> Diff V1 conversion starts: add "
@@ -584,21 +577,20 @@ def _check_v1_init(source_kind: str, diff_version: int, v1_init: str | None, cal
     return v1_init
 
 
-def _calibrate(
-    source, config, tensor_map, calibration_data, num_blocks: int, block_size: int, seed: int, v1_init: str
-) -> None:
+def _calibrate(source, config, tensor_map, options: ConvertOptions) -> None:
     """Refit V1's o_proj (and choose λ) on calibration data (conversion/calibrate.py); record how, and the step-0
     perplexity on the data's held-out part, in the provenance."""
     from .calibrate import ADDITIVE_GRID, DIFFERENTIAL_GRID, calibrate_v1_start, plan_calibration
 
+    v1_init = options.v1_init
     plan = plan_calibration(
         source.path,
         config.vocab_size,
         config.max_position_embeddings,
-        calibration_data,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        seed=seed,
+        options.calibration_data,
+        num_blocks=options.calibration_blocks,
+        block_size=options.calibration_block_size,
+        seed=options.seed,
     )
     expanded = isinstance(tensor_map, LlamaToV1Expanded)
     grid = None if expanded else {"calibrated": DIFFERENTIAL_GRID, "calibrated-additive": ADDITIVE_GRID}.get(v1_init)
@@ -642,34 +634,26 @@ def _calibrate(
         }
 
 
-def _plan(
-    source: SourceCheckpoint,
-    source_kind: str,
-    diff_version: int,
-    target_dtype,
-    lambda_std: float,
-    seed: int,
-    v1_init: str | None = None,
-    v1_layout: str | None = None,
-):
+def _plan(source: SourceCheckpoint, expected: Family, options: ConvertOptions):
     """Validate SRC (config, then every tensor header) and return the Diff config and the tensor map."""
     where = source.repo_id or str(source.path)
+    v1_init = options.v1_init
     # A config that claims more model than the weights hold, refused before anything is built from it (a Hub source:
     # once its weights are downloaded, below).
     if source.repo_id is None:
         check_config_against_weights(source.path, source.config, where)
     else:  # the weights come after the config passed: bound what the config alone can make us plan
         check_config_sizes_plausible(source.config, where)
-    source_config, family, task = _source_config(source, source_kind)
+    source_config, family, task = _source_config(source, expected)
     geometry = source_geometry(family, task, source_config)
     calibrated = v1_init in CALIBRATED_INITS
-    layout = choose_v1_layout(geometry, v1_layout) if v1_init is not None else None
+    layout = choose_v1_layout(geometry, options.v1_layout) if v1_init is not None else None
     tensor_map = make_tensor_map(
-        source_kind,
-        diff_version,
+        family,
+        options.diff_version,
         geometry,
-        lambda_std=lambda_std,
-        seed=seed,
+        lambda_std=options.lambda_std,
+        seed=options.seed,
         mirrored_lambda=calibrated,
         v1_layout=layout or "paired",
     )
@@ -685,9 +669,7 @@ def _plan(
     lambda_init = 0.0 if calibrated and (layout == "paired" or v1_init == "calibrated-lambda0") else None
     floor = DIFFERENTIAL_LAMBDA_FLOOR if v1_init == "calibrated" else None
     # Built before any weights are downloaded or read, so that an unsupported config is refused early.
-    config = _diff_config(
-        source_config, source_kind, diff_version, geometry, lambda_std, where, task, lambda_init, layout, floor
-    )
+    config = _diff_config(source_config, family, task, geometry, options, where, lambda_init, layout, floor)
     check_model_config(config, where, build=False)  # before a Hub download
     # OUT gets SRC's generation_config.json: one that generate() cannot use (num_beams -3) is refused here.
     check_generation_config(str(source.path), where)
@@ -695,10 +677,10 @@ def _plan(
     if source.repo_id is not None:
         shapes = {name: info.shape for name, info in source.tensors.items()}
         check_config_against_weights(source.path, source.config, where, shapes)
-    _validate_tensors(source, geometry, source_kind)
+    _validate_tensors(source, geometry, family)
     # The weights hold the layers the config claims: now building it (on the meta device) costs what the model is.
     check_model_config(config, where)
-    config.dtype = target_dtype or _declared_dtype(source) or _stored_dtype(source, geometry)
+    config.dtype = options.dtype or _declared_dtype(source) or _stored_dtype(source, geometry)
     return config, tensor_map
 
 
@@ -712,16 +694,17 @@ def _stored_dtype(source: SourceCheckpoint, geometry: Geometry) -> torch.dtype:
     return from_safetensors_code(source.tensors[geometry.prefix + "embed_tokens.weight"].dtype)
 
 
-def _write(source, config, tensor_map, tmp: Path, name: str, target_dtype, max_shard_bytes, progress: bool) -> None:
+def _write(source, config, tensor_map, tmp: Path, name: str, options: ConvertOptions) -> None:
     """Everything OUT will hold, written into `tmp`: shards, config, custom code, side files, card."""
     from tqdm.auto import tqdm
 
-    source_kind = "motif" if is_motif(source.config) else source.model_type
-    writer = ShardWriter(tmp, max_shard_bytes, expected_tensors=2 * len(source.tensors))
-    _stream(source, tensor_map, writer, target_dtype, progress, tqdm, f"{source_kind} -> diff v{config.diff_version}")
+    family = family_of_config(source.config)
+    writer = ShardWriter(tmp, options.max_shard_size, expected_tensors=2 * len(source.tensors))
+    desc = f"{family.model_type} -> diff v{config.diff_version}"
+    _stream(source, tensor_map, writer, options.dtype, options.progress, tqdm, desc)
     writer.finish()
     _check_output_against_model(config, writer)
-    config.conversion = conversion_provenance(source, source_kind, config.diff_version)
+    config.conversion = conversion_provenance(source, family, config.diff_version)
     config.conversion.update(getattr(tensor_map, "provenance", None) or {})
     config.to_json_file(str(tmp / "config.json"))
     _copy_custom_code(tmp)
@@ -766,8 +749,12 @@ def _stream(
         bar.close()
 
 
+# The public converters by name (`Family.converter`).
+_CONVERTERS = {f.__name__: f for f in (convert_llama_to_diff, convert_diffllama_to_diff, convert_motif_to_diff)}
+
 __all__ = [
     "AUTO_MAP",
+    "ConvertOptions",
     "convert_diffllama_to_diff",
     "convert_llama_to_diff",
     "convert_motif_to_diff",

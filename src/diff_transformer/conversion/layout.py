@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import check_seed
+from ..families import Family
 from .errors import ConversionError
 
 
@@ -89,9 +90,9 @@ class Geometry:
             return "model." + name[len(self.prefix) :]
         return name
 
-    def expected_source_tensors(self, source_kind: str) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-        """(required name -> shape, optional names) of a `LlamaForCausalLM` / `DiffLlamaForCausalLM` checkpoint (or
-        of a Llama-family model with `self.head` on top), under the canonical names (see `canonical`)."""
+    def expected_source_tensors(self, family: Family) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+        """(required name -> shape, optional names) of a checkpoint of `family` with this geometry (a causal LM, or
+        `self.head` on top), under the canonical names (see `canonical`)."""
         D, I, V, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
         H, H_kv = self.num_heads, self.num_kv_heads
         expected: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
@@ -102,7 +103,6 @@ class Geometry:
             expected["lm_head.weight"] = (V, D)
             if self.tie_word_embeddings:
                 optional.add("lm_head.weight")
-        mlp_bias = self.mlp_bias and source_kind in ("llama", "motif")  # DiffLlama's MLP never has biases
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             expected[p + "input_layernorm.weight"] = (D,)
@@ -124,14 +124,14 @@ class Geometry:
             expected[p + "mlp.gate_proj.weight"] = (I, D)
             expected[p + "mlp.up_proj.weight"] = (I, D)
             expected[p + "mlp.down_proj.weight"] = (D, I)
-            if mlp_bias:
+            if self.mlp_bias:  # never for a family whose MLP has none (`families.attention_flags`)
                 expected[p + "mlp.gate_proj.bias"] = (I,)
                 expected[p + "mlp.up_proj.bias"] = (I,)
                 expected[p + "mlp.down_proj.bias"] = (D,)
-            if source_kind in ("diffllama", "motif"):
+            if family.exact_v1:  # differential already: its λ vectors
                 for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
                     expected[p + f"self_attn.{name}"] = (d,)
-            if source_kind == "motif":  # the per-head RMSNorm over 2d and PolyNorm's (w0, w1, w2) and b
+            if self.motif_groups is not None:  # Motif: the per-head RMSNorm over 2d and PolyNorm's (w0, w1, w2) and b
                 expected[p + "self_attn.subln.weight"] = (2 * d,)
                 expected[p + "mlp.act_fn.weight"] = (3,)
                 expected[p + "mlp.act_fn.bias"] = (1,)
@@ -351,6 +351,13 @@ class DiffLlamaToV1(TensorMap):
     """Exact import of transformers' DiffLlama into V1 (see `diffllama_query_permutation`)."""
 
     def __init__(self, geometry: Geometry):
+        H, H_kv = geometry.num_heads, geometry.num_kv_heads
+        if H_kv % 2 or H % 2:
+            raise ConversionError(
+                f"this DiffLlama checkpoint has num_attention_heads={H}, "
+                f"num_key_value_heads={H_kv}; DiffLlama needs both "
+                "even, so the checkpoint is inconsistent: check its config.json."
+            )
         super().__init__(geometry)
         self.q_perm = diffllama_query_permutation(geometry.num_heads)
         self.kv_perm = diffllama_kv_permutation(geometry.num_kv_heads)
@@ -389,6 +396,8 @@ class MotifToV1(TensorMap):
         yield name, tensor
 
 
+# The exact V1 imports of the families differential already, by `Family.tensor_map`.
+_EXACT_V1_MAPS = {cls.__name__: cls for cls in (DiffLlamaToV1, MotifToV1)}
 V1_LAYOUTS = ("paired", "expanded")
 
 
@@ -414,7 +423,7 @@ def choose_v1_layout(geometry: Geometry, layout: str | None) -> str:
 
 
 def make_tensor_map(
-    source_kind: str,
+    family: Family,
     diff_version: int,
     geometry: Geometry,
     *,
@@ -423,27 +432,15 @@ def make_tensor_map(
     mirrored_lambda: bool = False,
     v1_layout: str = "paired",
 ) -> TensorMap:
-    H, H_kv = geometry.num_heads, geometry.num_kv_heads
-    if source_kind == "motif":
+    """The map of a `family` checkpoint into `diff_version`: its own exact V1 import (`Family.tensor_map`), or
+    Llama's maps."""
+    if family.exact_v1:
         if diff_version != 1:
             raise ConversionError(
-                f"Motif checkpoints import into diff_version=1 only (got diff_version={diff_version}): their "
+                f"{family.name} checkpoints import into diff_version=1 only (got diff_version={diff_version}): their "
                 "attention is V1's; pass diff_version=1 (or leave it out)."
             )
-        return MotifToV1(geometry)
-    if source_kind == "diffllama":
-        if diff_version != 1:
-            raise ConversionError(
-                "DiffLlama checkpoints import into diff_version=1 only "
-                f"(got diff_version={diff_version}): pass diff_version=1."
-            )
-        if H_kv % 2 or H % 2:
-            raise ConversionError(
-                f"this DiffLlama checkpoint has num_attention_heads={H}, "
-                f"num_key_value_heads={H_kv}; DiffLlama needs both "
-                "even, so the checkpoint is inconsistent: check its config.json."
-            )
-        return DiffLlamaToV1(geometry)
+        return _EXACT_V1_MAPS[family.tensor_map](geometry)
     if diff_version == 2:
         return LlamaToV2(geometry)
     if diff_version == 1:

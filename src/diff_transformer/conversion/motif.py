@@ -38,10 +38,10 @@ from types import SimpleNamespace
 
 import torch
 
+from ..families import MOTIF_ARCHITECTURE, is_motif
 from .errors import ConversionError, one_line
 
 
-MOTIF_ARCHITECTURE = "MotifForCausalLM"
 # Config keys of Motif models this converter cannot express (Motif-3's latent attention, MoE, hyper-connections and
 # multi-token prediction share the architecture name): refused in one line rather than converted wrongly.
 _UNSUPPORTED_KEYS = (
@@ -54,13 +54,6 @@ _UNSUPPORTED_KEYS = (
     "moe_intermediate_size",
 )
 _LAMBDA_NAMES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
-
-
-def is_motif(config: dict) -> bool:
-    """Whether a raw config.json describes a Motif model (by its architecture, or a `model_type` "motif")."""
-    architectures = config.get("architectures") or []
-    model_type = config.get("model_type")
-    return MOTIF_ARCHITECTURE in architectures or (isinstance(model_type, str) and model_type.lower() == "motif")
 
 
 def motif_config(raw: dict, where: str):

@@ -13,6 +13,7 @@ import re
 import stat
 from pathlib import Path
 
+from ..families import Family
 from ..integrations.hub import CARD_DATA_KEYS, card_data_problem
 from .source import SourceCheckpoint
 
@@ -95,7 +96,7 @@ def _front_matter(readme: Path) -> dict | None:
     return metadata if isinstance(metadata, dict) else None
 
 
-def conversion_provenance(source: SourceCheckpoint, source_kind: str, diff_version: int) -> dict:
+def conversion_provenance(source: SourceCheckpoint, family: Family, diff_version: int) -> dict:
     """The `conversion` entry of the converted config. `base_model` only when SRC has a Hub id: the Hub rejects
     anything else there, and a local path would leak the converting machine's file system into config.json."""
     from .._version import __version__
@@ -103,8 +104,8 @@ def conversion_provenance(source: SourceCheckpoint, source_kind: str, diff_versi
     base_model = hub_id_of(source)
     provenance = {
         "source": base_model or source.path.name,
-        "source_model_type": source_kind,
-        "function_preserving": source_kind in ("diffllama", "motif") or diff_version == 2,
+        "source_model_type": family.model_type,
+        "function_preserving": family.function_preserving(diff_version),
         "converter": f"diff-transformer {__version__}",
         "card_data": source_card_metadata(source),
     }

@@ -10,6 +10,7 @@ import os
 from transformers import PreTrainedModel
 
 from ..configuration_diff import DiffConfig
+from ..families import family_of
 from ..modeling_diff import DiffPreTrainedModel
 
 
@@ -50,30 +51,6 @@ def _check_card_data(config: DiffConfig) -> None:
 
 # The text of the card transformers writes when a repo has none (`transformers.utils.hub.create_and_tag_model_card`).
 TRANSFORMERS_PLACEHOLDER_CARD = "This model card has been automatically generated."
-
-_CONVERSION_METHODS = {
-    ("llama", 2): (
-        "Source head i became query heads (2i, 2i+1) with identical rows, the λ projection started at zero (λ = 0.5) "
-        "and `o_proj` was doubled, so at step 0 the model computed exactly what the source computes. Continued "
-        "pretraining lets the two queries of each pair diverge."
-    ),
-    ("llama", 1): (
-        "Source heads became differential heads (paired: each query kept with the key/value head it was trained "
-        "with, every weight reused; expanded: see below), with fresh λ vectors: continue pretraining before use."
-    ),
-    ("diffllama", 1): (
-        "Imported from transformers' DiffLlama into the V1 (paper) layout with the head permutation that reproduces "
-        "DiffLlama's logits."
-    ),
-    ("motif", 1): (
-        "Imported exactly from Motif's differential attention (stripe pairs; grouped differential attention with "
-        "`num_noise_heads`): Motif's head layout is the V1 layout, so every weight kept its rows and columns; "
-        'PolyNorm (`hidden_act="poly_norm"`), the shared noise heads, Motif\'s λ_init schedule '
-        "(`lambda_init_depth_offset=-1`) and its subln eps (`subln_eps`) are config options."
-    ),
-}
-# Llama-shaped sources (mistral, qwen2, qwen3) convert with Llama's maps and get Llama's texts.
-_LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3")
 
 
 # Task heads: (pipeline tag, Auto class, example call); anything else is a causal LM.
@@ -147,7 +124,8 @@ def _version_texts(config: DiffConfig) -> tuple[str, str, str]:
         "λ = sigmoid(W_λ x): one value per token and per differential head (`diff_lambda.proj`, "
         f"{config.hidden_size} → {config.num_attention_heads}, no bias); no subln."
     )
-    if (config.conversion or {}).get("source_model_type") in _LLAMA_SHAPED:
+    family = family_of((config.conversion or {}).get("source_model_type"))
+    if family is not None and family.llama_shaped:
         lam += " The converter set W_λ = 0, so λ = 0.5 everywhere at step 0."
     return variant, attention, lam
 
@@ -182,8 +160,8 @@ def _provenance(config: DiffConfig) -> str:
         return ""
     base = conversion.get("base_model")
     source = f"[`{base}`](https://huggingface.co/{base})" if base else f"`{conversion.get('source')}`"
-    kind = conversion.get("source_model_type")
-    method = _CONVERSION_METHODS.get(("llama" if kind in _LLAMA_SHAPED else kind, config.diff_version), "")
+    family = family_of(conversion.get("source_model_type"))
+    method = family.card_method(config.diff_version) if family is not None else ""
     exact = "yes" if conversion.get("function_preserving") else "no"
     return (
         f'\n## Conversion\n\nConverted from {source} (`model_type="{conversion.get("source_model_type")}"`) with '
