@@ -2,6 +2,7 @@
 skipped cleanly where their environment is absent, one-thread and version fixtures, and the one-line refusal
 assertion of the command line (`refused`). Helpers to import live in `tests/helpers/`."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,15 @@ from diff_transformer import cli
 
 
 HERE = Path(__file__).resolve().parent
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`-n 2`) each worker computes with one intra-op thread, and so do the processes its tests
+    start: the workers already share the cores, and two threads per process on a busy 2-core machine spend their time
+    handing tiny kernels to the thread pool (see `one_torch_thread`)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 def pytest_addoption(parser):

@@ -33,8 +33,19 @@ HOSTILE = {
     "heads": ("num_attention_heads", 5, "num_attention_heads=5 x head_dim 32 = 160, but q_proj has 192 rows"),
     "intermediate": ("intermediate_size", 10**9, "config.json implies about"),
 }
-# Generous for a loaded 2-core machine: the refusals take well under a second; what they replace took minutes.
-SECONDS = 10
+
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+    """Building any transformers model fails the test: a refusal must come before the model is built (what it
+    replaces built 10^5 layers for minutes). The error boundary turns the RuntimeError into a bug line (exit 1),
+    which `refused` does not accept."""
+    import transformers
+
+    def build(self, *args, **kwargs):
+        raise RuntimeError(f"a {type(self).__name__} was built")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "__init__", build)
 
 
 def hostile_copy(root: Path, case: str) -> Path:
@@ -78,33 +89,27 @@ ENTRY_POINTS = {
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
-def test_every_entry_point_refuses_a_config_larger_than_its_weights(entry, refused, tmp_path):
+def test_every_entry_point_refuses_a_config_larger_than_its_weights(entry, refused, tmp_path, nothing_built):
     (tmp_path / "data.jsonl").write_text('{"text": "Hello there."}\n')
     model = hostile_copy(tmp_path, "layers_1e5")
-    start = time.monotonic()
     refused(ENTRY_POINTS[entry](model, tmp_path), HOSTILE["layers_1e5"][2], str(model))
-    assert time.monotonic() - start < SECONDS
 
 
 @pytest.mark.parametrize("case", HOSTILE)
-def test_each_hostile_field_is_refused_before_the_model_is_built(case, refused, tmp_path):
+def test_each_hostile_field_is_refused_before_the_model_is_built(case, refused, tmp_path, nothing_built):
     model = hostile_copy(tmp_path, case)
-    start = time.monotonic()
     refused(["generate", model, "Hello"], HOSTILE[case][2])
     refused(["convert", model, tmp_path / "out"], HOSTILE[case][2])
-    assert time.monotonic() - start < 2 * SECONDS
 
 
-def test_the_package_s_loader_refuses_it_too(tmp_path):
+def test_the_package_s_loader_refuses_it_too(tmp_path, nothing_built):
     from diff_transformer.checkpoints.loading import load_causal_lm
 
     model = hostile_copy(tmp_path, "layers_1e7")
-    start = time.monotonic()
     with pytest.raises(
         CheckpointError, match="config.json says num_hidden_layers=10000000, but the weights hold 4 layers"
     ):
         load_causal_lm(str(model))
-    assert time.monotonic() - start < SECONDS
 
 
 def test_honest_checkpoints_pass(tmp_path):
@@ -175,10 +180,8 @@ def test_a_chat_template_renders_within_bounds(case):
     bound_chat_templates()
     tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA)
     template, words = TEMPLATES[case]
-    start = time.monotonic()
     with pytest.raises(ChatTemplateBoundError, match=re.escape(words)):
         tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], chat_template=template, tokenize=False)
-    assert time.monotonic() - start < 5
     # the shipped template renders as before
     assert tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False) == (
         "<s><|user|>\nHi</s>\n"
@@ -199,9 +202,7 @@ def test_ordinary_templates_render_as_before():
 
 def test_generate_chat_refuses_a_template_past_its_bounds(refused, tmp_path):
     model = with_template(tmp_path, NESTED_LOOPS)
-    start = time.monotonic()
     refused(["generate", model, "Hello", "--chat"], f"--chat: MODEL {model}: the chat template went past a bound")
-    assert time.monotonic() - start < SECONDS
     # jinja2's own cap on range() (10^5 items), for the issue's 10^6 x 10^6 loops
     model = with_template(tmp_path, NESTED_LOOPS.replace("10**5", "10**6"), "range")
     refused(["generate", model, "Hello", "--chat"], "MAX_RANGE (100000)")
@@ -277,11 +278,9 @@ def test_serve_answers_400_for_what_it_cannot_bound_and_stays_responsive(tmp_pat
         answer = client.chat.completions.create(model=str(TINY_LLAMA), messages=messages, max_tokens=4)
         assert answer.choices[0].message.content is not None
 
-        def health_seconds():
-            start = time.monotonic()
-            with urllib.request.urlopen(f"{server.url}/health", timeout=5) as response:
-                assert response.status == 200
-            return time.monotonic() - start
+        def health():
+            with urllib.request.urlopen(f"{server.url}/health", timeout=5) as response:  # a blocked loop: no answer
+                return response.status
 
         def hostile():
             with pytest.raises(openai.BadRequestError) as caught:
@@ -289,31 +288,25 @@ def test_serve_answers_400_for_what_it_cannot_bound_and_stays_responsive(tmp_pat
             return caught.value.body["message"]
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            start = time.monotonic()
             pending = pool.submit(hostile)
-            waits = []
+            answers = []
             while not pending.done():
-                waits.append(health_seconds())
+                answers.append(health())
                 time.sleep(0.1)
             message = pending.result()
         assert "rendering it" in message and "\n" not in message, message
-        assert time.monotonic() - start < 30
-        assert len(waits) >= 3 and max(waits) < 1.5, waits  # the loop answered throughout
+        assert len(answers) >= 3 and set(answers) == {200}, answers  # the loop answered throughout the render
 
         for model, words in ((config, HOSTILE["layers_1e5"][2]), (bare, "has no tokenizer")):
-            start = time.monotonic()
             with pytest.raises(openai.BadRequestError, match=re.escape(words)):
                 client.chat.completions.create(model=str(model), messages=messages, max_tokens=4)
-            assert time.monotonic() - start < SECONDS
 
         # SIGTERM while a render runs: the server ends within seconds
         pool = concurrent.futures.ThreadPoolExecutor(1)
         pool.submit(lambda: client.chat.completions.create(model=str(slow), messages=messages, max_tokens=4))
         time.sleep(0.5)
-        start = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
-        server.process.wait(timeout=15)
-        assert time.monotonic() - start < 10
+        server.process.wait(timeout=15)  # ends (uvicorn alone would wait for the render without limit)
         pool.shutdown(wait=False)
     finally:
         if server.process.poll() is None:

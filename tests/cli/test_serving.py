@@ -299,7 +299,6 @@ def test_models_list_unknown_models_and_refused_fields(servers, models, tmp_path
     a model that does not exist answers 404 at once, one that does not load 400 (transformers retried the Hub for
     ~2 minutes, then answered 500); `n` > 1 and `stop` are refused with 400. Every error is OpenAI's
     `{"error": {"message": ...}}` with a one-line message."""
-    import time
 
     server = servers["plain"]
     client = server.client()
@@ -316,11 +315,9 @@ def test_models_list_unknown_models_and_refused_fields(servers, models, tmp_path
         str(tmp_path / "empty"): (openai.BadRequestError, "a directory without config.json"),
         str(tmp_path / "broken"): (openai.BadRequestError, "cannot be loaded"),
     }
-    for name, (error, words) in cases.items():
-        start = time.monotonic()
+    for name, (error, words) in cases.items():  # the message says which check answered (not the Hub's retries)
         with pytest.raises(error) as caught:
             client.chat.completions.create(model=name, messages=CHATS[0], max_tokens=4)
-        assert time.monotonic() - start < 10, name
         message = caught.value.body["message"]
         assert words in message and "\n" not in message, message
         assert caught.value.body["type"] in ("not_found_error", "invalid_request_error")
