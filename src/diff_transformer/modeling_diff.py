@@ -133,8 +133,8 @@ class DiffLambdaV1(nn.Module):
         self.lambda_k2 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32))
 
     def forward(self) -> torch.Tensor:
-        lambda_1 = torch.exp(torch.sum(self.lambda_q1.float() * self.lambda_k1.float()))
-        lambda_2 = torch.exp(torch.sum(self.lambda_q2.float() * self.lambda_k2.float()))
+        lambda_1 = torch.exp(torch.dot(self.lambda_q1.float(), self.lambda_k1.float()))
+        lambda_2 = torch.exp(torch.dot(self.lambda_q2.float(), self.lambda_k2.float()))
         lambda_full = lambda_1 - lambda_2 + self.lambda_init  # () fp32
         if self.lambda_floor is None:
             return lambda_full
@@ -198,9 +198,7 @@ class DiffAttention(nn.Module):
 
 class DiffAttentionV2(DiffAttention):
     """V2: Llama attention with 2H query heads over Llama's K/V; head h outputs `a_2h - sigmoid(W_λ x)_h a_2h+1`.
-
-    The forward is `LlamaAttention.forward` plus the differential step after the attention call.
-    """
+    The forward is `LlamaAttention.forward` plus the differential step after the attention call."""
 
     def __init__(self, config: DiffConfig, layer_idx: int):
         H, H_kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -362,14 +360,16 @@ def v1_attention_forward(
             module, query, key, value, attention_mask, dropout=0.0, scaling=module.scaling, **kwargs
         )
 
+    # unbind, not indexing: its backward is one stack, where each index's is a zero-filled copy and their sum an add
+    queries, keys, values = queries.unbind(1), keys.unbind(1), values.unbind(1)
     if split_value:
         outputs = [  # per map c: (B, N, H, 2d)
-            torch.cat([attend(queries[:, c], keys[:, c], values[:, v])[0] for v in (0, 1)], dim=-1) for c in (0, 1)
+            torch.cat([attend(queries[c], keys[c], values[v])[0] for v in (0, 1)], dim=-1) for c in (0, 1)
         ]
         maps = [None, None]
     else:
-        wide_value = torch.cat((values[:, 0], values[:, 1]), dim=-1)  # (B, H_kv, L, 2d)
-        outputs, maps = zip(*(attend(queries[:, c], keys[:, c], wide_value) for c in (0, 1)))  # (B, N, H, 2d), map
+        wide_value = torch.cat(values, dim=-1)  # (B, H_kv, L, 2d)
+        outputs, maps = zip(*(attend(queries[c], keys[c], wide_value) for c in (0, 1)))  # (B, N, H, 2d), map
 
     attn_weights = None if maps[0] is None else maps[0] - lam.to(maps[0].dtype) * maps[1]  # (B, H, N, L)
     if attn_weights is not None and output_from_map:
@@ -396,8 +396,7 @@ class DiffAttentionV1(DiffAttention):
         self.num_key_value_groups = H // H_kv  # each call attends H query heads over H_kv key heads
         self.lambda_init = config.lambda_init_for_layer(layer_idx)
         self.diff_lambda = DiffLambdaV1(d, self.lambda_init, config.lambda_floor)
-        subln_eps = config.rms_norm_eps if config.subln_eps is None else config.subln_eps
-        self.subln = DiffRMSNorm(2 * d, eps=subln_eps)
+        self.subln = DiffRMSNorm(2 * d, eps=config.rms_norm_eps if config.subln_eps is None else config.subln_eps)
 
     # Mirrors transformers.models.llama.modeling_llama.LlamaAttention.forward
     # diff with Llama: V1's head layout (v1_component_major), a paged cache written once, v1_attention_forward in
@@ -437,8 +436,7 @@ class DiffAttentionV1(DiffAttention):
             key, value = paged_cache.update(
                 key_states=key, value_states=value, layer_idx=self.layer_idx, kwargs=kwargs
             )  # (1, 2H_kv, L, d)
-            if implementation == "paged|eager":  # transformers' paged eager only adds the cache update to eager
-                implementation = "eager"
+            implementation = "eager" if implementation == "paged|eager" else implementation  # = eager + the update
         elif past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         lam = self.generation_lambda(past_key_values, N)  # () fp32
@@ -469,7 +467,9 @@ class DiffAttentionV1(DiffAttention):
                 **kwargs,
             )  # (B, N, H, 2d), (B, H, N, L) or None
 
-        attn_output = self.subln(attn_output) * (1.0 - self.lambda_init)
+        # subln·(1 - λ_init) as one F.rms_norm with 1 - λ_init in its weight: one fused CUDA kernel for nine ops
+        weight = (self.subln.weight * (1.0 - self.lambda_init)).to(attn_output.dtype)  # autocast: fp32 weights
+        attn_output = nn.functional.rms_norm(attn_output, weight.shape, weight, self.subln.variance_epsilon)
         attn_output = self.o_proj(attn_output.reshape(B, N, -1))
         return attn_output, attn_weights
 
@@ -554,9 +554,8 @@ class _PreTrainedModelHooks:
             raise ValueError(
                 f"Tensor parallelism over {tp_size} ranks needs num_attention_heads={heads} and num_key_value_heads="
                 f"{kv_heads}{'' if noise_heads == heads else f' and num_noise_heads={noise_heads}'} to be divisible "
-                f"by {tp_size}: each rank computes "
-                f"whole differential heads, their key/value groups and noise queries. Use a tensor-parallel size "
-                "that divides them."
+                f"by {tp_size}: each rank computes whole differential heads, their key/value groups and noise "
+                "queries. Use a tensor-parallel size that divides them."
             )
         return super().maybe_distribute_model(model, distributed_config, mesh_manager)
 
