@@ -37,7 +37,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
     eager_attention_forward,
     repeat_kv,
     rotate_half,
@@ -207,7 +206,7 @@ class DiffAttentionV2(DiffAttention):
         self.diff_lambda = DiffLambdaV2(config.hidden_size, H)
 
     # Mirrors transformers.models.llama.modeling_llama.LlamaAttention.forward
-    # diff with Llama: q_norm/k_norm; the differential step (a_2h - λ a_2h+1) after the attention call
+    # diff with Llama: q_norm/k_norm; RoPE on q and k together; the differential step (a_2h - λ a_2h+1) after the call
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -220,12 +219,14 @@ class DiffAttentionV2(DiffAttention):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
-        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, 2H, N, d)
-        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, H_kv, N, d)
+        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape))  # (B, N, 2H, d)
+        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape))  # (B, N, H_kv, d)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H_kv, N, d)
 
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        cos, sin = position_embeddings  # RoPE on q and k at once: one cat, then Llama's five ops once, not twice each
+        heads = torch.cat((query_states, key_states), dim=2)  # (B, N, 2H + H_kv, d)
+        heads = heads * cos.unsqueeze(2) + rotate_half(heads) * sin.unsqueeze(2)  # Llama's arithmetic: its values
+        query_states, key_states = heads.transpose(1, 2).split((query_states.shape[2], key_states.shape[2]), dim=1)
 
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
