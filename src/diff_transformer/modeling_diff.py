@@ -73,6 +73,14 @@ class DiffRMSNorm(LlamaRMSNorm):
     pass
 
 
+class DiffScaledRMSNorm(DiffRMSNorm):
+    """V1's subln: RMSNorm(x)·scale as one `F.rms_norm`, the scale in its weight (one fused CUDA kernel, not nine)."""
+
+    def forward(self, hidden_states: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        weight = (self.weight * scale).to(hidden_states.dtype)  # autocast's fp32 weights: the activations' dtype
+        return nn.functional.rms_norm(hidden_states, weight.shape, weight, self.variance_epsilon)
+
+
 class DiffRotaryEmbedding(LlamaRotaryEmbedding):
     pass
 
@@ -189,8 +197,8 @@ class DiffAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_width, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_width, bias=bias)
         self.o_proj = nn.Linear(output_width, hidden, bias=out_bias)
-        # Qwen3: RMSNorm over every d-wide query/key head before RoPE, one weight shared by all heads, so a source
-        # head keeps its normalisation wherever the conversion puts it (V2: both heads of a pair; V1: q1/q2, k1/k2).
+        # Qwen3: RMSNorm over every d-wide query/key head before RoPE, one weight shared by all heads, so a source head
+        # keeps its normalisation wherever the conversion puts it (V2: both heads of a pair; V1: q1/q2, k1/k2).
         self.q_norm = DiffRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity()
         self.k_norm = DiffRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity()
 
@@ -397,11 +405,11 @@ class DiffAttentionV1(DiffAttention):
         self.num_key_value_groups = H // H_kv  # each call attends H query heads over H_kv key heads
         self.lambda_init = config.lambda_init_for_layer(layer_idx)
         self.diff_lambda = DiffLambdaV1(d, self.lambda_init, config.lambda_floor)
-        self.subln = DiffRMSNorm(2 * d, eps=config.rms_norm_eps if config.subln_eps is None else config.subln_eps)
+        subln_eps = config.rms_norm_eps if config.subln_eps is None else config.subln_eps
+        self.subln = DiffScaledRMSNorm(2 * d, eps=subln_eps)  # times 1 - λ_init in the forward
 
     # Mirrors transformers.models.llama.modeling_llama.LlamaAttention.forward
-    # diff with Llama: V1's head layout (v1_component_major), a paged cache written once, v1_attention_forward in
-    # place of the attention call, subln
+    # diff with Llama: V1's head layout (v1_component_major), a paged cache written once, v1_attention_forward, subln
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -429,14 +437,14 @@ class DiffAttentionV1(DiffAttention):
         implementation = self.config._attn_implementation
         # Relies on: transformers' continuous batching passing its `PagedAttentionCache` to the attention function as
         # kwarg `cache`, and the paged functions ("paged|sdpa", "paged|eager", ...) updating it on every call. V1 makes
-        # several calls per layer, so it writes the cache once here and hands every call the keys it returns.
-        # Guarded by tests/model/test_generation.py::test_continuous_batching_matches_generate and
+        # several calls per layer, so it writes the cache once here and hands every call the keys it returns. Guarded
+        # by tests/model/test_generation.py::test_continuous_batching_matches_generate and
         # tests/cli/test_serving.py::test_continuous_batching_matches_generate.
         paged_cache = kwargs.pop("cache", None)
         if paged_cache is not None:
             key, value = paged_cache.update(
                 key_states=key, value_states=value, layer_idx=self.layer_idx, kwargs=kwargs
-            )  # (1, 2H_kv, L, d)
+            )
             implementation = "eager" if implementation == "paged|eager" else implementation  # = eager + the update
         elif past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
@@ -450,9 +458,7 @@ class DiffAttentionV1(DiffAttention):
         if result is not None:  # (B, N, H, 2d): the differential output in one call
             attn_output, attn_weights = result
         else:
-            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-                implementation, eager_attention_forward
-            )
+            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
             H, H_kv, d = query.shape[1] // 2, key.shape[1] // 2, self.head_dim
             batch, L = key.shape[0], key.shape[2]  # the paged cache packs every sequence into one batch row
             attn_output, attn_weights = v1_attention_forward(
@@ -468,22 +474,17 @@ class DiffAttentionV1(DiffAttention):
                 **kwargs,
             )  # (B, N, H, 2d), (B, H, N, L) or None
 
-        # subln·(1 - λ_init) as one F.rms_norm with 1 - λ_init in its weight: one fused CUDA kernel for nine ops
-        weight = (self.subln.weight * (1.0 - self.lambda_init)).to(attn_output.dtype)  # autocast: fp32 weights
-        attn_output = nn.functional.rms_norm(attn_output, weight.shape, weight, self.subln.variance_epsilon)
+        attn_output = self.subln(attn_output, 1.0 - self.lambda_init)  # (B, N, H, 2d): RMSNorm·(1 - λ_init)
         attn_output = self.o_proj(attn_output.reshape(B, N, -1))
         return attn_output, attn_weights
 
     def generation_lambda(self, past_key_values: Cache | None, query_length: int) -> torch.Tensor:
-        """λ, () fp32. Without gradients, a cache carries each layer's λ from the step that computed it (a prefill),
-        and a decoding step (one query) reuses it while λ's vectors are the same tensors at the same versions: the
-        weights do not change within a generation, so λ's ops are not repeated for every token."""
+        """λ, () fp32. Without gradients, a cache carries each layer's λ from the step that computed it (a prefill), so
+        a decoding step (one query) skips λ's ops while λ's vectors are the same tensors at the same versions."""
         if past_key_values is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return self.diff_lambda()
         vectors = tuple((p.data_ptr(), p._version) for p in self.diff_lambda.parameters())
-        carried = getattr(past_key_values, "_diff_lambda", None)
-        if carried is None:
-            carried = past_key_values._diff_lambda = {}
+        carried = vars(past_key_values).setdefault("_diff_lambda", {})  # layer -> (λ's vectors, λ)
         if query_length > 1 or carried.get(self.layer_idx, (None,))[0] != vectors:
             carried[self.layer_idx] = (vectors, self.diff_lambda())
         return carried[self.layer_idx][1]
@@ -534,9 +535,9 @@ class DiffDecoderLayer(GradientCheckpointingLayer):
 
 
 # ---- Integration hooks ----
-# Every place where this model overrides or patches a transformers internal beyond the standard model-file API.
-# Each hook names the internal it relies on and the test that fails if that internal changes under it. The mixins
-# come first in the model classes' bases, so their methods wrap transformers' with `super()`.
+# Every place where this model overrides or patches a transformers internal beyond the standard model-file API. Each
+# hook names the internal it relies on and the test that fails if that internal changes under it. The mixins come first
+# in the model classes' bases, so their methods wrap transformers' with `super()`.
 
 
 class _PreTrainedModelHooks:
@@ -545,9 +546,9 @@ class _PreTrainedModelHooks:
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
         # Relies on: `PreTrainedModel.from_pretrained` calling `maybe_distribute_model` before it shards the weights
-        # over the tensor-parallel mesh. An uneven colwise split would cut a differential head (or V1's k1/k2 pair)
-        # in half and fail later with an opaque reshape error, so the sizes are checked here.
-        # Guarded by tests/distributed/test_distributed.py::test_tensor_parallel_matches_unsharded_model.
+        # over the tensor-parallel mesh. An uneven colwise split would cut a differential head (or V1's k1/k2 pair) in
+        # half and fail later with an opaque reshape error, so the sizes are checked here. Guarded by
+        # tests/distributed/test_distributed.py::test_tensor_parallel_matches_unsharded_model.
         tp_size = getattr(distributed_config, "tp_size", None) or 1
         heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
         noise_heads = model.config.num_noise_heads or heads  # GDA: each rank takes whole noise groups
@@ -640,10 +641,9 @@ class DiffPreTrainedModel(_PreTrainedModelHooks, PreTrainedModel):  # hooks: see
     _can_compile_fullgraph = True
     _supports_attention_backend = True
     # Set per version in `__init__`, so each names only modules that version has: (_keep_in_fp32_modules, _strict).
-    # V1's λ vectors feed an exp(): they stay fp32 whatever dtype the rest of the model loads in (strict).
-    # V2's λ gate is tiny (D x H) and decides how much of each head pair cancels: quantizers (bitsandbytes, ...)
-    # skip it, which also keeps it trainable under QLoRA with `modules_to_save=["diff_lambda"]`, and fp16 loads keep
-    # it fp32.
+    # V1's λ vectors feed an exp(): they stay fp32 whatever dtype the rest of the model loads in (strict). V2's λ gate
+    # is tiny (D x H) and decides how much of each head pair cancels: quantizers (bitsandbytes, ...) skip it, which
+    # also keeps it trainable under QLoRA with `modules_to_save=["diff_lambda"]`, and fp16 loads keep it fp32.
     _keep_in_fp32_by_version = {
         1: ([], ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"]),
         2: (["diff_lambda.proj"], []),
