@@ -18,17 +18,21 @@ DynamicCache) and one decode step after a cached prefix:
 How
 ---
 Every model runs on the meta device (`torch.device("meta")`): shapes without memory, so the 0.85B geometry costs
-nothing and the package's CPU-only strategies (chosen where `query.device.type == "cpu"`) are not taken. Two things a
-CUDA device decides differently from meta are emulated, because they decide what a GPU dispatches:
+nothing and the package's CPU-only strategies (chosen where `query.device.type == "cpu"`) are not taken. Three things
+a CUDA device decides differently from meta are emulated, because they decide what a GPU dispatches:
 
 * `F.scaled_dot_product_attention` is a composite op that picks its kernel by device; meta would fall back to the
-  math decomposition (a dozen ops). `CudaSdpaMode` picks as torch's CUDA dispatcher does for bf16 on sm80/sm90
+  math decomposition (a dozen ops). `CudaDispatchMode` picks as torch's CUDA dispatcher does for bf16 on sm80/sm90
   (priority flash, then memory-efficient, then math): flash where there is no mask, q/k/v share one head size <= 256
   (a multiple of 8) and is_causal is not asked with fewer queries than keys (GQA allowed); memory-efficient where q
   and k share the head size (V may differ), heads are equal (no GQA) and there is no mask; else the math
   decomposition. It then
   calls `aten._scaled_dot_product_flash_attention` / `_efficient_attention` itself (one op each, and autograd's one
   backward op). No call in this census passes a mask (batch 1, no padding: transformers' sdpa mask is None).
+* `F.rms_norm` (`nn.RMSNorm`'s, DiffLlama's per-head norm and Diff V1's subln; Llama's own RMSNorm is written out op
+  by op and is not one) runs torch's fused kernel on CUDA, `aten._fused_rms_norm`, one op (and one
+  `_fused_rms_norm_backward`), where the weight has the input's dtype; meta and CPU run its composite (8 ops in bf16).
+  `cuda_rms_norm` counts it as CUDA runs it, with the bytes its kernels write.
 * "diff_triton": the fused V1 kernel launches Triton kernels, which no dispatch mode sees. `counted_triton` runs the
   op's own Python (its allocations, contiguous copies, λ cast, backward's dλ sum) on meta with the Triton launches
   replaced by a recorder: each launch counts as one op named `triton.<kernel>`, with the bytes of the output tensors it
@@ -73,7 +77,11 @@ from results_page import CENSUS_LABELS as LABELS  # noqa: E402  (the page render
 from results_page import CENSUS_PHASES as PHASE_LABELS  # noqa: E402
 from results_page import census_table as table  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import (  # noqa: E402
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode_stack,
+)
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count  # noqa: E402
 
 from bench_common import REPO, config_kwargs, provenance, same_matrices_model  # noqa: E402
@@ -156,14 +164,16 @@ def _tensors(out):
     return []
 
 
-class CudaSdpaMode(TorchFunctionMode):
-    """`F.scaled_dot_product_attention` as a CUDA device dispatches it in bf16 (see the module docstring)."""
+class CudaDispatchMode(TorchFunctionMode):
+    """`F.scaled_dot_product_attention` and `F.rms_norm` as a CUDA device dispatches them (module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not torch.nn.functional.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        return cuda_sdpa(*args, **kwargs)
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            return cuda_sdpa(*args, **kwargs)
+        if func in (torch.nn.functional.rms_norm, torch.rms_norm):
+            return cuda_rms_norm(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
 def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -189,6 +199,50 @@ def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     return torch.nn.functional.scaled_dot_product_attention(
         query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
     )  # the math decomposition, as on CUDA when no fused kernel fits
+
+
+def cuda_rms_norm(input, normalized_shape, weight=None, eps=None):
+    """`F.rms_norm` as torch's CUDA build runs it (its layer_norm.cpp `rms_norm_symint`, and native_functions.yaml /
+    derivatives.yaml as installed under torchgen/packaged): one `_fused_rms_norm` (one kernel) where a weight has the
+    input's dtype, and in a backward one `_fused_rms_norm_backward`; else the composite, as on meta."""
+    if (weight is not None and weight.dtype != input.dtype) or input.is_complex():
+        return torch.nn.functional.rms_norm(input, normalized_shape, weight, eps)
+    return _FusedRmsNorm.apply(input, weight, tuple(normalized_shape), eps)
+
+
+def _active_census():
+    return next((m for m in reversed(_get_current_dispatch_mode_stack()) if isinstance(m, Census)), None)
+
+
+class _FusedRmsNorm(torch.autograd.Function):
+    """One op forward and one backward, with the bytes CUDA's kernels write (output and fp32 rstd; the gradients):
+    the values come from the composite, run outside the census."""
+
+    @staticmethod
+    def forward(ctx, input, weight, normalized_shape, eps):
+        census = _active_census()
+        with _disable_current_modes():
+            out = torch.nn.functional.rms_norm(input, normalized_shape, weight, eps)
+            rstd = input.new_empty(input.shape[: input.dim() - len(normalized_shape)], dtype=torch.float32)
+        if census is not None:
+            census.record("_fused_rms_norm", [out, rstd])
+        ctx.save_for_backward(input, weight)
+        ctx.normalized_shape, ctx.eps = normalized_shape, eps
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        input, weight = ctx.saved_tensors
+        census = _active_census()
+        with _disable_current_modes(), torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (input, weight) if t is not None]
+            out = torch.nn.functional.rms_norm(
+                leaves[0], ctx.normalized_shape, leaves[1] if weight is not None else None, ctx.eps
+            )
+            grads = torch.autograd.grad(out, leaves, grad)
+        if census is not None:
+            census.record("_fused_rms_norm_backward", list(grads))
+        return grads[0], grads[1] if weight is not None else None, None, None
 
 
 # ------------------------------------------------------------------------------------------------------- diff_triton
@@ -304,7 +358,7 @@ def run_phase(
     decomposition); `where` records each op's source line (`Census`)."""
     from transformers import DynamicCache
 
-    sdpa = CudaSdpaMode if cuda_sdpa else contextlib.nullcontext
+    sdpa = CudaDispatchMode if cuda_sdpa else contextlib.nullcontext
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     census, flops = Census(where), FlopCounterMode(display=False)
     census_box[0] = census
@@ -390,15 +444,14 @@ def floor_extra(geometry: dict) -> dict:
     * V1 (Llama's matrices: 2H query sub-heads, 2H_kv key sub-heads, V 2d wide) at the least, i.e. with one fused
       attention call (both maps and A1 V - λ A2 V in the call that replaces Llama's: no extra op; sdpa cannot, as
       flash needs V as wide as Q and the memory-efficient kernel no GQA, hence at least one more call there) and the
-      subln written as Llama writes its own RMSNorm (over 2d, with (1 - λ_init) folded into its weight): that norm.
+      subln as one `F.rms_norm` over 2d with (1 - λ_init) folded into its weight: on CUDA one fused kernel, and one
+      in the backward (`cuda_rms_norm`).
       λ = exp(λq1·λk1) - exp(λq2·λk2) + λ_init depends on parameters only: a constant at inference (0 ops per
       decode or prefill step once computed) and, in training, one expression per forward for every layer's λ at once
       (their vectors stacked: a handful of ops per model, 0 per layer; per layer, its forward and backward are 15).
     * DiffLlama: transformers' implementation is measured, not a target; its floor is V1's (same matrices, same
       differential step).
     """
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
     B, N, d = 1, geometry["seq"], geometry["head_dim"]
     H, D = geometry["heads"] // 2, geometry["hidden"]
 
@@ -406,13 +459,13 @@ def floor_extra(geometry: dict) -> dict:
         """Ops of fn() (no grad), or of fn() and its backward (train) from a given output gradient."""
         census = Census()
         if not train:
-            with torch.no_grad(), census:
+            with torch.no_grad(), CudaDispatchMode(), census:
                 fn()
             return sum(census.ops.values())
         out = fn()
         grad = torch.empty_like(out)  # outside the census: the incoming gradient is the next op's
         census = Census()
-        with census:
+        with CudaDispatchMode(), census:
             out = fn()
             out.backward(grad)
         return sum(census.ops.values())
@@ -422,7 +475,7 @@ def floor_extra(geometry: dict) -> dict:
         w_lambda = torch.empty(H, D, dtype=DTYPE, requires_grad=True)
         pair = torch.empty(B, N, H, 2, d, dtype=DTYPE, requires_grad=True)  # the attention output's head pairs
         heads = torch.empty(B, N, H, 2 * d, dtype=DTYPE, requires_grad=True)  # V1's attention output
-        subln = LlamaRMSNorm(2 * d).to(DTYPE)
+        subln_weight = torch.empty(2 * d, dtype=DTYPE, requires_grad=True)  # (1 - λ_init) folded in
 
     def v2_step():
         lam = torch.sigmoid(torch.nn.functional.linear(x, w_lambda))  # (B, N, H)
@@ -432,7 +485,7 @@ def floor_extra(geometry: dict) -> dict:
     for phase in PHASES:
         train = phase == "train"
         extra["v2"][phase] = count(v2_step, train) + (1 if train else 0)
-        extra["v1"][phase] = count(lambda: subln(heads), train)
+        extra["v1"][phase] = count(lambda: torch.nn.functional.rms_norm(heads, (2 * d,), subln_weight, 1e-6), train)
     extra["diffllama"] = dict(extra["v1"])
     return extra
 
@@ -469,12 +522,12 @@ def main(argv=None) -> int:
     p.add_argument(
         "--meta-sdpa",
         action="store_true",
-        help="leave sdpa to the meta device's math decomposition (how the issue's first figures were counted)",
+        help="leave sdpa and rms_norm to the meta device's composites (how the issue's first figures were counted)",
     )
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated model/backend (Llama is always run)")
     args = p.parse_args(argv)
     if args.write and (args.tiny or args.meta_sdpa):
-        p.error("--write records the full geometry with CUDA's sdpa dispatch: drop --tiny / --meta-sdpa")
+        p.error("--write records the full geometry with CUDA's dispatch: drop --tiny / --meta-sdpa")
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:

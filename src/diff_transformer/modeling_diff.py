@@ -37,7 +37,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
     eager_attention_forward,
     repeat_kv,
     rotate_half,
@@ -72,6 +71,14 @@ except ImportError:  # pragma: no cover - older transformers
 
 class DiffRMSNorm(LlamaRMSNorm):
     pass
+
+
+class DiffScaledRMSNorm(DiffRMSNorm):
+    """V1's subln: RMSNorm(x)·scale as one `F.rms_norm`, the scale in its weight (one fused CUDA kernel, not nine)."""
+
+    def forward(self, hidden_states: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        weight = (self.weight * scale).to(hidden_states.dtype)  # autocast's fp32 weights: the activations' dtype
+        return nn.functional.rms_norm(hidden_states, weight.shape, weight, self.variance_epsilon)
 
 
 class DiffRotaryEmbedding(LlamaRotaryEmbedding):
@@ -133,8 +140,8 @@ class DiffLambdaV1(nn.Module):
         self.lambda_k2 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32))
 
     def forward(self) -> torch.Tensor:
-        lambda_1 = torch.exp(torch.sum(self.lambda_q1.float() * self.lambda_k1.float()))
-        lambda_2 = torch.exp(torch.sum(self.lambda_q2.float() * self.lambda_k2.float()))
+        lambda_1 = torch.exp(torch.dot(self.lambda_q1.float(), self.lambda_k1.float()))
+        lambda_2 = torch.exp(torch.dot(self.lambda_q2.float(), self.lambda_k2.float()))
         lambda_full = lambda_1 - lambda_2 + self.lambda_init  # () fp32
         if self.lambda_floor is None:
             return lambda_full
@@ -190,17 +197,15 @@ class DiffAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_width, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_width, bias=bias)
         self.o_proj = nn.Linear(output_width, hidden, bias=out_bias)
-        # Qwen3: RMSNorm over every d-wide query/key head before RoPE, one weight shared by all heads, so a source
-        # head keeps its normalisation wherever the conversion puts it (V2: both heads of a pair; V1: q1/q2, k1/k2).
+        # Qwen3: RMSNorm over every d-wide query/key head before RoPE, one weight shared by all heads, so a source head
+        # keeps its normalisation wherever the conversion puts it (V2: both heads of a pair; V1: q1/q2, k1/k2).
         self.q_norm = DiffRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity()
         self.k_norm = DiffRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.use_qk_norm else nn.Identity()
 
 
 class DiffAttentionV2(DiffAttention):
     """V2: Llama attention with 2H query heads over Llama's K/V; head h outputs `a_2h - sigmoid(W_λ x)_h a_2h+1`.
-
-    The forward is `LlamaAttention.forward` plus the differential step after the attention call.
-    """
+    The forward is `LlamaAttention.forward` plus the differential step after the attention call."""
 
     def __init__(self, config: DiffConfig, layer_idx: int):
         H, H_kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -209,7 +214,7 @@ class DiffAttentionV2(DiffAttention):
         self.diff_lambda = DiffLambdaV2(config.hidden_size, H)
 
     # Mirrors transformers.models.llama.modeling_llama.LlamaAttention.forward
-    # diff with Llama: q_norm/k_norm; the differential step (a_2h - λ a_2h+1) after the attention call
+    # diff with Llama: q_norm/k_norm; RoPE on q and k together; the differential step (a_2h - λ a_2h+1) after the call
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -222,12 +227,14 @@ class DiffAttentionV2(DiffAttention):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
-        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, 2H, N, d)
-        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, H_kv, N, d)
+        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape))  # (B, N, 2H, d)
+        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape))  # (B, N, H_kv, d)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H_kv, N, d)
 
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        cos, sin = position_embeddings  # RoPE on q and k at once: one cat, then Llama's five ops once, not twice each
+        heads = torch.cat((query_states, key_states), dim=2)  # (B, N, 2H + H_kv, d)
+        heads = heads * cos.unsqueeze(2) + rotate_half(heads) * sin.unsqueeze(2)  # Llama's arithmetic: its values
+        query_states, key_states = heads.transpose(1, 2).split((query_states.shape[2], key_states.shape[2]), dim=1)
 
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
@@ -362,14 +369,16 @@ def v1_attention_forward(
             module, query, key, value, attention_mask, dropout=0.0, scaling=module.scaling, **kwargs
         )
 
+    # unbind, not indexing: its backward is one stack, where each index's is a zero-filled copy and their sum an add
+    queries, keys, values = queries.unbind(1), keys.unbind(1), values.unbind(1)
     if split_value:
         outputs = [  # per map c: (B, N, H, 2d)
-            torch.cat([attend(queries[:, c], keys[:, c], values[:, v])[0] for v in (0, 1)], dim=-1) for c in (0, 1)
+            torch.cat([attend(queries[c], keys[c], values[v])[0] for v in (0, 1)], dim=-1) for c in (0, 1)
         ]
         maps = [None, None]
     else:
-        wide_value = torch.cat((values[:, 0], values[:, 1]), dim=-1)  # (B, H_kv, L, 2d)
-        outputs, maps = zip(*(attend(queries[:, c], keys[:, c], wide_value) for c in (0, 1)))  # (B, N, H, 2d), map
+        wide_value = torch.cat(values, dim=-1)  # (B, H_kv, L, 2d)
+        outputs, maps = zip(*(attend(queries[c], keys[c], wide_value) for c in (0, 1)))  # (B, N, H, 2d), map
 
     attn_weights = None if maps[0] is None else maps[0] - lam.to(maps[0].dtype) * maps[1]  # (B, H, N, L)
     if attn_weights is not None and output_from_map:
@@ -397,11 +406,10 @@ class DiffAttentionV1(DiffAttention):
         self.lambda_init = config.lambda_init_for_layer(layer_idx)
         self.diff_lambda = DiffLambdaV1(d, self.lambda_init, config.lambda_floor)
         subln_eps = config.rms_norm_eps if config.subln_eps is None else config.subln_eps
-        self.subln = DiffRMSNorm(2 * d, eps=subln_eps)
+        self.subln = DiffScaledRMSNorm(2 * d, eps=subln_eps)  # times 1 - λ_init in the forward
 
     # Mirrors transformers.models.llama.modeling_llama.LlamaAttention.forward
-    # diff with Llama: V1's head layout (v1_component_major), a paged cache written once, v1_attention_forward in
-    # place of the attention call, subln
+    # diff with Llama: V1's head layout (v1_component_major), a paged cache written once, v1_attention_forward, subln
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -429,16 +437,15 @@ class DiffAttentionV1(DiffAttention):
         implementation = self.config._attn_implementation
         # Relies on: transformers' continuous batching passing its `PagedAttentionCache` to the attention function as
         # kwarg `cache`, and the paged functions ("paged|sdpa", "paged|eager", ...) updating it on every call. V1 makes
-        # several calls per layer, so it writes the cache once here and hands every call the keys it returns.
-        # Guarded by tests/model/test_generation.py::test_continuous_batching_matches_generate and
+        # several calls per layer, so it writes the cache once here and hands every call the keys it returns. Guarded
+        # by tests/model/test_generation.py::test_continuous_batching_matches_generate and
         # tests/cli/test_serving.py::test_continuous_batching_matches_generate.
         paged_cache = kwargs.pop("cache", None)
         if paged_cache is not None:
             key, value = paged_cache.update(
                 key_states=key, value_states=value, layer_idx=self.layer_idx, kwargs=kwargs
-            )  # (1, 2H_kv, L, d)
-            if implementation == "paged|eager":  # transformers' paged eager only adds the cache update to eager
-                implementation = "eager"
+            )
+            implementation = "eager" if implementation == "paged|eager" else implementation  # = eager + the update
         elif past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         lam = self.generation_lambda(past_key_values, N)  # () fp32
@@ -451,9 +458,7 @@ class DiffAttentionV1(DiffAttention):
         if result is not None:  # (B, N, H, 2d): the differential output in one call
             attn_output, attn_weights = result
         else:
-            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-                implementation, eager_attention_forward
-            )
+            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
             H, H_kv, d = query.shape[1] // 2, key.shape[1] // 2, self.head_dim
             batch, L = key.shape[0], key.shape[2]  # the paged cache packs every sequence into one batch row
             attn_output, attn_weights = v1_attention_forward(
@@ -469,20 +474,17 @@ class DiffAttentionV1(DiffAttention):
                 **kwargs,
             )  # (B, N, H, 2d), (B, H, N, L) or None
 
-        attn_output = self.subln(attn_output) * (1.0 - self.lambda_init)
+        attn_output = self.subln(attn_output, 1.0 - self.lambda_init)  # (B, N, H, 2d): RMSNorm·(1 - λ_init)
         attn_output = self.o_proj(attn_output.reshape(B, N, -1))
         return attn_output, attn_weights
 
     def generation_lambda(self, past_key_values: Cache | None, query_length: int) -> torch.Tensor:
-        """λ, () fp32. Without gradients, a cache carries each layer's λ from the step that computed it (a prefill),
-        and a decoding step (one query) reuses it while λ's vectors are the same tensors at the same versions: the
-        weights do not change within a generation, so λ's ops are not repeated for every token."""
+        """λ, () fp32. Without gradients, a cache carries each layer's λ from the step that computed it (a prefill), so
+        a decoding step (one query) skips λ's ops while λ's vectors are the same tensors at the same versions."""
         if past_key_values is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return self.diff_lambda()
         vectors = tuple((p.data_ptr(), p._version) for p in self.diff_lambda.parameters())
-        carried = getattr(past_key_values, "_diff_lambda", None)
-        if carried is None:
-            carried = past_key_values._diff_lambda = {}
+        carried = vars(past_key_values).setdefault("_diff_lambda", {})  # layer -> (λ's vectors, λ)
         if query_length > 1 or carried.get(self.layer_idx, (None,))[0] != vectors:
             carried[self.layer_idx] = (vectors, self.diff_lambda())
         return carried[self.layer_idx][1]
@@ -533,9 +535,9 @@ class DiffDecoderLayer(GradientCheckpointingLayer):
 
 
 # ---- Integration hooks ----
-# Every place where this model overrides or patches a transformers internal beyond the standard model-file API.
-# Each hook names the internal it relies on and the test that fails if that internal changes under it. The mixins
-# come first in the model classes' bases, so their methods wrap transformers' with `super()`.
+# Every place where this model overrides or patches a transformers internal beyond the standard model-file API. Each
+# hook names the internal it relies on and the test that fails if that internal changes under it. The mixins come first
+# in the model classes' bases, so their methods wrap transformers' with `super()`.
 
 
 class _PreTrainedModelHooks:
@@ -544,9 +546,9 @@ class _PreTrainedModelHooks:
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
         # Relies on: `PreTrainedModel.from_pretrained` calling `maybe_distribute_model` before it shards the weights
-        # over the tensor-parallel mesh. An uneven colwise split would cut a differential head (or V1's k1/k2 pair)
-        # in half and fail later with an opaque reshape error, so the sizes are checked here.
-        # Guarded by tests/distributed/test_distributed.py::test_tensor_parallel_matches_unsharded_model.
+        # over the tensor-parallel mesh. An uneven colwise split would cut a differential head (or V1's k1/k2 pair) in
+        # half and fail later with an opaque reshape error, so the sizes are checked here. Guarded by
+        # tests/distributed/test_distributed.py::test_tensor_parallel_matches_unsharded_model.
         tp_size = getattr(distributed_config, "tp_size", None) or 1
         heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
         noise_heads = model.config.num_noise_heads or heads  # GDA: each rank takes whole noise groups
@@ -554,9 +556,8 @@ class _PreTrainedModelHooks:
             raise ValueError(
                 f"Tensor parallelism over {tp_size} ranks needs num_attention_heads={heads} and num_key_value_heads="
                 f"{kv_heads}{'' if noise_heads == heads else f' and num_noise_heads={noise_heads}'} to be divisible "
-                f"by {tp_size}: each rank computes "
-                f"whole differential heads, their key/value groups and noise queries. Use a tensor-parallel size "
-                "that divides them."
+                f"by {tp_size}: each rank computes whole differential heads, their key/value groups and noise "
+                "queries. Use a tensor-parallel size that divides them."
             )
         return super().maybe_distribute_model(model, distributed_config, mesh_manager)
 
@@ -640,10 +641,9 @@ class DiffPreTrainedModel(_PreTrainedModelHooks, PreTrainedModel):  # hooks: see
     _can_compile_fullgraph = True
     _supports_attention_backend = True
     # Set per version in `__init__`, so each names only modules that version has: (_keep_in_fp32_modules, _strict).
-    # V1's λ vectors feed an exp(): they stay fp32 whatever dtype the rest of the model loads in (strict).
-    # V2's λ gate is tiny (D x H) and decides how much of each head pair cancels: quantizers (bitsandbytes, ...)
-    # skip it, which also keeps it trainable under QLoRA with `modules_to_save=["diff_lambda"]`, and fp16 loads keep
-    # it fp32.
+    # V1's λ vectors feed an exp(): they stay fp32 whatever dtype the rest of the model loads in (strict). V2's λ gate
+    # is tiny (D x H) and decides how much of each head pair cancels: quantizers (bitsandbytes, ...) skip it, which
+    # also keeps it trainable under QLoRA with `modules_to_save=["diff_lambda"]`, and fp16 loads keep it fp32.
     _keep_in_fp32_by_version = {
         1: ([], ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"]),
         2: (["diff_lambda.proj"], []),
