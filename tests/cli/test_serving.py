@@ -287,8 +287,16 @@ def test_serve_refuses_a_missing_model_and_a_bad_limit(capsys):
         "error: MODEL '/nonexistent' is neither an existing directory nor a valid Hub model id: check the path, or "
         "pass an id like 'org/model'."
     )
-    assert cli.main(["serve", "--max-new-tokens-limit", "0"]) == 2
-    assert "--max-new-tokens-limit '0' must be a whole number >= 1" in capsys.readouterr().err
+    for option in ("--max-new-tokens-limit", "--max-queued-requests", "--max-loaded-models"):
+        assert cli.main(["serve", option, "0"]) == 2
+        assert f"{option} '0' must be a whole number >= 1" in capsys.readouterr().err
+    # a local directory has no revisions (issue 46): one line before the server starts
+    assert cli.main(["serve", f"{TINY_LLAMA}@rev1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"error: MODEL '{TINY_LLAMA}@rev1' names a revision of a local directory, which has none: name the directory "
+        f"alone ('{TINY_LLAMA}')."
+    )
 
 
 # ---- what clients see: the model list, unknown models, refused fields (issue 32) ----
@@ -602,3 +610,188 @@ def test_bad_request_fields_are_400s_with_openai_s_error_body(servers, models, e
     error = json.load(caught.value)["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] == "invalid_value"
     assert words in error["message"] and "\n" not in error["message"], error
+
+
+# ---- the server's work budget: queued requests, loaded models (issue 46, Trust 4 item 5) ----
+
+
+def post(server, path, body):
+    """(status, headers, JSON body) of one POST, errors included."""
+    request = urllib.request.Request(
+        f"{server.url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.headers, json.load(response)
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers, json.load(error)
+
+
+def post_when_free(server, path, body):
+    """POST, and again after Retry-After while the server answers 429 (a place frees when a request's answer has
+    gone out, which the client may see a moment before the server counts it)."""
+    import time
+
+    for _ in range(100):
+        status, headers, answer = post(server, path, body)
+        if status != 429:
+            return status, headers, answer
+        time.sleep(int(headers["Retry-After"]))
+    pytest.fail(f"still 429 after 100 tries: {answer}")
+
+
+def test_the_queue_bound_answers_429_past_its_requests_and_frees_places():
+    """`QueueBound` (the ASGI middleware of --max-queued-requests) on a stand-in app that holds each request until
+    told: with the bound at 1, a POST that arrives while one is held is answered at once with 429, a Retry-After
+    header and OpenAI's error body, without reaching the app; GETs (/health, /v1/models) pass; when the held request
+    ends its place is free again, and a body sent in pieces reaches the app whole."""
+    import asyncio
+
+    from diff_transformer.serving.server import QueueBound
+
+    async def scenario():
+        release, reached = asyncio.Event(), asyncio.Queue()
+
+        async def app(scope, receive, send):
+            body = b""
+            while True:
+                message = await receive()
+                body += message.get("body", b"")
+                if not message.get("more_body"):
+                    break
+            await reached.put((scope["method"], body))
+            if scope["method"] == "POST":
+                await release.wait()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+        bound = QueueBound(app, limit=1)
+
+        async def call(method, *pieces):
+            messages = [
+                {"type": "http.request", "body": p, "more_body": i < len(pieces) - 1} for i, p in enumerate(pieces)
+            ]
+            sent = []
+
+            async def receive():
+                if messages:
+                    return messages.pop(0)
+                await asyncio.Event().wait()  # the client stays connected
+
+            async def send(message):
+                sent.append(message)
+
+            await bound({"type": "http", "method": method, "path": "/v1/chat/completions"}, receive, send)
+            status = sent[0]["status"]
+            return status, dict(sent[0]["headers"]), b"".join(m.get("body", b"") for m in sent[1:])
+
+        first = asyncio.create_task(call("POST", b'{"a": 1}'))
+        assert await reached.get() == ("POST", b'{"a": 1}')
+        status, headers, body = await call("POST", b'{"b": 2}')
+        assert status == 429 and int(headers[b"retry-after"]) >= 1
+        error = json.loads(body)["error"]
+        assert error["code"] == "rate_limit_exceeded" and "--max-queued-requests 1" in error["message"]
+        assert "\n" not in error["message"]
+        assert reached.empty()  # the refused request never reached the app
+        assert (await call("GET", b""))[0] == 200 and await reached.get() == ("GET", b"")
+        release.set()
+        assert (await first)[0] == 200
+        assert (await call("POST", b'{"c":', b" 3}"))[0] == 200
+        assert await reached.get() == ("POST", b'{"c": 3}')
+        assert bound.in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_one_copy_per_local_model_and_at_most_max_loaded_models(models, tmp_path):
+    """transformers' model manager keys a model by "name@revision": every made-up revision of one local directory
+    loaded another copy (30 requests, 33 models listed, +280 MB), and nothing bounded how many models stay loaded
+    (until --model-timeout, 300 s idle). `DIR@rev` is now refused (a directory has no revisions), `DIR@main` is DIR,
+    and loading past --max-loaded-models unloads the least recently used model."""
+    import shutil
+
+    from transformers.cli.serving.model_manager import ModelManager
+
+    from diff_transformer.serving import models as serving_models
+
+    third = tmp_path / "v2-copy"
+    shutil.copytree(models["v2"], third)
+    serving_models.expose_to_transformers_serve()
+    manager = serving_models.diff_model_manager()(device="cpu", model_timeout=-1)
+    loads = []
+    original = ModelManager._load_model
+
+    def counted(self, model_id_and_revision, *args, **kwargs):
+        loads.append(model_id_and_revision)
+        return original(self, model_id_and_revision, *args, **kwargs)
+
+    ModelManager._load_model = counted
+    bound = serving_models.max_loaded_models
+    try:
+        serving_models.max_loaded_models = 2
+        v2, v1 = str(models["v2"]), str(models["v1"])
+        for name in (v2, f"{v2}@main", v2):
+            manager.load_model_and_processor(manager.process_model_name(name))
+        for revision in ("rev1", "0123abc", "v2"):
+            with pytest.raises(Exception) as caught:
+                manager.load_model_and_processor(f"{v2}@{revision}")
+            assert caught.value.status_code == 400
+            message = caught.value.detail["message"]
+            assert "names a revision of a local directory, which has none" in message and repr(v2) in message
+        assert loads == [f"{v2}@main"]
+        assert [m["id"] for m in manager.get_gen_models() if m["owned_by"] == "diff-transformer"] == [v2]
+
+        manager.load_model_and_processor(f"{v1}@main")
+        manager.load_model_and_processor(f"{v2}@main")  # v2 used last: v1 is the least recently used
+        manager.load_model_and_processor(f"{third}@main")
+        assert sorted(manager.loaded_models) == sorted([f"{v2}@main", f"{third}@main"])
+        assert loads == [f"{v2}@main", f"{v1}@main", f"{third}@main"]
+        manager.load_model_and_processor(f"{v1}@main")  # loaded again, the least recently used (v2) unloaded
+        assert sorted(manager.loaded_models) == sorted([f"{third}@main", f"{v1}@main"])
+        assert len(loads) == 4
+    finally:
+        ModelManager._load_model = original
+        serving_models.max_loaded_models = bound
+        manager.shutdown()
+
+
+def test_a_busy_server_answers_429_and_serves_one_copy_of_a_local_model(models, tmp_path):
+    """Issue 46: a 3-token request waited 101 s behind 16 long ones. With --max-queued-requests 1, a request that
+    arrives while a stream is generating is answered at once with 429, Retry-After and OpenAI's error body, and is
+    answered once that stream's client has gone; `DIR@rev1` is a 400 naming the directory, DIR and `DIR@main` are one
+    model, and with --max-loaded-models 1 a request for another model unloads the first (/v1/models lists one)."""
+    server = Server(tmp_path / "serve.log", "--max-queued-requests", "1", "--max-loaded-models", "1")
+    try:
+        server.wait_healthy()
+        v2, v1 = str(models["v2"]), str(models["v1"])
+        short = {"model": v2, "messages": CHATS[0], "max_tokens": 3, "temperature": 0}
+        long = {**short, "max_tokens": 100_000, "stream": True}  # to the end of the 512-position context
+        request = urllib.request.Request(
+            f"{server.url}/v1/chat/completions", data=json.dumps(long).encode(),
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        stream = urllib.request.urlopen(request, timeout=120)
+        try:
+            assert stream.readline().startswith(b"data: ")  # generating: the one place is taken
+            status, headers, answer = post(server, "/v1/chat/completions", short)
+        finally:
+            stream.close()  # the client leaves: the generation stops at its next token
+        assert status == 429, answer
+        assert int(headers["Retry-After"]) >= 1
+        assert answer["error"]["code"] == "rate_limit_exceeded", answer
+        assert "--max-queued-requests 1" in answer["error"]["message"]
+        with urllib.request.urlopen(f"{server.url}/health", timeout=30) as health:  # GETs are not counted
+            assert health.status == 200
+        status, _, answer = post_when_free(server, "/v1/chat/completions", short)
+        assert status == 200 and answer["usage"]["completion_tokens"] <= 3, answer
+
+        status, _, answer = post_when_free(server, "/v1/chat/completions", {**short, "model": f"{v2}@rev1"})
+        assert status == 400 and "names a revision of a local directory" in answer["error"]["message"], answer
+        assert answer["error"]["param"] == "model"
+        assert post_when_free(server, "/v1/chat/completions", {**short, "model": f"{v2}@main"})[0] == 200
+        listed = server.client().models.list()
+        assert [m.id for m in listed] == [v2]
+        assert post_when_free(server, "/v1/chat/completions", {**short, "model": v1})[0] == 200
+        assert [m.id for m in server.client().models.list()] == [v1]  # v2 unloaded: one model at a time
+    finally:
+        server.stop()

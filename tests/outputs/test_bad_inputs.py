@@ -585,6 +585,8 @@ def test_a_non_utf8_path_reaching_a_file_is_one_line_at_the_boundary():
     "field, value, words",
     [
         ("num_beams", -3, "num_beams=-3 must be >= 1"),
+        # issue 46: a million beams ran out of memory after the model had loaded; refused before it loads
+        ("num_beams", 10**6, "num_beams=1000000 must be >= 1 and <= 64 (each is a row of the batch, with its own KV"),
         ("top_p", 2.0, "top_p=2.0 must be > 0.0 and <= 1.0"),
         ("top_k", -1, "top_k=-1 must be >= 0"),
         ("repetition_penalty", 0.0, "repetition_penalty=0.0 must be > 0.0"),

@@ -318,3 +318,44 @@ def test_qlora_4bit(converted, heldout_ids, device):
         assert all(not torch.equal(before[name], p) for name, p in lambda_state(peft_model).items())
         with torch.no_grad():
             assert peft_model(ids, labels=ids).loss < loss  # the step on this batch lowered its loss
+
+
+def test_dora_adapters_load_whole_and_an_adapter_missing_weights_is_refused(tmp_path, converted, heldout_ids):
+    """Issue 46: PEFT's DoRA (`use_dora`) works on the Diff modules PEFT targets (plain nn.Linear): the package's
+    loader (`checkpoints.open(...).load()`) gives the saved adapter's logits, and merged its weights. An adapter file
+    that lacks what its config asks for (use_dora without lora_magnitude_vector) loaded with PEFT's initial values
+    and one warning, i.e. silently another model: now one line."""
+    from safetensors.torch import save_file
+
+    from diff_transformer import checkpoints
+    from diff_transformer.checkpoints import CheckpointError
+
+    ids = heldout_ids[:, :24]
+    for version, base in converted.items():
+        model = AutoModelForCausalLM.from_pretrained(base, attn_implementation="eager")
+        peft_model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", use_dora=True, r=4))
+        torch.manual_seed(version)
+        with torch.no_grad():  # away from the start (B = 0, magnitude = |W|), where DoRA computes the base model
+            for name, parameter in peft_model.named_parameters():
+                if "lora_B" in name or "lora_magnitude_vector" in name:
+                    parameter.add_(0.05 * torch.randn_like(parameter))
+            expected = peft_model(ids).logits
+        adapter = tmp_path / f"dora-v{version}"
+        peft_model.save_pretrained(adapter)
+        stored = load_file(adapter / "adapter_model.safetensors")
+        assert any("lora_magnitude_vector" in key for key in stored)
+
+        with torch.no_grad():
+            loaded = checkpoints.open(str(adapter)).load(attn_implementation="eager")
+            torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=1e-5)
+            merged = checkpoints.open(str(adapter)).load(merge=True, attn_implementation="eager")
+            # W' = m · (W + s·BA) / |W + s·BA| folded in fp32: rounding of the norms and products, not a formula
+            torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+        save_file(
+            {k: v for k, v in stored.items() if "lora_magnitude_vector" not in k},
+            adapter / "adapter_model.safetensors",
+        )
+        with pytest.raises(CheckpointError, match=r"lacks \d+ weight\(s\) its adapter_config.json asks for") as caught:
+            checkpoints.open(str(adapter)).load()
+        assert "lora_magnitude_vector" in str(caught.value) and "\n" not in str(caught.value)

@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import struct
 import warnings
 from pathlib import Path
@@ -286,7 +287,8 @@ def put_adapter_on(base, source: Source, *, merge: bool = False, trainable: bool
     if prepare is not None:
         base = prepare(base)
     try:
-        with quiet_peft_wrapping():
+        with quiet_peft_wrapping(), warnings.catch_warnings(record=True) as caught:
+            warnings.filterwarnings("always", message="Found missing adapter keys")  # seen every time, not once
             model = PeftModel.from_pretrained(base, source.adapter, is_trainable=trainable)
     except Exception as exc:
         message = " ".join(str(exc).split())[:300] or type(exc).__name__
@@ -294,7 +296,23 @@ def put_adapter_on(base, source: Source, *, merge: bool = False, trainable: bool
             f"cannot put the adapter {source.adapter} on the base model {source.base} ({message}): "
             "pass --base with the model it was trained on."
         ) from None
+    for warning in caught:
+        missing = _MISSING_KEYS.search(str(warning.message))
+        if missing is None:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+            continue
+        # PEFT fills what the file lacks with its initial values and goes on (a warning): e.g. adapter_config.json
+        # says use_dora but the file holds no lora_magnitude_vector, and the "adapter" computes something else.
+        names = re.findall(r"'([^']+)'", missing.group(1))
+        raise CheckpointError(
+            f"the adapter {source.adapter} lacks {len(names)} weight(s) its adapter_config.json asks for, e.g. "
+            f"{names[0] if names else missing.group(1)[:120]} (use_dora needs lora_magnitude_vector): save the "
+            "adapter again with PEFT, or fix adapter_config.json."
+        )
     return model.merge_and_unload() if merge else model
+
+
+_MISSING_KEYS = re.compile(r"Found missing adapter keys while loading the checkpoint: \[(.*)\]", re.S)
 
 
 # --- the adapter's card ------------------------------------------------------------------------------------------

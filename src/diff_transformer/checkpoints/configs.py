@@ -127,16 +127,22 @@ def check_model_config(config, where: str, *, build: bool = True) -> None:
         ) from None
 
 
+# Beams and returned sequences are rows of one batch, each with its own KV cache and vocabulary-sized logits:
+# num_beams 10^6 asked generate() for a million caches (an out-of-memory after the model had loaded). Published uses
+# of beam search take 4 to 12 beams; 64 leaves room and refuses the absurd before any weights load.
+MAX_BEAMS = 64
+
 # generation_config.json fields -> (lowest, highest, lowest excluded): what generate() would otherwise fail on deep
-# inside (num_beams -3: "negative dimension") or silently misuse (top_p 2, a negative repetition penalty).
+# inside (num_beams -3: "negative dimension"), run out of memory on (num_beams 10^6), or silently misuse (top_p 2, a
+# negative repetition penalty).
 GENERATION_RANGES = {
     "max_new_tokens": (1, None, False),
     "max_length": (1, None, False),
     "min_new_tokens": (0, None, False),
     "min_length": (0, None, False),
-    "num_beams": (1, None, False),
-    "num_beam_groups": (1, None, False),
-    "num_return_sequences": (1, None, False),
+    "num_beams": (1, MAX_BEAMS, False),
+    "num_beam_groups": (1, MAX_BEAMS, False),
+    "num_return_sequences": (1, MAX_BEAMS, False),
     "top_k": (0, None, False),
     "no_repeat_ngram_size": (0, None, False),
     "top_p": (0.0, 1.0, True),
@@ -169,6 +175,8 @@ def generation_value_problem(field: str, value) -> str | None:
         return f"{field}={value!r} must be a{'n integer' if integer else ' finite number'}"
     if (value <= low if open_low else value < low) or (high is not None and value > high):
         bound = f"{'>' if open_low else '>='} {low}" + ("" if high is None else f" and <= {high}")
+        if high == MAX_BEAMS:
+            bound += " (each is a row of the batch, with its own KV cache)"
         return f"{field}={value} must be {bound}"
     if field == "temperature" and 0 < value < MIN_TEMPERATURE:
         return (

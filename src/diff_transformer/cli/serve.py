@@ -22,15 +22,19 @@ Every other option goes to transformers' server (`transformers serve`) unchanged
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. `stop` (up to 4 strings
 of 1-256 characters) ends the answer before the stop string, streaming or not; n > 1 and out-of-range fields are
 refused (HTTP 400, OpenAI's error body); a model that does not exist, or other than a pinned server's MODEL, answers
-404, one that cannot be loaded 400."""
+404, one that cannot be loaded 400, a local directory with an @revision 400 (it has none); a request past
+the queue bound above answers 429 with Retry-After."""
 
 
 def help_parser() -> argparse.ArgumentParser:
     """The options of `diff-transformer serve` as `--help` shows them (`_own_options` parses them: everything else in
     ARGV goes to transformers, so argparse must not take a value of theirs for MODEL)."""
+    from ..serving.server import MAX_LOADED_MODELS, MAX_QUEUED_REQUESTS
+
     parser = argparse.ArgumentParser(
         prog="diff-transformer serve",
-        usage="%(prog)s [MODEL ...] [--max-new-tokens-limit N] [--quiet] [transformers serve options]",
+        usage="%(prog)s [MODEL ...] [--max-new-tokens-limit N] [--max-queued-requests N] [--max-loaded-models N]\n"
+        "       [--quiet] [transformers serve options]",
         description="OpenAI-compatible server for Diff models: transformers' own server (transformers serve) with\n"
         "the Diff classes, every generation bounded by the model's context, and errors clients can read.",
         epilog=PASSED_THROUGH,
@@ -52,6 +56,23 @@ def help_parser() -> argparse.ArgumentParser:
         type=int,
         help="at most N new tokens per request, whatever max_tokens asks (default: none; the model's context "
         "bounds every request)",
+    )
+    parser.add_argument(
+        "--max-queued-requests",
+        metavar="N",
+        type=int,
+        help="at most N requests (POST: completions, chat, model loads) in the server at once, generating or waiting "
+        "for the model; one more is answered 429 with Retry-After (default %(default)s; with --continuous-batching, "
+        "about the batch the cache holds)",
+        default=MAX_QUEUED_REQUESTS,
+    )
+    parser.add_argument(
+        "--max-loaded-models",
+        metavar="N",
+        type=int,
+        help="at most N models loaded at once (at least the MODELs named): loading another unloads the one used "
+        "least recently (default %(default)s)",
+        default=MAX_LOADED_MODELS,
     )
     parser.add_argument(
         "--quiet",
@@ -101,14 +122,24 @@ def _transformers_flags() -> set[str]:
     return flags
 
 
-def _own_options(argv: list[str]) -> tuple[list[str], int | None, bool, tuple[str, ...]]:
-    """(ARGV less our options, --max-new-tokens-limit's N, --quiet, the MODELs when several), each MODEL checked to
-    exist. One MODEL goes to transformers (its pinned `force_model`); several stay here (then
-    `serving.models.served_models`)."""
-    from ..checkpoints.names import resolve_model
-    from ..serving.models import check_model_directory
+# Our options that take a count (>= 1), and the keyword of `_own_options`' counts each sets.
+_COUNTS = {
+    "--max-new-tokens-limit": "limit",
+    "--max-queued-requests": "max_queued_requests",
+    "--max-loaded-models": "max_loaded_models",
+}
 
-    rest, limit, quiet, index = [], None, False, 0
+
+def _own_options(argv: list[str]) -> tuple[list[str], dict, bool, tuple[str, ...]]:
+    """(ARGV less our options, {"limit", "max_queued_requests", "max_loaded_models"}: our counts, --quiet, the MODELs
+    when several), each MODEL checked to exist. One MODEL goes to transformers (its pinned `force_model`); several stay
+    here (then `serving.models.served_models`)."""
+    from ..checkpoints.names import resolve_model
+    from ..serving.models import check_model_directory, local_revision_problem
+    from ..serving.server import MAX_LOADED_MODELS, MAX_QUEUED_REQUESTS
+
+    rest, quiet, index = [], False, 0
+    counts = {"limit": None, "max_queued_requests": MAX_QUEUED_REQUESTS, "max_loaded_models": MAX_LOADED_MODELS}
     while index < len(argv):
         arg = argv[index]
         if arg == "--quiet":
@@ -119,12 +150,13 @@ def _own_options(argv: list[str]) -> tuple[list[str], int | None, bool, tuple[st
             rest.append("--help")
             index += 1
             continue
-        if arg == "--max-new-tokens-limit" or arg.startswith("--max-new-tokens-limit="):
+        option = arg.partition("=")[0]
+        if option in _COUNTS:
             value = arg.partition("=")[2] if "=" in arg else (argv[index + 1] if index + 1 < len(argv) else "")
             index += 1 if "=" in arg else 2
             if not value.isdigit() or int(value) < 1:
-                raise UserError(f"--max-new-tokens-limit {value!r} must be a whole number >= 1.")
-            limit = int(value)
+                raise UserError(f"{option} {value!r} must be a whole number >= 1.")
+            counts[_COUNTS[option]] = int(value)
             continue
         rest.append(arg)
         index += 1
@@ -138,6 +170,8 @@ def _own_options(argv: list[str]) -> tuple[list[str], int | None, bool, tuple[st
     ]
     models = [rest[i] for i in positions]
     for model in models:
+        if "@" in model and local_revision_problem(model):
+            raise UserError(local_revision_problem(model, "MODEL"))
         if ":" in model or "@" in model:  # GGUF "<repo>:<file>", revisions: the Hub's
             continue
         _, local = resolve_model(model, name="MODEL")  # a mistyped path: one line, before the server starts
@@ -152,7 +186,7 @@ def _own_options(argv: list[str]) -> tuple[list[str], int | None, bool, tuple[st
         rest = [arg for i, arg in enumerate(rest) if i not in positions]
     if quiet and not any(arg == "--log-level" or arg.startswith("--log-level=") for arg in rest):
         rest += ["--log-level", "error"]
-    return rest, limit, quiet, served
+    return rest, counts, quiet, served
 
 
 def _check_device_options(argv: list[str]) -> None:
@@ -181,8 +215,8 @@ def main(argv=None):
 
     from ..serving.server import install
 
-    argv, limit, quiet, served = _own_options(sys.argv[1:] if argv is None else list(argv))
-    install(limit, quiet, served)
+    argv, counts, quiet, served = _own_options(sys.argv[1:] if argv is None else list(argv))
+    install(counts.pop("limit"), quiet, served, **counts)
     app = typer.Typer(add_completion=False)
     app.command(help=Serve.__doc__)(Serve)
     with output_settings(quiet):

@@ -17,6 +17,12 @@ What transformers' server does not bound, this package does (`server.limit_gener
   A prompt that already fills the context is refused (HTTP 400).
 * A client that disconnects: transformers cancels a *streaming* generation at its next token; a non-streaming one
   runs to its end, which the clamp above bounds.
+* Queued work: transformers' plain server runs one `generate` at a time per model, first come first served, without
+  bound (a 3-token request waited 101 s behind 16 long ones). At most --max-queued-requests requests are in the server
+  at once (`server.QueueBound`); one more is answered 429 with Retry-After.
+* Loaded models: transformers keys a model by "name@revision" and holds it until --model-timeout passes idle, so each
+  made-up revision of a local directory loaded another copy. A revision of a local directory is refused
+  (`models.local_revision_problem`), and loading past --max-loaded-models unloads the least recently used model.
 * SIGTERM: uvicorn then waits for the requests in flight without limit; here for 5 s, after which they are cancelled
   and the process exits (the generation thread is a daemon).
 * `serve MODEL` with a MODEL that does not exist: one line, exit status 2, before the server starts.

@@ -9,6 +9,7 @@ from ..errors import UserError, one_line
 
 
 served_models: tuple[str, ...] = ()  # `serve A B ...`: the models this server answers for, listed from the start
+max_loaded_models = 4  # --max-loaded-models (`server.install` sets it)
 
 
 def model_http_error(status: int, message: str, **fields):
@@ -22,6 +23,28 @@ def model_http_error(status: int, message: str, **fields):
 def display_name(model_id_and_revision: str) -> str:
     model, _, revision = model_id_and_revision.partition("@")
     return model if revision in ("", "main") else model_id_and_revision
+
+
+def local_revision_problem(model_id_and_revision: str, shown: str = "model") -> str | None:
+    """Why MODEL@REVISION cannot be loaded when MODEL is a local directory: a directory has no revisions (transformers
+    ignores the revision for one, and loaded another copy of it for each revision string a request made up). Refused
+    rather than read as the directory: a client that asks for a revision expects that revision's weights. `@main`, the
+    name transformers gives every model without a revision, is the directory itself."""
+    from ..checkpoints.names import resolve_model
+
+    model, _, revision = model_id_and_revision.partition("@")
+    if revision in ("", "main") or model == "":
+        return None
+    try:
+        _, local = resolve_model(model, name=shown)
+    except UserError:
+        return None  # not a directory: the Hub's revision
+    if local is None:
+        return None
+    return (
+        f"{shown} {model_id_and_revision!r} names a revision of a local directory, which has none: name the "
+        f"directory alone ({model!r})."
+    )
 
 
 def check_loadable(model_id_and_revision: str) -> None:
@@ -96,9 +119,18 @@ def check_model_directory(directory: Path, shown: str, status: int | None, *, to
 def diff_model_manager():
     """transformers' `ModelManager` with what clients rely on: `/v1/models` lists what this server answers for, and a
     model that does not exist or does not load is a 404/400 with one line, at once."""
+    import collections
+    import threading
+
     from transformers.cli.serving.model_manager import ModelManager
 
     class DiffModelManager(ModelManager):
+        def __init__(self, *args, **kwargs):
+            self._room = threading.Lock()  # one new model loads at a time, so the count holds
+            self._uses: collections.OrderedDict[str, None] = collections.OrderedDict()  # least recent first
+            self._uses_lock = threading.Lock()  # requests load from worker threads
+            super().__init__(*args, **kwargs)
+
         def get_gen_models(self, cache_dir=None) -> list[dict]:
             if self.force_model is not None:  # pinned: the one name requests may use
                 names = [self.force_model]
@@ -115,9 +147,26 @@ def diff_model_manager():
             return listed
 
         def load_model_and_processor(self, model_id_and_revision, *args, **kwargs):
-            key = model_id_and_revision if kwargs.get("gguf_file") is None else None
-            if key is not None and key not in self.loaded_models:
-                check_loadable(model_id_and_revision)
+            problem = local_revision_problem(model_id_and_revision)
+            if problem:
+                raise model_http_error(400, problem, param="model")
+            gguf_file = kwargs.get("gguf_file")
+            key = model_id_and_revision if gguf_file is None else f"{model_id_and_revision}:{gguf_file}"
+            if key in self.loaded_models:
+                loaded = self._load(model_id_and_revision, *args, **kwargs)
+            else:
+                if gguf_file is None:
+                    check_loadable(model_id_and_revision)
+                with self._room:
+                    if key not in self.loaded_models:
+                        self._make_room()
+                    loaded = self._load(model_id_and_revision, *args, **kwargs)
+            with self._uses_lock:
+                self._uses[key] = None
+                self._uses.move_to_end(key)
+            return loaded
+
+        def _load(self, model_id_and_revision, *args, **kwargs):
             try:
                 return super().load_model_and_processor(model_id_and_revision, *args, **kwargs)
             except Exception as exc:
@@ -126,6 +175,22 @@ def diff_model_manager():
                 raise model_http_error(
                     400, f"model {display_name(model_id_and_revision)!r} cannot be loaded: {one_line(exc)[:300]}"
                 ) from None
+
+        def _make_room(self) -> None:
+            """Unload the least recently used models until one more fits in --max-loaded-models (transformers holds
+            every model it loaded until --model-timeout passes idle). A request generating with an unloaded model
+            keeps its reference: its memory is freed when that generation ends."""
+            while len(self.loaded_models) >= max_loaded_models:
+                with self._uses_lock:
+                    for key in [key for key in self._uses if key not in self.loaded_models]:
+                        del self._uses[key]  # unloaded after --model-timeout
+                    if not self._uses:
+                        return
+                    victim, _ = self._uses.popitem(last=False)
+                timed = self.loaded_models.get(victim)
+                if timed is not None:
+                    timed.delete_model()  # removes it from loaded_models (transformers' on_unload)
+                    self.loaded_models.pop(victim, None)
 
     return DiffModelManager
 

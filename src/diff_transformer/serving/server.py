@@ -1,7 +1,8 @@
 """transformers' server (`transformers serve`) made into `diff-transformer serve`'s: what clients rely on installed
 where its `Serve` picks it up (`client_facing`: request checks, errors as OpenAI's bodies, models and templates off
-the event loop), every generation bounded (`limit_generation`) and shutdown bounded (`graceful_shutdown`). `install`
-does it all; the package docstring says why each is needed."""
+the event loop, at most --max-queued-requests requests at once: `QueueBound`), every generation bounded
+(`limit_generation`) and shutdown bounded (`graceful_shutdown`). `install` does it all; the package docstring says why
+each is needed."""
 
 import functools
 
@@ -10,6 +11,14 @@ from .models import check_pinned, diff_model_manager, display_name, load_off_the
 
 
 GRACEFUL_SHUTDOWN_S = 5
+# --max-queued-requests: transformers' plain server runs one `generate` at a time per model (its `InferenceThread`
+# takes them first come, first served), so the last of N admitted requests waits for the N - 1 before it: 8 bounds
+# that wait to 7 generations, each bounded by the context and --max-new-tokens-limit.
+MAX_QUEUED_REQUESTS = 8
+MAX_LOADED_MODELS = 4  # --max-loaded-models: transformers only unloads a model after --model-timeout (300 s) idle
+RETRY_AFTER_MAX_S = 60  # OpenAI's client waits for a Retry-After up to 60 s, and backs off on its own above that
+
+_max_queued_requests = MAX_QUEUED_REQUESTS  # what `install` was given
 
 _uvicorn_log_level = None  # --quiet: "warning" (transformers' `Serve` asks uvicorn for "info": a line per request)
 
@@ -93,6 +102,68 @@ def openai_errors(app) -> None:
     app.add_exception_handler(Exception, unforeseen)
 
 
+class QueueBound:
+    """ASGI middleware: at most `limit` POST requests (completions, chat, responses, model loads) in the server at
+    once, from their whole body's arrival to the last byte of their answer (a stream included, and a non-streaming
+    generation whose client left, which runs to its end); one more is answered at once with 429, a Retry-After header
+    (the median time the recent requests took, 1 to 60 s) and OpenAI's error body, instead of waiting behind them.
+
+    Counting requests bounds the queued work: each request's is clamped (`limit_generation`: the context and
+    --max-new-tokens-limit). The count lives on the event loop (one thread), so it needs no lock."""
+
+    def __init__(self, app, limit: int):
+        import collections
+
+        self.app = app
+        self.limit = limit
+        self.in_flight = 0
+        self.recent_seconds = collections.deque(maxlen=16)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        # Counted once its body is in: a client that sends its body slowly holds a connection, not a place.
+        received = []
+        while not received or received[-1]["type"] == "http.request" and received[-1].get("more_body"):
+            received.append(await receive())
+
+        async def replay():
+            return received.pop(0) if received else await receive()
+
+        if received[-1]["type"] != "http.request":  # the client left while sending
+            return await self.app(scope, replay, send)
+        if self.in_flight >= self.limit:
+            return await self.refuse()(scope, replay, send)
+        import time
+
+        self.in_flight += 1
+        start = time.monotonic()
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            self.in_flight -= 1
+            self.recent_seconds.append(time.monotonic() - start)
+
+    def retry_after(self) -> int:
+        import math
+        import statistics
+
+        if not self.recent_seconds:
+            return 1
+        return min(RETRY_AFTER_MAX_S, max(1, math.ceil(statistics.median(self.recent_seconds))))
+
+    def refuse(self):
+        from fastapi.responses import JSONResponse
+
+        seconds = self.retry_after()
+        message = (
+            f"the server is busy: {self.in_flight} requests are in flight, --max-queued-requests {self.limit}; "
+            f"retry after {seconds} s."
+        )
+        error = {"message": message, "type": "requests", "param": None, "code": "rate_limit_exceeded"}
+        return JSONResponse({"error": error}, status_code=429, headers={"Retry-After": str(seconds)})
+
+
 def client_facing() -> None:
     """Install `diff_model_manager`, `check_request`, `load_off_the_loop` and `openai_errors` where transformers'
     `Serve` picks them up (it imports `ModelManager` and `build_server` when it starts, every handler validates
@@ -107,8 +178,12 @@ def client_facing() -> None:
 
         @functools.wraps(build)
         def build_server(*args, **kwargs):
+            from starlette.middleware import Middleware
+
             app = build(*args, **kwargs)
             openai_errors(app)
+            # Innermost of the app's middleware (transformers' request id and CORS headers go on a 429 too).
+            app.user_middleware.append(Middleware(QueueBound, limit=_max_queued_requests))
             return app
 
         build_server._diff_errors = True
@@ -239,15 +314,25 @@ def graceful_shutdown(seconds: float = GRACEFUL_SHUTDOWN_S) -> None:
     uvicorn.Config.__init__ = bounded
 
 
-def install(limit: int | None, quiet: bool, served: tuple[str, ...]) -> None:
-    """All of the above, before transformers' `Serve` starts: the models a `serve A B` server answers for, uvicorn's
-    log level under --quiet, chat templates within bounds, the Diff classes where transformers looks, what clients
-    see, every generation bounded by the context and LIMIT, and a bounded shutdown."""
-    global _uvicorn_log_level
+def install(
+    limit: int | None,
+    quiet: bool,
+    served: tuple[str, ...],
+    *,
+    max_queued_requests: int = MAX_QUEUED_REQUESTS,
+    max_loaded_models: int = MAX_LOADED_MODELS,
+) -> None:
+    """All of the above, before transformers' `Serve` starts: the models a `serve A B` server answers for and how many
+    it holds at once, uvicorn's log level under --quiet, chat templates within bounds, the Diff classes where
+    transformers looks, what clients see, at most MAX_QUEUED_REQUESTS requests at once, every generation bounded by
+    the context and LIMIT, and a bounded shutdown."""
+    global _uvicorn_log_level, _max_queued_requests
     from ..chat_templates import bound_chat_templates
     from . import models
 
     models.served_models = served
+    models.max_loaded_models = max(max_loaded_models, len(served))
+    _max_queued_requests = max_queued_requests
     _uvicorn_log_level = "warning" if quiet else None
     bound_chat_templates()
     models.expose_to_transformers_serve()
