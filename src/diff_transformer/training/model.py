@@ -14,9 +14,14 @@ from .args import parse_train_args
 
 def open_model(args) -> Checkpoint:
     """MODEL opened once for the whole run (`checkpoints.open`: resolved, its config held against its weights, its
-    tokenizer loaded); for a PEFT adapter directory (a --lora run's output), its base is where the model loads from
-    and the run trains the adapter further. A model that is not a Diff model needs --any-model."""
-    checkpoint = open_checkpoint(args.model, getattr(args, "base", None))
+    tokenizer loaded); for a PEFT adapter directory (a --lora run's output), its base is where the model loads from.
+    What the run asks of it is checked by `check_model`, after --output (`run`'s order)."""
+    return open_checkpoint(args.model, getattr(args, "base", None))
+
+
+def check_model(args, checkpoint: Checkpoint) -> None:
+    """An adapter is trained further with its own settings (`continue_adapter`); a model that is not a Diff model
+    needs --any-model."""
     if checkpoint.adapter is not None:
         continue_adapter(args, checkpoint.source)
     config = checkpoint.config
@@ -26,9 +31,6 @@ def open_model(args) -> Checkpoint:
             f"(diff-transformer convert {args.model} OUT), "
             "or pass --any-model to train it as it is (e.g. as a baseline)"
         )
-    if checkpoint.tokenizer is None:
-        raise TrainingError(f"{args.model} has no tokenizer: save one with the model (tokenizer.save_pretrained)")
-    return checkpoint
 
 
 _LORA_OPTIONS = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout"}

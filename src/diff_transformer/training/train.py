@@ -45,7 +45,7 @@ from .chat import ChatCollator, build_chat_datasets, check_chat_template, pad_id
 from .checks import check_args, check_output, report_targets
 from .data import build_datasets
 from .freeze import DiffOnlyCallback
-from .model import load_model, open_model
+from .model import check_model, load_model, open_model
 from .resume import (
     RecordCheckpointCallback,
     check_checkpoint_fits,
@@ -175,10 +175,13 @@ def build_trainer(args, checkpoint: Checkpoint | None = None) -> PreparedRun:
     """Everything `run` needs, without training: the Trainer (model, data, callbacks) for `args`, the checkpoint it
     resumes from and the block size. CHECKPOINT: MODEL opened (`open_model`), when the caller already did."""
     checkpoint = checkpoint or open_model(args)
+    check_model(args, checkpoint)
     block_size = check_args(args, checkpoint.config)
     check_output(args, checkpoint.source)
     resume = resolve_resume(args, block_size)
     tokenizer = checkpoint.tokenizer
+    if tokenizer is None:
+        raise TrainingError(f"{args.model} has no tokenizer: save one with the model (tokenizer.save_pretrained)")
     set_seed(args.seed)  # before the model: LoRA's initialisation draws random numbers
     collator = None  # Trainer's default: it stacks the equal-length blocks
     if args.chat_data:
