@@ -215,6 +215,17 @@ def git_rev() -> str:
         return "unknown"
 
 
+def write_report(data: dict, text: str, json_path: Path | None, md_path: Path | None) -> None:
+    """A run's report: TEXT printed, DATA written as JSON and TEXT as markdown where their paths are given."""
+    import json
+
+    print(text)
+    if json_path:
+        json_path.write_text(json.dumps(data, indent=1) + "\n")
+    if md_path:
+        md_path.write_text(text)
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -72,6 +72,7 @@ from bench_common import (
     provenance,
     recorded_argv,
     rotated,
+    write_report,
 )  # src/ first on sys.path
 
 
@@ -577,12 +578,7 @@ def main(argv=None):
         },
         "rows": rows,
     }
-    text = render(data)
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps(data, indent=2) + "\n")
-    if args.md:
-        args.md.write_text(text)
+    write_report(data, render(data), args.json, args.md)
     return 0
 
 

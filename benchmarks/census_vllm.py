@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vllm import prepare_models  # noqa: E402
 from census import NO_LAUNCH, Census  # noqa: E402
 
-from bench_common import REPO, cpu_name, provenance  # noqa: E402  (src/ first on sys.path)
+from bench_common import REPO, cpu_name, provenance, write_report  # noqa: E402  (src/ first on sys.path)
 
 
 TINY_LLAMA = REPO / "src" / "diff_transformer" / "assets" / "tiny-llama"
@@ -323,12 +323,7 @@ def main(argv=None) -> int:
     meta = dict(provenance(), cpu=cpu_name(), vllm=vllm.__version__, source=source, batch=args.batch)
     meta.update(prompt=args.prompt, steps=args.steps, load_before=load_before, load_after=os.getloadavg()[0])
     data = {"meta": meta, "results": results}
-    report = render(data)
-    print(report)
-    if args.json:
-        args.json.write_text(json.dumps(data, indent=1) + "\n")
-    if args.md:
-        args.md.write_text(report)
+    write_report(data, render(data), args.json, args.md)
     return 0
 
 
