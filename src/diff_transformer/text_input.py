@@ -4,6 +4,9 @@ what JSON or the OS decoder accepts but the tokenizer does not is refused in one
 * A lone surrogate (U+D800-U+DFFF): JSON's `"\\ud800"`, or bytes that are not UTF-8 on stdin or in argv, which
   Python decodes with `surrogateescape`. The Rust tokenizer cannot take it (a TypeError deep inside).
 * An integer literal over Python's 4,300 digits (`sys.get_int_max_str_digits`): `json.loads` raises ValueError.
+
+`whole_number` reads a count typed as text the same way: ASCII digits only ("²" passes `str.isdigit`, then `int`
+fails), within the digits `int` converts.
 """
 
 from __future__ import annotations
@@ -44,6 +47,14 @@ def parse_json_line(line: str, where: str):
         ) from None
     check_strings(value, where)
     return value
+
+
+def whole_number(text: str) -> int | None:
+    """TEXT (ASCII digits) as an int, else None: never the ValueError of `int` on "²" or on too many digits."""
+    limit = _max_digits()  # 0: no limit set
+    if not (text.isascii() and text.isdigit()) or (limit and len(text) > limit):
+        return None
+    return int(text)
 
 
 def _max_digits() -> int:

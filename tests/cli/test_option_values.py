@@ -172,6 +172,26 @@ def test_any_option_value_ends_in_a_result_or_one_line(command, inputs, tmp_path
     check()
 
 
+SERVE_COUNTS = ["--max-new-tokens-limit", "--max-queued-requests", "--max-loaded-models"]
+
+
+@settings(**BASE_SETTINGS)
+@given(option=st.sampled_from(SERVE_COUNTS), value=VALUES | st.sampled_from(["²", "٣", "1" * 5000]))
+def test_any_value_of_serve_s_own_options_is_a_count_or_one_line(option, value):
+    """serve's own options (read before transformers' server starts, so parsed here without starting one): any value
+    is a whole number >= 1 kept as such, or one `UserError` line; never another exception."""
+    from diff_transformer.cli.serve import _own_options
+    from diff_transformer.errors import UserError
+
+    try:
+        _, counts, _, _ = _own_options([f"{option}={value}"])
+    except UserError as error:
+        assert "\n" not in str(error) and option in str(error), error
+        return
+    key = option.removeprefix("--").replace("-", "_")
+    assert counts["limit" if key == "max_new_tokens_limit" else key] == int(value) >= 1
+
+
 CONFIG_VALUES = st.one_of(
     st.sampled_from([None, True, -1, 0, 2**64, 1e-300, 1e308, "8", "", [], {}, [1, 2], {"a": 1}]),
     st.floats(allow_nan=True, allow_infinity=True),

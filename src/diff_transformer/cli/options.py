@@ -118,6 +118,7 @@ def resolve_device(name: str | None = "auto", option: str = "--device") -> str:
     import torch
 
     from ..errors import UserError
+    from ..text_input import whole_number
 
     name = "auto" if name is None else str(name).strip().lower()
     mps = getattr(torch.backends, "mps", None)
@@ -125,7 +126,7 @@ def resolve_device(name: str | None = "auto", option: str = "--device") -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "mps" if mps_available else "cpu"
     kind, _, index = name.partition(":")
-    if kind not in ("cpu", "cuda", "mps") or (index and not (kind == "cuda" and index.isdigit())):
+    if kind not in ("cpu", "cuda", "mps") or (index and not (kind == "cuda" and whole_number(index) is not None)):
         raise UserError(f"{option} {name!r} is not a device: use auto, cpu, cuda, cuda:N or mps.")
     if kind == "cuda":
         if not torch.cuda.is_available():

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from ..errors import UserError, require
+from ..text_input import whole_number
 from .options import output_settings
 
 
@@ -154,9 +155,10 @@ def _own_options(argv: list[str]) -> tuple[list[str], dict, bool, tuple[str, ...
         if option in _COUNTS:
             value = arg.partition("=")[2] if "=" in arg else (argv[index + 1] if index + 1 < len(argv) else "")
             index += 1 if "=" in arg else 2
-            if not value.isdigit() or int(value) < 1:
+            number = whole_number(value)
+            if number is None or number < 1:
                 raise UserError(f"{option} {value!r} must be a whole number >= 1.")
-            counts[_COUNTS[option]] = int(value)
+            counts[_COUNTS[option]] = number
             continue
         rest.append(arg)
         index += 1

@@ -16,6 +16,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from ..checkpoints.configs import read_json
 from ..checkpoints.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 from ..outputs.records import forget_entry, has_flag, proven, record_entry, record_flag, recorded
+from ..text_input import whole_number
 from . import TrainingError
 from .callbacks import RunSettingsCallback
 
@@ -335,7 +336,8 @@ def _diff_versions(checkpoint: Path, model) -> str:
 
 def _step(checkpoint: Path) -> int:
     prefix, _, step = checkpoint.name.rpartition("-")
-    return int(step) if prefix == PREFIX_CHECKPOINT_DIR and step.isdigit() else -1
+    number = whole_number(step) if prefix == PREFIX_CHECKPOINT_DIR else None
+    return -1 if number is None else number
 
 
 def _incomplete(checkpoint: Path) -> str | None:
