@@ -7,14 +7,10 @@ Two variants, selected by `config.diff_version` (docs/design.md has the exact ma
 * V2 (Diff Transformer V2), `DiffAttentionV2`: 2H ordinary query heads share Llama's K/V; head h outputs
   `a_2h - sigmoid(W_λ x)_h a_2h+1`.
 
-Both attend through standard backends from `ALL_ATTENTION_FUNCTIONS` (eager, sdpa, flash, flex, paged): V2 in one
-call per layer, V1 in one call per map (or per map and V half where a kernel needs it, see `DiffAttentionV1`), unless
-the backend has a differential attention function (`differential_attention_function`: one call for the whole
-differential step), as the `diff_transformer` package registers for its CPU paths and V1's fused Triton kernel.
-Module names follow Llama's so Llama tooling (PEFT target modules, TP plans, conversion scripts) applies unchanged.
-
-Only torch, transformers and the sibling configuration file are imported: this file is copied into saved checkpoints
-as Hub custom code, and holds the model only.
+Both attend through the backends of `ALL_ATTENTION_FUNCTIONS` (eager, sdpa, flash, flex, paged), or through a
+backend's differential attention function where one is registered (`differential_attention_function`). Module names
+are Llama's, so Llama tooling (PEFT targets, TP plans, conversion scripts) applies unchanged. Only torch, transformers
+and the sibling configuration are imported: this file is the checkpoints' Hub custom code, the model only.
 """
 
 import copy
@@ -22,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from transformers import initialization as init  # respects `_is_hf_initialized`: loaded weights are kept
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
@@ -56,14 +53,6 @@ except ImportError:  # transformers < 5.23 (vLLM's pins): the int / 1-D forms `g
     def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
         positions = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return hidden_states[:, positions, :]
-
-
-# `transformers.initialization` respects `_is_hf_initialized`, so loaded weights are never overwritten (guarded by
-# tests/model/test_model.py::test_missing_diff_parameters_are_initialised).
-try:
-    from transformers import initialization as init
-except ImportError:  # pragma: no cover - older transformers
-    init = nn.init
 
 
 # ---- Layers ----
@@ -299,18 +288,10 @@ def v1_component_major(pairs: torch.Tensor) -> torch.Tensor:
     return pairs.permute(0, 3, 2, 1, 4).reshape(B, 2 * h, N, d)  # (B, 2h, N, d)
 
 
-def gda_component_major(groups: torch.Tensor) -> torch.Tensor:
-    """Grouped differential attention's query layout (`config.num_noise_heads`), the one place that defines it.
-
-    q_proj's rows hold, per noise group, r signal queries then the group's noise query: (B, N, n, r + 1, d). Every
-    signal head h = j·r + i of group j gets that group's noise query as its q2, so attention sees V1's component-major
-    layout (B, 2H, N, d) = [all q1 | all q2], H = n·r, and every V1 backend, cache and kernel applies unchanged (the
-    noise map is computed once per signal head it serves). With r = 1 this is `v1_component_major`."""
-    return v1_component_major(gda_pairs(groups))  # (B, 2H, N, d)
-
-
 def gda_pairs(groups: torch.Tensor) -> torch.Tensor:
-    """(B, N, n, r + 1, d) -> (B, N, H, 2, d): (q1, q2) per signal head, q2 its group's noise query."""
+    """Grouped differential attention's query layout (`config.num_noise_heads`), the one place that defines it: per
+    noise group q_proj's rows hold r signal queries then the noise query (B, N, n, r + 1, d); signal head h = j·r + i
+    gets its group's noise query as q2, so the (B, N, H, 2, d) pairs take V1's layout and every V1 path."""
     signal, noise = groups[..., :-1, :], groups[..., -1:, :]  # (B, N, n, r, d), (B, N, n, 1, d)
     return torch.stack((signal, noise.expand_as(signal)), dim=-2).flatten(2, 3)  # (B, N, H, 2, d)
 
@@ -326,16 +307,10 @@ def rotary_component_major(pairs: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 
 
 def differential_attention_function(implementation: str) -> Callable | None:
-    """The differential attention function registered for the backend `implementation`, or None.
-
-    The protocol between this model and attention backends that know differential attention: under the key
-    `"differential:" + implementation` of transformers' `AttentionInterface`, a function
-    `f(module, query, key, value, attention_mask, scaling=, differential_lambda=λ, **kwargs)` computes a layer's
-    (A1 - λ A2) V in one call and returns `(output, None)`, or None where it does not apply (the layer then attends
-    through the backend's plain calls). V1: query (B, 2H, N, d) = [q1 | q2], key and value (B, 2H_kv, L, d) = [k1 | k2]
-    and v's two halves, λ () -> (B, N, H, 2d); V2: query (B, 2H, N, d), key and value (B, H_kv, L, d), λ (B, N, H) ->
-    (B, N, H, d). The diff_transformer package registers its CPU paths and V1's fused kernel this way; loaded as Hub
-    custom code without it, nothing is registered and every layer takes the plain path."""
+    """The function registered under `"differential:" + implementation` in `AttentionInterface`, or None (then the
+    backend's plain calls). `f(module, query, key, value, attention_mask, scaling=, differential_lambda=λ, **kwargs)`
+    returns `((A1 - λ A2) V, None)`, or None where it does not apply. V1: query (B, 2H, N, d) = [q1 | q2], key/value
+    (B, 2H_kv, L, d), λ () -> (B, N, H, 2d); V2: key/value (B, H_kv, L, d), λ (B, N, H) -> (B, N, H, d)."""
     return ALL_ATTENTION_FUNCTIONS.get(f"differential:{implementation}")
 
 
@@ -356,13 +331,10 @@ def v1_attention_forward(
     output_from_map: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(A1 - λ A2) V as (B, N, H, 2d) through a standard backend's calls, and the differential map A1 - λ A2 when the
-    backend returns maps. queries (B, 2, H, N, d) = [q1 | q2], keys (B, 2, H_kv, L, d) = [k1 | k2], values
-    (B, 2, H_kv, L, d) = the two d-wide halves of v; λ a () fp32 scalar. Every call sees one map's q_c and k_c only:
-    one call per map with V 2d wide, or with `split_value` one per map and per V half (flash kernels need V as wide
-    as q and k; decoding attends on the cache's halves as they sit instead of copying them into a 2d-wide V).
-    `output_from_map` (eager): compute the output from the returned map, as Llama's eager attention does, so maps
-    are on the gradient path."""
+    """(A1 - λ A2) V (B, N, H, 2d) through a backend's plain calls, and the map A1 - λ A2 where it returns maps.
+    queries (B, 2, H, N, d) = [q1 | q2], keys (B, 2, H_kv, L, d) = [k1 | k2], values (B, 2, H_kv, L, d) = v's halves,
+    λ () fp32. One call per map with V 2d wide, or with `split_value` per map and V half (flash kernels; decoding
+    reads the cache's halves in place). `output_from_map` (eager): the output from the map, as Llama's eager."""
 
     def attend(query, key, value):  # one standard call: (B, N, H, width of value), map or None
         return attention_interface(
@@ -435,11 +407,9 @@ class DiffAttentionV1(DiffAttention):
         key = rotary_component_major(key, cos, sin)  # (B, 2H_kv, N, d): [k1 | k2]
 
         implementation = self.config._attn_implementation
-        # Relies on: transformers' continuous batching passing its `PagedAttentionCache` to the attention function as
-        # kwarg `cache`, and the paged functions ("paged|sdpa", "paged|eager", ...) updating it on every call. V1 makes
-        # several calls per layer, so it writes the cache once here and hands every call the keys it returns. Guarded
-        # by tests/model/test_generation.py::test_continuous_batching_matches_generate and
-        # tests/cli/test_serving.py::test_continuous_batching_matches_generate.
+        # Relies on: continuous batching passing its `PagedAttentionCache` as kwarg `cache` to the paged functions,
+        # which update it on every call; V1 calls twice or more, so it writes once here. Guarded by
+        # test_continuous_batching_matches_generate (tests/model/test_generation.py, tests/cli/test_serving.py).
         paged_cache = kwargs.pop("cache", None)
         if paged_cache is not None:
             key, value = paged_cache.update(
@@ -673,11 +643,7 @@ class DiffPreTrainedModel(_PreTrainedModelHooks, PreTrainedModel):  # hooks: see
 # Mirrors transformers.models.llama.modeling_llama.LlamaModel
 class DiffModel(DiffPreTrainedModel):
     """The bare decoder: embeddings, `config.num_hidden_layers` `DiffDecoderLayer`s (Llama's, with differential
-    attention: `DiffAttentionV1` or `DiffAttentionV2` by `config.diff_version`) and the final RMSNorm.
-
-    Args:
-        config: the model's configuration.
-    """
+    attention: `DiffAttentionV1` or `DiffAttentionV2` by `config.diff_version`) and the final RMSNorm."""
 
     def __init__(self, config: DiffConfig):
         super().__init__(config)
@@ -743,12 +709,7 @@ class DiffModel(DiffPreTrainedModel):
 # diff with Llama: hooks; no `_fsdp_plan` yet (Llama's keeps lm_head's full weight under FSDP2)
 class DiffForCausalLM(_GenerationHooks, DiffPreTrainedModel, GenerationMixin):  # hooks: see "Integration hooks"
     """`DiffModel` with a language-modelling head (tied to the embeddings when `config.tie_word_embeddings`), for
-    training and `generate` (every decoding strategy and cache transformers has, continuous batching included).
-
-    Args:
-        config: the model's configuration.
-
-    """
+    training and `generate` (every decoding strategy and cache transformers has, continuous batching included)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -799,10 +760,6 @@ class DiffForCausalLM(_GenerationHooks, DiffPreTrainedModel, GenerationMixin):  
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
-
-
-# Task heads, as Llama's: transformers' generic heads over `DiffModel` (`self.model`). Sequence classification scores
-# the last token that is not `config.pad_token_id` (left or right padding). Hooks: see "Integration hooks".
 
 
 # Mirrors transformers.models.llama.modeling_llama.LlamaForSequenceClassification

@@ -536,3 +536,24 @@ def test_v1_decoding_computes_lambda_once_per_generation(monkeypatch):
     calls.clear()
     model.train()(ids, labels=ids).loss.backward()  # with gradients: computed at every call, on the graph
     assert len(calls) == layers and model.model.layers[0].self_attn.diff_lambda.lambda_q1.grad is not None
+
+
+def test_the_model_file_holds_the_model_only():
+    """Issue "Codebase 4": the checkpoint's custom code is the model: it imports only torch, transformers and its
+    configuration, defines no autograd.Function (kernels and their backward live in integrations/), and stays near
+    Llama's size (at most 800 lines)."""
+    import ast
+
+    import diff_transformer.modeling_diff as modeling
+
+    source = open(modeling.__file__, encoding="utf-8").read()
+    tree = ast.parse(source)
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {
+        ("." * node.level) + (node.module or "") for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+    }
+    allowed = ("torch", "transformers", "copy", "collections", ".configuration_diff")
+    assert [name for name in imported if not name.startswith(allowed)] == []
+    bases = [ast.unparse(base) for node in ast.walk(tree) if isinstance(node, ast.ClassDef) for base in node.bases]
+    assert not [base for base in bases if "autograd" in base or base == "Function"]
+    assert len(source.splitlines()) <= 800

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ..modeling_diff import gda_component_major, v1_component_major
+from ..modeling_diff import gda_pairs, v1_component_major
 
 
 SUPPORTED_MODEL_TYPES = ("diff", "diffllama", "llama")
@@ -162,7 +162,8 @@ def _layer_maps(kind: str, module, hidden_states, position_embeddings, allowed) 
             H = query.shape[2] // 2
             query = v1_component_major(query.view(B, N, H, 2, d))  # (B, 2H, N, d): [q1 | q2]
         else:  # GDA: per noise group, r signal queries then the noise query; q2 of each signal head is its group's
-            query = gda_component_major(query.view(B, N, -1, module.num_heads // noise_heads + 1, d))  # (B, 2H, N, d)
+            groups = query.view(B, N, -1, module.num_heads // noise_heads + 1, d)  # (B, N, n, r + 1, d)
+            query = v1_component_major(gda_pairs(groups))  # (B, 2H, N, d)
             H = query.shape[1] // 2
         key = v1_component_major(key.view(B, N, H_kv, 2, d))  # (B, 2H_kv, N, d): [k1 | k2]
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
