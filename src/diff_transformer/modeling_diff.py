@@ -229,7 +229,7 @@ class DiffAttentionV2(DiffAttention):
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
         lam = self.diff_lambda(hidden_states)  # (B, N, H)
-        differential = differential_attention_function(self.config._attn_implementation)
+        differential = differential_attention_function(self.config._attn_implementation, hidden_states.device)
         if differential is not None:
             result = differential(
                 self,
@@ -306,12 +306,14 @@ def rotary_component_major(pairs: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return (rotate_half(heads) * sin + heads * cos).reshape(B, 2 * h, N, d)  # (B, 2h, N, d)
 
 
-def differential_attention_function(implementation: str) -> Callable | None:
-    """The function registered under `"differential:" + implementation` in `AttentionInterface`, or None (then the
-    backend's plain calls). `f(module, query, key, value, attention_mask, scaling=, differential_lambda=λ, **kwargs)`
-    returns `((A1 - λ A2) V, None)`, or None where it does not apply. V1: query (B, 2H, N, d) = [q1 | q2], key/value
+def differential_attention_function(implementation: str, device: torch.device | None = None) -> Callable | None:
+    """The function registered in `AttentionInterface` as `"differential:<implementation>:<device.type>"` (for one
+    kind of device) or else `"differential:<implementation>"`, or None (the backend's plain calls).
+    `f(module, query, key, value, attention_mask, scaling=, differential_lambda=λ, **kwargs)` returns
+    `((A1 - λ A2) V, None)`, or None where it does not apply. V1: query (B, 2H, N, d) = [q1 | q2], key/value
     (B, 2H_kv, L, d), λ () -> (B, N, H, 2d); V2: key/value (B, H_kv, L, d), λ (B, N, H) -> (B, N, H, d)."""
-    return ALL_ATTENTION_FUNCTIONS.get(f"differential:{implementation}")
+    key = f"differential:{implementation}"
+    return ALL_ATTENTION_FUNCTIONS.get(f"{key}:{device.type}" if device else key) or ALL_ATTENTION_FUNCTIONS.get(key)
 
 
 def needs_equal_head_sizes(implementation: str) -> bool:
@@ -322,9 +324,9 @@ def needs_equal_head_sizes(implementation: str) -> bool:
 def v1_attention_forward(
     module: nn.Module,
     attention_interface: Callable,
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     lam: torch.Tensor,
     attention_mask: torch.Tensor | None,
     split_value: bool = False,
@@ -332,30 +334,38 @@ def v1_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(A1 - λ A2) V (B, N, H, 2d) through a backend's plain calls, and the map A1 - λ A2 where it returns maps.
-    queries (B, 2, H, N, d) = [q1 | q2], keys (B, 2, H_kv, L, d) = [k1 | k2], values (B, 2, H_kv, L, d) = v's halves,
-    λ () fp32. One call per map with V 2d wide, or with `split_value` per map and V half (flash kernels; decoding
-    reads the cache's halves in place). `output_from_map` (eager): the output from the map, as Llama's eager."""
+    query (B, 2H, N, d) = [q1 | q2], key (B, 2H_kv, L, d) = [k1 | k2], value (B, 2H_kv, L, d) = v's halves (uncached:
+    v_proj's (B, L, H_kv, 2, d)), λ () fp32. One call for both maps with V 2d wide, or with `split_value` one per map
+    and V half (flash kernels; decoding reads the cache's halves in place). `output_from_map` (eager): the output
+    from the map, as Llama's."""
+    halves = value.transpose(1, 2) if value.dim() == 5 else value.unflatten(1, (2, -1)).permute(0, 2, 3, 1, 4)
+    B, H_kv, L, _, d = halves.shape  # (B, H_kv, L, 2, d): a view; the paged cache packs all sequences in one row
 
-    def attend(query, key, value):  # one standard call: (B, N, H, width of value), map or None
+    def attend(query, key, value):  # one standard call: (B, N, heads, width of value), map or None
         return attention_interface(
             module, query, key, value, attention_mask, dropout=0.0, scaling=module.scaling, **kwargs
         )
 
-    # unbind, not indexing: its backward is one stack, where each index's is a zero-filled copy and their sum an add
-    queries, keys, values = queries.unbind(1), keys.unbind(1), values.unbind(1)
-    if split_value:
+    if split_value:  # unbind, not indexing: its backward is one stack, each index's a zero-filled copy
+        queries, keys = query.unflatten(1, (2, -1)).unbind(1), key.unflatten(1, (2, -1)).unbind(1)  # per map
+        values = halves.unbind(3)  # (B, H_kv, L, d) per half
         outputs = [  # per map c: (B, N, H, 2d)
             torch.cat([attend(queries[c], keys[c], values[v])[0] for v in (0, 1)], dim=-1) for c in (0, 1)
         ]
-        maps = [None, None]
-    else:
-        wide_value = torch.cat(values, dim=-1)  # (B, H_kv, L, 2d)
-        outputs, maps = zip(*(attend(queries[c], keys[c], wide_value) for c in (0, 1)))  # (B, N, H, 2d), map
+        return torch.addcmul(outputs[0], outputs[1], lam, value=-1), None  # (B, N, H, 2d)
 
-    attn_weights = None if maps[0] is None else maps[0] - lam.to(maps[0].dtype) * maps[1]  # (B, H, N, L)
-    if attn_weights is not None and output_from_map:
-        return _output_from_map(attn_weights, wide_value), attn_weights  # (B, N, H, 2d)
-    return torch.addcmul(outputs[0], outputs[1], lam, value=-1), attn_weights  # (B, N, H, 2d): a () λ keeps its dtype
+    # Both maps in one call, as V2 makes: 2H query heads [q1 | q2] over 2H_kv key heads [k1 | k2], each group's 2d-wide
+    # v_g on both sides, so the backend's GQA mapping pairs q_c of head h with k_c and v_g of its group.
+    wide = halves.unsqueeze(1).expand(B, 2, H_kv, L, 2, d)  # (B, 2, H_kv, L, 2, d): a view
+    output, maps = attend(query, key, wide.reshape(B, 2 * H_kv, L, 2 * d))  # (B, N, 2H, 2d), (B, 2H, N, L)
+    first, second = output.unflatten(2, (2, -1)).unbind(2)  # (B, N, H, 2d) each
+    if maps is None:
+        return torch.addcmul(first, second, lam, value=-1), None  # (B, N, H, 2d): a () λ keeps its dtype
+    first_map, second_map = maps.unflatten(1, (2, -1)).unbind(1)  # (B, H, N, L) each
+    attn_weights = first_map - lam.to(maps.dtype) * second_map  # (B, H, N, L)
+    if output_from_map:
+        return _output_from_map(attn_weights, halves.flatten(-2)), attn_weights  # (B, N, H, 2d)
+    return torch.addcmul(first, second, lam, value=-1), attn_weights
 
 
 class DiffAttentionV1(DiffAttention):
@@ -400,7 +410,7 @@ class DiffAttentionV1(DiffAttention):
             group_shape = (B, N, -1, self.num_heads // self.num_noise_heads + 1, self.head_dim)
             query = gda_pairs(self.q_norm(self.q_proj(hidden_states).view(group_shape)))  # (B, N, H, 2, d)
         key = self.k_norm(self.k_proj(hidden_states).view(pair_shape))  # (B, N, H_kv, 2, d)
-        value = v1_component_major(self.v_proj(hidden_states).view(pair_shape))  # (B, 2H_kv, N, d): v halves
+        value = self.v_proj(hidden_states).view(pair_shape)  # (B, N, H_kv, 2, d): v_g's two d-wide halves
 
         cos, sin = position_embeddings
         query = rotary_component_major(query, cos, sin)  # (B, 2H, N, d): [q1 | q2]
@@ -411,6 +421,9 @@ class DiffAttentionV1(DiffAttention):
         # which update it on every call; V1 calls twice or more, so it writes once here. Guarded by
         # test_continuous_batching_matches_generate (tests/model/test_generation.py, tests/cli/test_serving.py).
         paged_cache = kwargs.pop("cache", None)
+        differential = None if paged_cache else differential_attention_function(implementation, query.device)
+        if paged_cache is not None or past_key_values is not None or differential is not None:
+            value = v1_component_major(value)  # (B, 2H_kv, N, d): what caches hold and differential functions take
         if paged_cache is not None:
             key, value = paged_cache.update(
                 key_states=key, value_states=value, layer_idx=self.layer_idx, kwargs=kwargs
@@ -419,7 +432,6 @@ class DiffAttentionV1(DiffAttention):
         elif past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         lam = self.generation_lambda(past_key_values, N)  # () fp32
-        differential = None if paged_cache is not None else differential_attention_function(implementation)
         result = None
         if differential is not None:
             result = differential(
@@ -429,19 +441,10 @@ class DiffAttentionV1(DiffAttention):
             attn_output, attn_weights = result
         else:
             attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-            H, H_kv, d = query.shape[1] // 2, key.shape[1] // 2, self.head_dim
-            batch, L = key.shape[0], key.shape[2]  # the paged cache packs every sequence into one batch row
+            split_value = needs_equal_head_sizes(implementation) or (N == 1 and implementation != "eager")
+            from_map = self.config._attn_implementation == "eager"
             attn_output, attn_weights = v1_attention_forward(
-                self,
-                attention_interface,
-                query.view(B, 2, H, N, d),  # [q1 | q2] of every head
-                key.view(batch, 2, H_kv, L, d),  # [k1 | k2] of every group
-                value.view(batch, 2, H_kv, L, d),  # [first | second] d-wide half of v_g
-                lam,
-                attention_mask,
-                split_value=needs_equal_head_sizes(implementation) or (N == 1 and implementation != "eager"),
-                output_from_map=self.config._attn_implementation == "eager",
-                **kwargs,
+                self, attention_interface, query, key, value, lam, attention_mask, split_value, from_map, **kwargs
             )  # (B, N, H, 2d), (B, H, N, L) or None
 
         attn_output = self.subln(attn_output, 1.0 - self.lambda_init)  # (B, N, H, 2d): RMSNorm·(1 - λ_init)

@@ -259,8 +259,55 @@ def test_cpu_strategy_only_where_it_applies(monkeypatch):
     monkeypatch.setattr(cpu, "BLOCKED_SCORE_BUDGET", 4 * 64 * 8)  # 4 heads x 64 keys x 8 rows: under 16 rows
     with torch.no_grad():
         assert select(query) is padded
-    assert differential_attention_function("sdpa") is cpu.cpu_differential_attention
-    assert differential_attention_function("diff_map_first") is cpu.map_first_differential_attention
-    assert differential_attention_function("diff_triton") is not None
+    on_cpu, on_gpu = torch.device("cpu"), torch.device("meta")  # meta: the code path of a GPU
+    assert differential_attention_function("sdpa", on_cpu) is cpu.cpu_differential_attention
+    assert differential_attention_function("sdpa", on_gpu) is None  # the plain calls, V's halves as a view
+    assert differential_attention_function("diff_map_first", on_cpu) is cpu.map_first_differential_attention
+    assert differential_attention_function("diff_triton", on_gpu) is not None
     for plain in ("eager", "flash_attention_2", "flex_attention", "paged|eager"):
-        assert differential_attention_function(plain) is None
+        assert differential_attention_function(plain, on_cpu) is None
+
+
+def without_differential_functions(monkeypatch):
+    """A GPU's code path with sdpa: no differential attention function, every V1 layer makes its plain calls."""
+    import diff_transformer.modeling_diff as modeling
+
+    monkeypatch.setattr(modeling, "differential_attention_function", lambda *args: None)
+
+
+@pytest.mark.parametrize("heads,kv_heads,hidden,head_dim", GQA_CASES)
+@pytest.mark.parametrize("grouped_noise", [False, True], ids=["v1", "grouped-noise"])
+def test_v1_plain_sdpa_calls_match_reference(heads, kv_heads, hidden, head_dim, grouped_noise, monkeypatch):
+    """V1 through sdpa's plain calls (a GPU's path): both maps in one call over V's halves (uncached: v_proj's output
+    as a view; cached: the cache's), and decoding's per-half calls, every GQA grouping, against the reference."""
+    without_differential_functions(monkeypatch)
+    noise_heads = kv_heads if grouped_noise else None
+    model = gqa_model(1, heads, kv_heads, hidden, head_dim, attn_implementation="sdpa", num_noise_heads=noise_heads)
+    ids = torch.randint(3, 97, (2, 9))
+    with torch.no_grad():
+        uncached = model(ids, use_cache=False).logits
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert_logits_match_reference(model, ids, uncached)
+    steps = torch.stack(out.logits, dim=1)  # (2, 4, V): the cached prefill's last position, then each decode step
+    assert_logits_match_reference(model, out.sequences, steps, positions=slice(ids.shape[1] - 1, -1))
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 1)])
+def test_v1_plain_sdpa_training_has_the_cpu_paths_gradients(heads, kv_heads, monkeypatch):
+    """A training step's loss and every parameter's gradient through sdpa's plain calls (one call for both maps, V's
+    halves a view of v_proj's output) equal those through the CPU path's flash kernel (the padded strategy)."""
+    model = tiny_model(1, attn_implementation="sdpa", num_attention_heads=heads, num_key_value_heads=kv_heads).train()
+    ids = torch.randint(3, 97, (2, 13))
+    monkeypatch.setattr(cpu, "select_cpu_strategy", lambda *a, **k: CpuStrategy.PADDED_WIDE_VALUE)
+    results = []
+    for plain in (False, True):
+        if plain:
+            without_differential_functions(monkeypatch)
+        model.zero_grad()
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (loss_cpu, grads_cpu), (loss_plain, grads_plain) = results
+    torch.testing.assert_close(loss_plain, loss_cpu, rtol=0, atol=1e-5)
+    for name, grad in grads_cpu.items():
+        torch.testing.assert_close(grads_plain[name], grad, rtol=1e-4, atol=1e-5, msg=name)

@@ -86,7 +86,7 @@ INTENDED = {
         "+ heads = heads * cos.unsqueeze(2) + rotate_half(heads) * sin.unsqueeze(2)",
         "+ query_states, key_states = heads.transpose(1, 2).split(...",
         "+ lam = self.diff_lambda(hidden_states)",
-        "+ differential = differential_attention_function(self.config._attn_implementation)",
+        "+ differential = differential_attention_function(self.config._attn_implementation, hidden_states.device)",
         "+ if differential is not None:",
         "+ result = ...",
         "+ if result is not None:",

@@ -1,18 +1,18 @@
 """The attention backends the package adds to transformers' `AttentionInterface`, registered in one place
 (`register_attention_backends`, run by `import diff_transformer`):
 
-* `"differential:sdpa"`: the differential attention function of transformers' default backend, sdpa: the CPU paths
-  of `cpu_attention` (elsewhere None: the layer's plain sdpa calls).
+* `"differential:sdpa:cpu"`: the differential attention function of transformers' default backend, sdpa, on CPU:
+  the CPU paths of `cpu_attention` (other devices have none: the layer's plain sdpa calls, on the layout they want).
 * `"diff_map_first"`: sdpa, with V2's differential map formed before V in eval mode too (CPU, fp32; opt-in: logits
   then differ from the fused call's in the last bits).
 * `"diff_triton"`: V1's fused Triton kernel (`diff_transformer.kernels`) where it runs (CUDA with triton), else
   what "sdpa" does. Every call without a λ (V2 layers, any other model) is plain sdpa, so a model set to it runs on
   any machine.
 
-The model file asks for a backend's differential attention function under `"differential:" + name`
-(`modeling_diff.differential_attention_function`); each name is also registered as a plain backend (its calls without
-a λ are sdpa's) and with sdpa's mask builder, so it works in `from_pretrained`, `from_config` and
-`set_attn_implementation` like any backend.
+The model file asks for a backend's differential attention function under `"differential:<name>:<device type>"`,
+else `"differential:<name>"` (`modeling_diff.differential_attention_function`); each name is also registered as a
+plain backend (its calls without a λ are sdpa's) and with sdpa's mask builder, so it works in `from_pretrained`,
+`from_config` and `set_attn_implementation` like any backend.
 """
 
 import torch
@@ -77,4 +77,4 @@ def register_attention_backends() -> None:
         if name != "sdpa":
             AttentionInterface.register(name, plain_sdpa)
             AttentionMaskInterface.register(name, sdpa_mask)
-        AttentionInterface.register(f"differential:{name}", differential)
+        AttentionInterface.register(f"differential:{name}{':cpu' if name == 'sdpa' else ''}", differential)

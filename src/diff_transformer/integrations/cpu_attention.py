@@ -1,6 +1,7 @@
 """Differential attention on CPU: the package's differential attention functions for `attn_implementation="sdpa"`
 (transformers' default) and `"diff_map_first"`, registered with transformers' `AttentionInterface` under the keys
-the model file asks for (`modeling_diff.differential_attention_function`: `"differential:" + implementation`).
+the model file asks for (`modeling_diff.differential_attention_function`: `"differential:sdpa:cpu"`, for CPU only,
+and `"differential:diff_map_first"`).
 
 A Diff layer calls such a function once, with both maps' queries and keys and its λ (`differential_lambda`):
 
