@@ -18,7 +18,6 @@ Each is scored on BLOCKS blocks of 256 tokens (bos first), spread evenly over th
 from __future__ import annotations
 
 import argparse
-import functools
 import inspect
 import json
 import math
@@ -82,6 +81,12 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=16, help="calibration blocks")
     parser.add_argument("--prior", choices=("zero", "source"), default="zero", help="what the ridge shrinks o_proj to")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--steady-value",
+        type=float,
+        default=0.0,
+        help="expanded: the steady second value half, k x the first (the converter's default: 10; 0: none)",
+    )
     parser.add_argument("--results", default="experiments/v1_calibration/results/step0.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -103,6 +108,8 @@ def main() -> None:
         "blocks": args.blocks,
         "seed": args.seed,
     }
+    if args.steady_value:
+        key["steady_value"] = args.steady_value
     results = Path(args.results)
     done = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
     if any(row["config"] == key for row in done):
@@ -119,14 +126,15 @@ def main() -> None:
 
     original = calibrate.calibrate_v1_start
     options = dict(ridges=ridges, heldout=args.heldout, shrink_to_source=args.prior == "source")
+    options["steady_value"] = args.steady_value  # 0: the plain start of rows recorded without the key
     fitted = {}
 
     def keep(*a, **k):
-        start = original(*a, **k)
+        start = original(*a, **{**k, **options})  # this configuration's options over the converter's defaults
         fitted["start"] = start
         return start
 
-    calibrate.calibrate_v1_start = functools.partial(keep, **options)
+    calibrate.calibrate_v1_start = keep
     sample = calibrate.sample_calibration_blocks
 
     def cached(path, num_blocks, block_size, seed):  # the same blocks for every configuration of one seed

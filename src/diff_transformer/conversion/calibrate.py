@@ -78,6 +78,8 @@ class CalibrationPlan:
 
 
 RIDGE = 1e-4
+# Expanded layout: the steady second value half's norm, as a multiple of the first half's (`_steady_second_half`).
+STEADY_VALUE = 10.0
 
 
 def least_squares_projection(
@@ -301,6 +303,7 @@ class CalibratedStart:
     lambda_q2: dict[int, torch.Tensor]
     ridges: list[float] = ()
     heldout_loss: dict | None = None  # {"source", "converted": mean loss, "tokens"} on the plan's held-out blocks
+    value_weights: dict | None = None  # expanded, `steady_value`: {layer: v_proj weight (2 H_kv d, D)}
 
 
 # The λ values tried per layer when λ is fitted: 0.05 apart, from −1 to 0.5 (additive start), or from 0.1 to 0.5
@@ -368,6 +371,7 @@ def calibrate_v1_start(
     heldout: int = 0,
     refit: bool = True,
     shrink_to_source: bool = False,
+    steady_value: float = 0.0,
 ) -> CalibratedStart:
     """Least-squares output projections of every layer, fitted in layer order (see the module docstring). With
     `lambda_grid`, each layer's λ is also chosen from it, the one whose fit leaves the smallest residual, and set
@@ -399,11 +403,15 @@ def calibrate_v1_start(
             eval_v1 = embedding[plan.heldout_blocks].float()  # (B', L', D)
             eval_source = eval_v1.clone()
         del embedding
-        weights, residuals, lambdas, q2, chosen_ridges = {}, [], {}, {}, []
+        weights, residuals, lambdas, q2, chosen_ridges, values = {}, [], {}, {}, [], {}
         for layer_idx in range(geometry.num_layers):
             layer = _load_layer(DiffDecoderLayer, config, layer_idx, layer_names[layer_idx], reader, tensor_map)
             attn = layer.self_attn
             scale = 1.0 - float(config.lambda_init_for_layer(layer_idx))
+            if expanded and steady_value:
+                values[layer_idx] = _steady_second_half(
+                    attn, layer.input_layernorm(hidden), position_embeddings, steady_value, micro_batch
+                )
             maps = [
                 _map_outputs(attn, layer.input_layernorm(chunk), position_embeddings)
                 for chunk in hidden.split(micro_batch)
@@ -444,7 +452,29 @@ def calibrate_v1_start(
                 eval_v1 = _layer_output(layer, eval_v1, eval_positions)
             del layer
         quality = _heldout_losses(reader, source, geometry, config, eval_source, eval_v1, plan) if scored else None
-    return CalibratedStart(weights, residuals, lambdas, q2, chosen_ridges, quality)
+    return CalibratedStart(weights, residuals, lambdas, q2, chosen_ridges, quality, values or None)
+
+
+def _steady_second_half(attn, normed: torch.Tensor, position_embeddings, ratio: float, micro_batch: int):
+    """Expanded layout: channel 0 of each group's second value half reads x along u = C⁻¹m (m, C: the mean and
+    covariance of the layer's normalised input x over the calibration tokens), the direction whose projection varies
+    least against its mean, scaled to RATIO times the first half's mean norm. Its maps' average is then nearly the
+    same at every token, so subln's per-head divisor is nearly constant and the normalised first half nearly linear
+    in the source head's output. Returns the new v_proj weight (set in ATTN too)."""
+    flat = normed.reshape(-1, normed.shape[-1]).double()  # (tokens, D)
+    mean, cov = flat.mean(0), torch.cov(flat.T)
+    cov = cov + 1e-3 * cov.diagonal().mean() * torch.eye(cov.shape[0], dtype=cov.dtype)
+    direction = torch.linalg.solve(cov, mean)
+    direction = direction / direction.norm()
+    projection = flat @ direction  # (tokens,): nearly constant
+    d, groups = attn.head_dim, attn.num_key_value_heads
+    weight = attn.v_proj.weight.detach().clone()  # (2 H_kv d, D): per group [first half | second half]
+    first = weight.view(groups, 2, d, -1)[:, 0].double()  # (H_kv, d, D)
+    first_norm = torch.einsum("gjD,tD->tgj", first, flat).norm(dim=-1).mean(0)  # (H_kv,) mean |v1| per token
+    scale = ratio * first_norm / projection.abs().mean()  # (H_kv,)
+    weight.view(groups, 2, d, -1)[:, 1, 0] = (scale[:, None] * direction[None]).to(weight.dtype)
+    attn.v_proj.weight.copy_(weight)
+    return weight
 
 
 def _source_layer_output(layer, hidden: torch.Tensor, position_embeddings, source_o_proj, fitted: int):

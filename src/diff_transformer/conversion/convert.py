@@ -580,7 +580,7 @@ def _check_v1_init(expected: Family, diff_version: int, v1_init: str | None, cal
 def _calibrate(source, config, tensor_map, options: ConvertOptions) -> None:
     """Refit V1's o_proj (and choose λ) on calibration data (conversion/calibrate.py); record how, and the step-0
     perplexity on the data's held-out part, in the provenance."""
-    from .calibrate import ADDITIVE_GRID, DIFFERENTIAL_GRID, calibrate_v1_start, plan_calibration
+    from .calibrate import ADDITIVE_GRID, DIFFERENTIAL_GRID, STEADY_VALUE, calibrate_v1_start, plan_calibration
 
     v1_init = options.v1_init
     plan = plan_calibration(
@@ -594,8 +594,12 @@ def _calibrate(source, config, tensor_map, options: ConvertOptions) -> None:
     )
     expanded = isinstance(tensor_map, LlamaToV1Expanded)
     grid = None if expanded else {"calibrated": DIFFERENTIAL_GRID, "calibrated-additive": ADDITIVE_GRID}.get(v1_init)
-    start = calibrate_v1_start(source, config, tensor_map.geometry, tensor_map, plan, lambda_grid=grid)
+    steady = STEADY_VALUE if expanded else 0.0
+    start = calibrate_v1_start(
+        source, config, tensor_map.geometry, tensor_map, plan, lambda_grid=grid, steady_value=steady
+    )
     tensor_map.output_weights = start.output_weights
+    tensor_map.value_weights = start.value_weights
     tensor_map.lambda_q2 = start.lambda_q2 or None
     if expanded:
         lambda_text = (
@@ -617,6 +621,13 @@ def _calibrate(source, config, tensor_map, options: ConvertOptions) -> None:
         "subln": (
             "unit gains; o_proj refitted per layer, in layer order, by least squares so that o_proj(y/rms(y)) ≈ the "
             "source's attention output"
+            + (
+                f"; channel 0 of each value group's second half reads the input along its steadiest direction, "
+                f"{steady:g}x the first half's norm, so rms(y) is nearly the same at every token and y/rms(y) "
+                "nearly linear in the source head's output"
+                if steady
+                else ""
+            )
         ),
         "calibration_text": plan.description,
         "calibration_tokens": list(plan.blocks.shape),

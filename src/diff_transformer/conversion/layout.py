@@ -337,6 +337,10 @@ class LlamaToV1Expanded(LlamaToV1):
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + 500_009 + layer)
             scale = 0.01 * float(tensor.float().std()) if tensor.numel() > 1 else 0.0
             second = torch.randn(first.shape, generator=generator, dtype=torch.float32).mul_(scale).to(tensor.dtype)
+            steady = getattr(self, "value_weights", None)
+            if steady and kind == "weight":  # the calibration's steady second half (calibrate._steady_second_half)
+                yield name, steady[layer].to(tensor.dtype)
+                return
             yield name, torch.cat((first, second), dim=1).reshape(2 * g.num_kv_heads * d, *rest)
         elif proj == "o_proj" and kind == "weight":
             columns = tensor.reshape(tensor.shape[0], g.num_heads, 1, d)  # (D, H, 1, d)
