@@ -343,3 +343,49 @@ def test_smollm2_converts_to_a_differential_v1_close_to_its_source(tmp_path, cap
     for name, (text, bound) in texts.items():
         original = heldout_perplexity(llama, tokenizer, text, max_tokens=2040)
         assert converted[name] / original <= bound, (name, converted[name], original)
+
+
+def _subln_divisor_spread(path) -> float:
+    """Mean over layers and heads of the coefficient of variation, over held-out tokens, of subln's divisor rms(y)
+    (y: a head's 2d-wide pre-norm output)."""
+    model = DiffForCausalLM.from_pretrained(path).eval()
+    spreads = []
+
+    def record(module, args):
+        rms = args[0].float().pow(2).mean(-1).sqrt()  # (B, N, H)
+        spreads.append((rms.std(dim=(0, 1)) / rms.mean(dim=(0, 1))).mean().item())
+
+    for layer in model.model.layers:
+        layer.self_attn.subln.register_forward_pre_hook(record)
+    tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA)
+    ids = tokenizer((ASSETS / "heldout.txt").read_text(encoding="utf-8")[:20000], return_tensors="pt").input_ids
+    with torch.no_grad():
+        model(ids[:, :512])
+    return sum(spreads) / len(spreads)
+
+
+def test_expanded_start_reads_a_steady_second_value_half(shipped, tmp_path, monkeypatch):
+    """The calibrated expanded start: channel 0 of each value group's second half reads the layer input along one
+    direction at STEADY_VALUE times the first half's norm (the other channels stay small noise), so subln's divisor
+    barely varies from token to token on text no fit saw, where the same conversion without it (steady_value 0)
+    divides each token by its own head norm."""
+    from diff_transformer.conversion import calibrate
+
+    expanded = shipped["expanded"]
+    conversion = json.loads((expanded / "config.json").read_text())["conversion"]
+    assert "steadiest direction, 10x the first half's norm" in conversion["subln"]
+    source, converted = load_file(TINY_LLAMA / "model.safetensors"), load_file(expanded / "model.safetensors")
+    config = json.loads((expanded / "config.json").read_text())
+    groups, d, hidden = config["num_key_value_heads"], config["head_dim"], config["hidden_size"]
+    for layer in range(config["num_hidden_layers"]):
+        v = converted[f"model.layers.{layer}.self_attn.v_proj.weight"].view(groups, 2, d, hidden)
+        llama_v = source[f"model.layers.{layer}.self_attn.v_proj.weight"].view(groups, d, hidden)
+        assert torch.equal(v[:, 0], llama_v)  # the first half is the source's value head
+        steady, noise = v[:, 1, 0], v[:, 1, 1:]
+        directions = steady / steady.norm(dim=-1, keepdim=True)
+        torch.testing.assert_close(directions, directions[:1].expand_as(directions))  # one direction per layer
+        assert steady.norm(dim=-1).min() > 10 * noise.norm(dim=-1).max()
+    monkeypatch.setattr(calibrate, "STEADY_VALUE", 0.0)
+    plain = convert_llama_to_diff(TINY_LLAMA, tmp_path / "plain", diff_version=1, v1_layout="expanded", progress=False)
+    steady_spread, plain_spread = _subln_divisor_spread(expanded), _subln_divisor_spread(plain)
+    assert steady_spread < 0.25 * plain_spread, (steady_spread, plain_spread)
