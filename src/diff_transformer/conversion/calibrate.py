@@ -13,12 +13,13 @@ starts with can be reduced before the first step:
   (`LlamaToV1Expanded`) has A2 = A1 at step 0, so λ has no effect there and is not fitted: it starts at λ_init;
 * with λ_init = 0 the output factor (1 − λ_init) is 1;
 * o_proj is refitted by least squares (`least_squares_projection`, a small ridge towards 0) so that o_proj(y / rms(y) ·
-  (1 − λ_init))  ≈ the source's attention output o_proj_src(t), over the calibration tokens, where y is the V1 heads'
+  (1 − λ_init)) ≈ the source's attention output o_proj_src(t), over the calibration tokens, where y is the V1 heads'
   pre-norm output (A1 − λA2)[v1 | v2] and t what the source's heads computed from the same layer input: the pair
-  [A1 v1 | A2 v2] (paired layout), or A1 v1 on the first half (expanded layout, whose second-half columns stay zero
-  and the value half they read stays noise). The sub-layer norm's weight stays 1: a shared gain cannot match heads
-  whose outputs differ in scale, a projection over every head's channels can, and it also undoes what the
-  normalisation mixes across a head's channels on average.
+  [A1 v1 | A2 v2] (paired layout), or A1 v1 on the first half (expanded layout, whose second-half columns stay zero;
+  the value half they read first gets a steady channel, `_steady_second_half`, which makes y / rms(y) nearly linear
+  in the source head's output, so the fit holds off the calibration's domain). The sub-layer norm's weight stays 1:
+  a shared gain cannot match heads whose outputs differ in scale, a projection over every head's channels can, and it
+  also undoes what the normalisation mixes across a head's channels on average.
 
 The calibration data (`plan_calibration`) is, by default, text sampled from the source itself: 16 + 4 blocks of
 256 tokens from the bos token at temperature 1 (`sample_calibration_blocks`, seeded). The start has to hold on

@@ -310,7 +310,8 @@ class LlamaToV1Expanded(LlamaToV1):
     at step 0 and (A1 − λA2) v = (1 − λ) A1 v for every λ < 1: the sub-layer norm removes the factor, so λ can start
     at the paper's λ_init > 0 (mirrored vectors: exactly λ_init, with gradients) and the layer already subtracts.
     The q2/k2 gradients differ from q1/k1's (−λ times theirs), so the copies separate as training goes. v_g's first
-    half is Llama's v_g; the second half is noise of 1/100 of v's scale, read by o_proj columns that start at zero
+    half is Llama's v_g; the second half is noise of 1/100 of v's scale (the calibrated start then sets its channel 0,
+    `value_weights`, see calibrate._steady_second_half), read by o_proj columns that start at zero
     (a zero on both sides would be a saddle with no gradient). o_proj's first-half columns are Llama's.
 
     Cost per layer against the source: q_proj, k_proj and v_proj grow by H·d·D, H_kv·d·D and H_kv·d·D (+ biases),

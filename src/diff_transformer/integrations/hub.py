@@ -178,7 +178,8 @@ def _v1_init(conversion: dict) -> str:
             " Layout: expanded (the source's heads could not be paired, or --v1-layout expanded was asked): one "
             "differential head per source head; q2 and k2 started as copies of q1 and k1 (A2 = A1 at step 0: the two "
             "maps differ only once training moves them apart) and a second value half was added behind zero `o_proj` "
-            "columns."
+            "columns (calibrated: its channel 0 reads the layer input along its steadiest direction, so the sub-layer "
+            "norm starts nearly linear)."
         )
     if conversion.get("v1_init") == "paper":
         return layout + (
