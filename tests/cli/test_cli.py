@@ -161,6 +161,9 @@ def test_convert_command_v1_odd_heads_says_it_uses_the_expanded_layout(tmp_path)
     assert result.returncode == 0, result.stderr
     notes = [line for line in result.stdout.splitlines() if line.startswith("V1 layout:")]
     assert notes == [notes[0]] and "expanded" in notes[0] and "cannot be paired" in notes[0]
+    calibrated = [line for line in result.stdout.splitlines() if line.startswith("V1 calibrated on")]
+    assert len(calibrated) == 1 and "A2 = A1 at step 0" in calibrated[0]
+    assert "second half reads the input's steadiest direction at 10x" in calibrated[0]
     assert json.loads((tmp_path / "diff" / "config.json").read_text())["num_attention_heads"] == 3
     assert sorted((p.name, p.read_bytes()) for p in (tmp_path / "llama").iterdir()) == before
     refused = _cli("convert", tmp_path / "llama", tmp_path / "d2", "--diff-version", "1", "--v1-layout", "paired")

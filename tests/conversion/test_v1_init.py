@@ -345,6 +345,10 @@ def test_smollm2_converts_to_a_differential_v1_close_to_its_source(tmp_path, cap
         assert converted[name] / original <= bound, (name, converted[name], original)
 
 
+def _conversion(path) -> dict:
+    return json.loads((path / "config.json").read_text())["conversion"]
+
+
 def _subln_divisor_spread(path) -> float:
     """Mean over layers and heads of the coefficient of variation, over held-out tokens, of subln's divisor rms(y)
     (y: a head's 2d-wide pre-norm output)."""
@@ -374,6 +378,7 @@ def test_expanded_start_reads_a_steady_second_value_half(shipped, tmp_path, monk
     expanded = shipped["expanded"]
     conversion = json.loads((expanded / "config.json").read_text())["conversion"]
     assert "steadiest direction, 10x the first half's norm" in conversion["subln"]
+    assert conversion["steady_value"] == 10 and "steady_value" not in _conversion(shipped["calibrated"])  # paired
     source, converted = load_file(TINY_LLAMA / "model.safetensors"), load_file(expanded / "model.safetensors")
     config = json.loads((expanded / "config.json").read_text())
     groups, d, hidden = config["num_key_value_heads"], config["head_dim"], config["hidden_size"]

@@ -130,6 +130,11 @@ def _calibrated_start(conversion: dict) -> str:
             "A2 = A1 at step 0 (q2, k2 copied from q1, k1): the two maps do not differ yet, so each head computes "
             "(1 − λ)·A1·V and cancels nothing until training moves q2, k2 apart"
         )
+        if conversion.get("steady_value"):
+            maps += (
+                f"; channel 0 of each value group's second half reads the input's steadiest direction at "
+                f"{conversion['steady_value']:g}x the first half's norm, so the sub-layer norm starts nearly linear"
+            )
     else:
         maps = "A1 and A2 are two different Llama heads' maps"
     return (

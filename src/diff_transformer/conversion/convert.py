@@ -155,8 +155,10 @@ def convert_llama_to_diff(
             the normalised heads reproduce the source's attention output on `calibration_blocks` blocks of
             `calibration_block_size` tokens (`calibrate.py`; the sub-layer norm weight stays 1); paired layout:
             λ_init = 0 and each layer's λ chosen from [0.1, 0.5]; expanded layout: λ = the paper's λ_init (A2 = A1
-            at step 0: the maps differ only once training moves q2, k2). "calibrated-additive": the paired fit over
-            [-1, 0.5], which picks λ < 0: the second map is ADDED at the start (no floor; closest to the source).
+            at step 0: the maps differ only once training moves q2, k2) and a steady channel in each second value
+            half, so the sub-layer norm starts nearly linear (`calibrate._steady_second_half`).
+            "calibrated-additive": the paired fit over [-1, 0.5], which picks λ < 0: the second map is ADDED at
+            the start (no floor; closest to the source).
             "calibrated-lambda0": λ = 0 at the start (mirrored λ vectors). "paper": the paper's λ_init schedule,
             λ vectors ~ N(0, lambda_std), unit gains.
         v1_layout: V1 only. "paired": pairs of Llama heads become differential heads, every weight reused, none
@@ -629,6 +631,7 @@ def _calibrate(source, config, tensor_map, options: ConvertOptions) -> None:
                 else ""
             )
         ),
+        **({"steady_value": steady} if steady else {}),
         "calibration_text": plan.description,
         "calibration_tokens": list(plan.blocks.shape),
         "subln_relative_residual": start.residuals,
