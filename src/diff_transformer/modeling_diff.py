@@ -359,13 +359,13 @@ def v1_attention_forward(
     wide = halves.unsqueeze(1).expand(B, 2, H_kv, L, 2, d)  # (B, 2, H_kv, L, 2, d): a view
     output, maps = attend(query, key, wide.reshape(B, 2 * H_kv, L, 2 * d))  # (B, N, 2H, 2d), (B, 2H, N, L)
     first, second = output.unflatten(2, (2, -1)).unbind(2)  # (B, N, H, 2d) each
-    if maps is None:
-        return torch.addcmul(first, second, lam, value=-1), None  # (B, N, H, 2d): a () λ keeps its dtype
-    first_map, second_map = maps.unflatten(1, (2, -1)).unbind(1)  # (B, H, N, L) each
-    attn_weights = first_map - lam.to(maps.dtype) * second_map  # (B, H, N, L)
-    if output_from_map:
-        return _output_from_map(attn_weights, halves.flatten(-2)), attn_weights  # (B, N, H, 2d)
-    return torch.addcmul(first, second, lam, value=-1), attn_weights
+    attn_weights = None
+    if maps is not None:
+        first_map, second_map = maps.unflatten(1, (2, -1)).unbind(1)  # (B, H, N, L) each
+        attn_weights = first_map - lam.to(maps.dtype) * second_map  # (B, H, N, L)
+        if output_from_map:
+            return _output_from_map(attn_weights, halves.flatten(-2)), attn_weights  # (B, N, H, 2d)
+    return torch.addcmul(first, second, lam, value=-1), attn_weights  # (B, N, H, 2d): a () λ keeps its dtype
 
 
 class DiffAttentionV1(DiffAttention):
@@ -421,7 +421,7 @@ class DiffAttentionV1(DiffAttention):
         # which update it on every call; V1 calls twice or more, so it writes once here. Guarded by
         # test_continuous_batching_matches_generate (tests/model/test_generation.py, tests/cli/test_serving.py).
         paged_cache = kwargs.pop("cache", None)
-        differential = None if paged_cache else differential_attention_function(implementation, query.device)
+        differential = differential_attention_function(implementation, query.device) if paged_cache is None else None
         if paged_cache is not None or past_key_values is not None or differential is not None:
             value = v1_component_major(value)  # (B, 2H_kv, N, d): what caches hold and differential functions take
         if paged_cache is not None:

@@ -410,9 +410,7 @@ def calibrate_v1_start(
             attn = layer.self_attn
             scale = 1.0 - float(config.lambda_init_for_layer(layer_idx))
             if expanded and steady_value:
-                values[layer_idx] = _steady_second_half(
-                    attn, layer.input_layernorm(hidden), position_embeddings, steady_value, micro_batch
-                )
+                values[layer_idx] = _steady_second_half(attn, layer.input_layernorm(hidden), steady_value)
             maps = [
                 _map_outputs(attn, layer.input_layernorm(chunk), position_embeddings)
                 for chunk in hidden.split(micro_batch)
@@ -456,7 +454,7 @@ def calibrate_v1_start(
     return CalibratedStart(weights, residuals, lambdas, q2, chosen_ridges, quality, values or None)
 
 
-def _steady_second_half(attn, normed: torch.Tensor, position_embeddings, ratio: float, micro_batch: int):
+def _steady_second_half(attn, normed: torch.Tensor, ratio: float) -> torch.Tensor:
     """Expanded layout: channel 0 of each group's second value half reads x along u = C⁻¹m (m, C: the mean and
     covariance of the layer's normalised input x over the calibration tokens), the direction whose projection varies
     least against its mean, scaled to RATIO times the first half's mean norm. Its maps' average is then nearly the

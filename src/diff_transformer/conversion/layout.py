@@ -321,6 +321,7 @@ class LlamaToV1Expanded(LlamaToV1):
     def __init__(self, geometry: Geometry, lambda_std: float = 0.1, seed: int = 0):
         super().__init__(geometry, lambda_std=lambda_std, seed=seed, mirrored_lambda=True)
         self.perm = None
+        self.value_weights: dict[int, torch.Tensor] | None = None  # {layer: v_proj weight} of the calibrated start
 
     def attention(self, name, layer, proj, kind, tensor):
         g, d = self.geometry, self.geometry.head_dim
@@ -332,16 +333,14 @@ class LlamaToV1Expanded(LlamaToV1):
             yield name, stored_as(blocks.expand(heads, 2, d, *rest), (2 * heads * d, *rest))
             if proj == "q_proj" and kind == "weight":
                 yield from self.new_parameters(layer, tensor.dtype)
+        elif proj == "v_proj" and kind == "weight" and self.value_weights:  # calibrate._steady_second_half's
+            yield name, self.value_weights[layer].to(tensor.dtype)
         elif proj == "v_proj":
             rest = tensor.shape[1:]
             first = tensor.reshape(g.num_kv_heads, 1, d, *rest)  # (H_kv, 1, d, ...)
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + 500_009 + layer)
             scale = 0.01 * float(tensor.float().std()) if tensor.numel() > 1 else 0.0
             second = torch.randn(first.shape, generator=generator, dtype=torch.float32).mul_(scale).to(tensor.dtype)
-            steady = getattr(self, "value_weights", None)
-            if steady and kind == "weight":  # the calibration's steady second half (calibrate._steady_second_half)
-                yield name, steady[layer].to(tensor.dtype)
-                return
             yield name, torch.cat((first, second), dim=1).reshape(2 * g.num_kv_heads * d, *rest)
         elif proj == "o_proj" and kind == "weight":
             columns = tensor.reshape(tensor.shape[0], g.num_heads, 1, d)  # (D, H, 1, d)

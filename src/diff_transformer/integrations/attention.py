@@ -65,16 +65,16 @@ def plain_sdpa(*args, differential_lambda=None, **kwargs):
     return sdpa_attention_forward(*args, **kwargs)
 
 
-DIFFERENTIAL_ATTENTION_FUNCTIONS = {  # backend name -> its differential attention function
-    "sdpa": cpu_differential_attention,
-    DIFF_MAP_FIRST: map_first_differential_attention,
-    DIFF_TRITON: diff_triton_differential_attention,
+DIFFERENTIAL_ATTENTION_FUNCTIONS = {  # (backend name, device type or None: every device) -> its function
+    ("sdpa", "cpu"): cpu_differential_attention,
+    (DIFF_MAP_FIRST, None): map_first_differential_attention,
+    (DIFF_TRITON, None): diff_triton_differential_attention,
 }
 
 
 def register_attention_backends() -> None:
-    for name, differential in DIFFERENTIAL_ATTENTION_FUNCTIONS.items():
-        if name != "sdpa":
+    for (name, device), differential in DIFFERENTIAL_ATTENTION_FUNCTIONS.items():
+        if name != "sdpa":  # transformers' own backend; the package's names are sdpa for calls without a λ
             AttentionInterface.register(name, plain_sdpa)
             AttentionMaskInterface.register(name, sdpa_mask)
-        AttentionInterface.register(f"differential:{name}{':cpu' if name == 'sdpa' else ''}", differential)
+        AttentionInterface.register(f"differential:{name}" + (f":{device}" if device else ""), differential)
