@@ -18,7 +18,12 @@ def niah(out, backend, models):
     argv += ["--lengths", "150", "300", "--depths", "0", "1", "--needles", "2", "--dtype", "float32"]
     argv += ["--no-figure"]  # the vLLM environment has no matplotlib
     done = subprocess.run(
-        [*argv, "--backend", backend], capture_output=True, text=True, env=vllm_env(), timeout=900, check=False
+        [*argv, "--backend", backend],
+        capture_output=True,
+        text=True,
+        env=vllm_env(engine_in_process=True),
+        timeout=900,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out / "niah.json").read_text())["results"]
