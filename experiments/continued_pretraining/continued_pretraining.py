@@ -421,6 +421,13 @@ def markdown(results: dict, figures: dict, args) -> str:
         "its step 0 is the model as trained there (nothing subtracted; the paper init still has its unit-gain norm "
         "and 1 - λ_init)."
     )
+    lines += [
+        f"* This run's {results[name]['name']}, as its conversion recorded it: {run['start']['v1_layout']} layout; "
+        f"sub-layer norm and o_proj: {run['start'].get('subln', 'not recorded')}."
+        for name in results
+        for run in list(results[name]["runs"].values())[:1]
+        if "start" in run
+    ]
     lines.append(
         "* A difference between two configurations counts only where it exceeds the seed spread shown next to it."
     )
@@ -586,6 +593,8 @@ def main(argv=None) -> int:
             conversion = json.loads((models[name.split("-")[0]] / "config.json").read_text()).get("conversion", {})
             if "calibration_text" in conversion:  # the V1 starts: what their o_proj was fitted on
                 run["calibration"] = conversion["calibration_text"]
+            if "v1_layout" in conversion:  # and how the start was built, as its conversion recorded it
+                run["start"] = {key: conversion[key] for key in ("v1_layout", "subln") if key in conversion}
             results[name]["runs"][str(seed)] = run
 
     figures = {

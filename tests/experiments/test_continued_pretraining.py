@@ -82,3 +82,15 @@ def test_second_text_austen_is_the_text_the_tiny_llama_knows(one_torch_thread):
     austen, pydoc = (measure.measure(llama, 256, text)["ppl_text2"] for text in ("austen", "pydoc"))
     assert austen * 10 < pydoc
     assert "Austen" in measure.second_text_name("austen") and "Language Reference" in measure.second_text_name()
+
+
+def test_the_page_says_how_the_v1_start_was_built(driver, tmp_path):
+    # The pydoc run's V1 trained from the expanded start with the steady second value half: the merged page says so
+    # from what the conversion recorded, not from the generic description of every init.
+    results = REPOSITORY / "experiments" / "continued_pretraining" / "results"
+    parts = [results / f"smollm2_pydoc_150_{name}.json" for name in ("llama", "v2", "v1cal")]
+    argv = ["--merge", *map(str, parts), "--stem", "t", "--results", str(tmp_path), "--docs", str(tmp_path / "docs")]
+    assert driver.main(argv) == 0
+    page = (tmp_path / "docs" / "t.md").read_text(encoding="utf-8")
+    recorded = [line for line in page.splitlines() if "as its conversion recorded it" in line]
+    assert len(recorded) == 1 and "expanded layout" in recorded[0] and "second half" in recorded[0]
