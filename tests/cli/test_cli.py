@@ -105,6 +105,7 @@ def test_the_command_still_registers_the_auto_classes(tmp_path):
     assert result.returncode == 0 and len(result.stdout.split()) == 2, result.stderr[-2000:]
 
 
+@pytest.mark.slow  # end to end (a command, a training run): in the whole suite, not the quick loop
 def test_other_programs_get_the_registered_package(tmp_path):
     """Only the command itself starts lazily: a module run with `python -m` that imports diff_transformer, or a
     script whose name merely starts like the command's, gets the Auto classes registered on import, as always."""
@@ -154,6 +155,7 @@ def test_convert_command_verifies_v2(tmp_path, capsys):
     assert config["model_type"] == "diff" and config["diff_version"] == 2
 
 
+@pytest.mark.slow  # end to end (a command, a training run): in the whole suite, not the quick loop
 def test_convert_command_v1_odd_heads_says_it_uses_the_expanded_layout(tmp_path):
     _tiny_llama(tmp_path / "llama", num_attention_heads=3, num_key_value_heads=3)
     before = sorted((p.name, p.read_bytes()) for p in (tmp_path / "llama").iterdir())
@@ -334,6 +336,7 @@ def test_every_command_has_quiet():
         assert "--quiet" in text, name
 
 
+@pytest.mark.slow  # end to end (a command, a training run): in the whole suite, not the quick loop
 def test_quiet_silences_warnings_and_bars_show_only_on_a_terminal(tmp_path):
     """Issue 32: `convert --verify` printed loading bars, V1 conversion a tokenizer warning. Piped: no bar (and, since
     the calibration samples from the model, no warning); --quiet: nothing on stderr. On a terminal: the bars (our

@@ -413,6 +413,7 @@ print(json.dumps({"base": model.peft_config["default"].base_model_name_or_path, 
 """
 
 
+@pytest.mark.slow  # end to end (a command, a training run): in the whole suite, not the quick loop
 def test_peft_loads_the_adapter_from_another_directory(journey, tmp_path):
     """Issue 45: adapter_config.json kept the base as typed ("diff"), so PEFT's own AutoPeftModelForCausalLM, run
     anywhere but the training directory, looked "diff" up on the Hub and failed with a connection error. From an

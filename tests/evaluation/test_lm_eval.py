@@ -176,6 +176,7 @@ CLI = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # end to end (a command, a training run): in the whole suite, not the quick loop
 def test_command_line_with_trust_remote_code_without_the_package(runs, tmp_path):
     """docs/evaluation.md's `lm-eval run --model hf --model_args pretrained=...,trust_remote_code=True` where
     diff_transformer is not installed: the checkpoint's own code runs and scores exactly as the Llama does."""

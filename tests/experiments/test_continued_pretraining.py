@@ -20,6 +20,7 @@ def driver():
     return module
 
 
+@pytest.mark.slow  # end to end (a command, a training run): in the whole suite, not the quick loop
 def test_runs_are_measured_read_back_and_resumed(driver, tmp_path, monkeypatch, one_torch_thread):
     work, results = tmp_path / "work", tmp_path / "results"
 
@@ -84,6 +85,7 @@ def test_second_text_austen_is_the_text_the_tiny_llama_knows(one_torch_thread):
     assert "Austen" in measure.second_text_name("austen") and "Language Reference" in measure.second_text_name()
 
 
+@pytest.mark.slow  # end to end (a command, a training run): in the whole suite, not the quick loop
 def test_the_page_says_how_the_v1_start_was_built(driver, tmp_path):
     # The pydoc run's V1 trained from the expanded start with the steady second value half: the merged page says so
     # from what the conversion recorded, not from the generic description of every init.
