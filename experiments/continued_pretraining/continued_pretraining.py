@@ -421,13 +421,13 @@ def markdown(results: dict, figures: dict, args) -> str:
         "its step 0 is the model as trained there (nothing subtracted; the paper init still has its unit-gain norm "
         "and 1 - λ_init)."
     )
-    lines += [
-        f"* This run's {results[name]['name']}, as its conversion recorded it: {run['start']['v1_layout']} layout; "
-        f"sub-layer norm and o_proj: {run['start'].get('subln', 'not recorded')}."
-        for name in results
-        for run in list(results[name]["runs"].values())[:1]
-        if "start" in run
-    ]
+    for result in results.values():  # the V1 starts, from the first seed's record (every seed's is built alike)
+        start = next(iter(result["runs"].values())).get("start")
+        if start:
+            lines.append(
+                f"* This run's {result['name']}, as its conversion recorded it: {start['v1_layout']} layout; "
+                f"sub-layer norm and o_proj: {start.get('subln', 'not recorded')}."
+            )
     lines.append(
         "* A difference between two configurations counts only where it exceeds the seed spread shown next to it."
     )
