@@ -104,21 +104,20 @@ def tree_digest(path: Path) -> dict:
     }
 
 
-def save_trainable_checkpoint(path, version: int) -> None:
-    """A tiny random Diff checkpoint (seed 0, 32 wide, 64 positions) next to the shipped tokenizer, at `path`."""
+def save_trainable_checkpoint(path, version: int, **overrides) -> None:
+    """A tiny random Diff checkpoint (seed 0, 32 wide, 64 positions; `overrides` change its config) next to the
+    shipped tokenizer, at `path`."""
     tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA)
     torch.manual_seed(0)
+    sizes = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
     config = tiny_config(
         version,
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
         max_position_embeddings=64,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **{**sizes, **overrides},
     )
     DiffForCausalLM._from_config(config, attn_implementation="eager").save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -87,6 +87,35 @@ def test_blocked_backward_is_the_gradient(version):
     assert torch.autograd.gradcheck(blocked, (grouped, keys, wide_value, lam))
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_blocked_under_autocast_computes_in_fp32(version):
+    """Under CPU bf16 autocast a layer hands the blocked function fp32 q, k (RoPE's fp32 cos/sin) with a bf16 V (and
+    V2's bf16 λ): it casts them up (exactly) and runs both passes with autocast off, so its output and every gradient
+    are those of the fp32 call on the same values, to the bit; the bf16 inputs get bf16 gradients (the backward
+    crashed on mixed dtypes before)."""
+    torch.manual_seed(0)
+    B, H_kv, groups, N, d = 2, 2, 2, 11, 8
+    grouped = torch.randn(B, H_kv, 2, groups, N, d)
+    keys = torch.randn(B, H_kv, 2 if version == 1 else 1, N, d)
+    wide_value = torch.randn(B, H_kv, N, d * (3 - version)).bfloat16()
+    lam = torch.tensor(0.3) if version == 1 else torch.rand(B, H_kv, groups, N, 1).bfloat16()
+    grad_out = torch.randn(B, H_kv, groups, N, wide_value.shape[-1])
+
+    def run(inputs, autocast):
+        inputs = [x.detach().requires_grad_() for x in inputs]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            key_maps = inputs[1].expand(B, H_kv, 2, N, d)  # V2: one key tensor for both maps (stride 0), as passed
+            out = BlockedDifferentialAttention.apply(inputs[0], key_maps, inputs[2], inputs[3], 4)
+        out.backward(grad_out)
+        return out, [x.grad for x in inputs]
+
+    out, grads = run((grouped, keys, wide_value, lam), autocast=True)
+    out32, grads32 = run((grouped, keys, wide_value.float(), lam.float()), autocast=False)
+    assert out.dtype == torch.float32 and torch.equal(out, out32)
+    for grad, grad32, x in zip(grads, grads32, (grouped, keys, wide_value, lam)):
+        assert grad.dtype == x.dtype and torch.equal(grad, grad32.to(x.dtype))
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 1)])
 def test_blocked_cpu_training_has_the_padded_kernels_gradients(heads, kv_heads, monkeypatch):
     """A training step's loss and every parameter's gradient through the blocked strategy equal those through

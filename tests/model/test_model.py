@@ -203,6 +203,45 @@ def test_cached_decoding_matches_full_forward(diff_version):
     assert_logits_match_reference(model, ids, torch.cat(steps, dim=1), full)
 
 
+@pytest.mark.parametrize("diff_version, num_noise_heads", [(1, None), (1, 2), (2, None)], ids=["v1", "motif-v1", "v2"])
+def test_cache_layout_per_version(diff_version, num_noise_heads):
+    """What a DynamicCache holds per layer after a forward (docs/design.md, "Cache layouts"): V2 Llama's H_kv heads of
+    size d; V1 2H_kv heads of size d, keys [k1 of every group | k2 of every group] after RoPE, values [first d-wide
+    half of every v_g | second half], grouped noise heads (Motif) alike. Tools that size a cache from the config as
+    H_kv heads (transformers' common cache-shape tests, PEFT's prefix tuning) meet V1's 2H_kv: its layout, no defect.
+    The expected tensors are formed here from k_proj/v_proj and Llama's RoPE on the layer's own input."""
+    from transformers import DynamicCache
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    model = tiny_model(diff_version, num_noise_heads=num_noise_heads, head_dim=8)  # H = 4, H_kv = 2
+    H_kv, d, layers = model.config.num_key_value_heads, model.config.head_dim, model.config.num_hidden_layers
+    inputs = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.register_forward_pre_hook(
+            lambda m, args, kwargs, i=i: inputs.__setitem__(i, (args[0] if args else kwargs["hidden_states"], kwargs)),
+            with_kwargs=True,
+        )
+    ids = torch.randint(3, 97, (2, 7))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        assert len(cache.layers) == layers
+        for i, layer in enumerate(cache.layers):
+            attention = model.model.layers[i].self_attn
+            hidden, kwargs = inputs[i]
+            cos, sin = kwargs["position_embeddings"]  # (B, N, d)
+            heads = 2 * H_kv if diff_version == 1 else H_kv
+            assert layer.keys.shape == layer.values.shape == (2, heads, 7, d), (i, layer.keys.shape)
+            keys = attention.k_proj(hidden).view(2, 7, -1, d)  # (B, N, heads, d): V1 [k1 | k2] per group
+            values = attention.v_proj(hidden).view(2, 7, -1, d)
+            if diff_version == 1:  # per group g: (k1_g, k2_g) -> component-major [k1 of every group | k2 of every]
+                keys = keys.view(2, 7, H_kv, 2, d).transpose(2, 3).reshape(2, 7, heads, d)
+                values = values.view(2, 7, H_kv, 2, d).transpose(2, 3).reshape(2, 7, heads, d)
+            keys = keys * cos[:, :, None] + rotate_half(keys) * sin[:, :, None]  # Llama's RoPE, per head
+            torch.testing.assert_close(layer.keys, keys.transpose(1, 2), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(layer.values, values.transpose(1, 2), rtol=0, atol=0)
+
+
 def test_left_padding_invariance(diff_version):
     model = tiny_model(diff_version, attn_implementation="sdpa")
     a, b = torch.randint(3, 97, (14,)), torch.randint(3, 97, (9,))

@@ -359,3 +359,68 @@ def test_dora_adapters_load_whole_and_an_adapter_missing_weights_is_refused(tmp_
         with pytest.raises(CheckpointError, match=r"lacks \d+ weight\(s\) its adapter_config.json asks for") as caught:
             checkpoints.open(str(adapter)).load()
         assert "lora_magnitude_vector" in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("diff_version", [1, 2], ids=["v1", "v2"])
+def test_prefix_tuning_equals_an_explicit_cache(diff_version):
+    """PEFT's prefix tuning: its virtual keys and values are sized as each version's cache holds them (V1: 2 H_kv heads
+    of size d, [k1 | k2] and V's halves; V2: Llama's H_kv; PEFT sizes V1's from `num_key_value_heads` alone and
+    failed at the first forward before `size_prefixes_for_v1_caches`), and the adapted model's logits equal the base
+    model's over a DynamicCache built by hand from the prompt encoder's table. A training step moves the table only."""
+    from peft import PrefixTuningConfig
+    from transformers import DynamicCache
+
+    model = tiny_model(diff_version, attn_implementation="sdpa")
+    config = model.config
+    T, layers, d = 3, config.num_hidden_layers, config.head_dim
+    heads = config.num_key_value_heads * (2 if diff_version == 1 else 1)
+    peft_model = get_peft_model(copy.deepcopy(model), PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=T))
+    table = peft_model.prompt_encoder["default"].embedding.weight  # (T, layers · 2 · heads · d), PEFT's layout
+    assert table.shape == (T, layers * 2 * heads * d)
+    ids = torch.randint(3, 97, (2, 9))
+    with torch.no_grad():
+        table.normal_()  # PEFT's initial table is random too; a fresh draw keeps the test independent of it
+        got = peft_model(ids, attention_mask=torch.ones_like(ids)).logits
+        prefix = table.view(T, layers, 2, heads, d).permute(1, 2, 3, 0, 4)  # (layers, k/v, heads, T, d)
+        cache = DynamicCache(config=config)
+        for i in range(layers):
+            cache.update(prefix[i, 0].expand(2, -1, -1, -1), prefix[i, 1].expand(2, -1, -1, -1), i)
+        expected = model(ids, attention_mask=torch.ones(2, T + 9, dtype=torch.long), past_key_values=cache).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    base = {n: p.detach().clone() for n, p in peft_model.base_model.named_parameters()}
+    before = table.detach().clone()
+    train_step(peft_model, ids)
+    assert not torch.equal(table, before)
+    assert all(torch.equal(p, base[n]) for n, p in peft_model.base_model.named_parameters())
+
+
+@pytest.mark.parametrize("diff_version", [1, 2], ids=["v1", "v2"])
+def test_prompt_tuning_and_ia3_compute_their_formulas(diff_version):
+    """Prompt tuning: the logits over the inputs equal the base model's over [virtual embeddings | input embeddings].
+    IA³ (PEFT's llama default: k_proj, v_proj outputs and down_proj's input scaled per feature): with random scales,
+    the logits equal a copy of the base whose weights carry them. Each trains (its own parameters move)."""
+    from peft import PromptTuningConfig
+
+    model = tiny_model(diff_version, attn_implementation="sdpa")
+    ids = torch.randint(3, 97, (2, 9))
+    prompt = get_peft_model(copy.deepcopy(model), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    ia3 = get_peft_model(copy.deepcopy(model), IA3Config(task_type="CAUSAL_LM"))
+    scaled = copy.deepcopy(model)
+    with torch.no_grad():
+        virtual = prompt.prompt_encoder["default"].embedding.weight.normal_()  # (4, D)
+        got = prompt(ids).logits[:, 4:]  # PEFT returns the virtual positions' logits too
+        embeds = torch.cat((virtual.expand(2, -1, -1), model.get_input_embeddings()(ids)), dim=1)
+        torch.testing.assert_close(got, model(inputs_embeds=embeds).logits[:, 4:], rtol=1e-5, atol=1e-5)
+        modules = dict(scaled.named_modules())
+        for name, module in ia3.base_model.model.named_modules():
+            if hasattr(module, "ia3_l"):
+                scale = module.ia3_l["default"].uniform_(0.5, 1.5).flatten()
+                weight = modules[name].weight
+                weight.mul_(scale if name.endswith("down_proj") else scale[:, None])  # input or output features
+        assert sum(hasattr(m, "ia3_l") for m in ia3.modules()) == 3 * model.config.num_hidden_layers
+        torch.testing.assert_close(ia3(ids).logits, scaled(ids).logits, rtol=1e-5, atol=1e-5)
+    for peft_model, name in ((prompt, "prompt_encoder"), (ia3, "ia3_l")):
+        before = {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+        assert before and all(name in n for n in before)
+        train_step(peft_model, ids)
+        assert all(not torch.equal(p, before[n]) for n, p in peft_model.named_parameters() if p.requires_grad)

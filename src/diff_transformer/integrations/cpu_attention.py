@@ -17,6 +17,7 @@ backend strategy"):
 * `BLOCKED_DIFF_MAP` (both versions; V2 in train mode, or in eval mode under "diff_map_first"): sdpa on CPU in fp32,
   plain causal self-attention (no mask, no cached prefix): per block of queries, both maps' scores, softmax, the
   differential map A1 - λ A2, one product with V; `BlockedDifferentialAttention`'s backward recomputes each block.
+  Under bf16 autocast (q, k fp32 after RoPE, V bf16) it casts V and λ up and computes in fp32 too.
 * `DECODE_DIFF_MAP` (V1): one query per sequence without a mask: both maps' scores over the cache in one product,
   softmax, A1 - λ A2, one product with V's two halves as they sit in the cache.
 * `PADDED_WIDE_VALUE` (V1): elsewhere on CPU (a mask, bf16, a cached prefix): one sdpa call per map with V 2d wide and
@@ -196,7 +197,13 @@ class BlockedDifferentialAttention(torch.autograd.Function):
     """(A1 - λ A2) V block of query rows by block, forward and backward (`blocked_differential_attention`). Nothing
     of size (N, L) is kept: the backward recomputes each block's maps, as flash attention's does."""
 
+    # Under autocast the layer hands over fp32 q, k (RoPE's fp32 cos/sin) with a bf16 V (and V2's λ); the function
+    # computes in fp32, as outside autocast: its inputs are cast up (exactly) and both passes run with autocast off,
+    # so the backward's products meet one dtype. Relies on torch.amp.custom_fwd/custom_bwd (PyTorch's recipe for a
+    # custom Function under autocast); guarded by test_blocked_under_autocast_computes_in_fp32
+    # (tests/model/test_cpu_attention.py) and the training option matrix (tests/training/test_numerics.py).
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
     def forward(ctx, grouped, keys, wide_value, lam, rows: int):
         """grouped (B, H_kv, 2, g, N, d) scaled queries, keys (B, H_kv, 2, N, d), wide_value (B, H_kv, N, dv),
         lam () (V1) or (B, H_kv, g, N, 1) (V2: per query row) -> (B, H_kv, g, N, dv)."""
@@ -213,6 +220,7 @@ class BlockedDifferentialAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         grouped, keys, wide_value, lam = ctx.saved_tensors

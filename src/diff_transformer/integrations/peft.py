@@ -88,13 +88,50 @@ def guard_adapter_push() -> None:
     PeftModel.push_to_hub = push_to_hub
 
 
+def v1_prefix_heads(config) -> int | None:
+    """The key/value heads a V1 layer's cache holds (2 H_kv of size d: docs/design.md, "Cache layouts"), or None
+    for a config whose cache holds `num_key_value_heads`, as PEFT assumes."""
+    if getattr(config, "model_type", None) != "diff" or getattr(config, "diff_version", None) != 1:
+        return None
+    return 2 * config.num_key_value_heads
+
+
+def size_prefixes_for_v1_caches() -> None:
+    """Make PEFT's prefix tuning size a V1 model's virtual keys and values as V1's cache holds them: 2 H_kv heads of
+    size d per layer, where PEFT reads H_kv heads from the config and the first forward fails in the cache's
+    concatenation. V2 and every other model are sized as PEFT sizes them.
+
+    Relies on: `PeftModel.add_adapter` sizing a prompt-learning adapter through
+    `peft.peft_model._prepare_prompt_learning_config(peft_config, model_config)`, which for prefix tuning of a GQA
+    model sets `num_attention_heads = num_key_value_heads` and `token_dim = head_dim × num_key_value_heads`; the
+    prompt encoder and the cache it builds take these sizes. Guarded by tests/training/test_peft.py::
+    test_prefix_tuning_v1_equals_an_explicit_cache. Needs peft installed.
+    """
+    peft_model = importlib.import_module("peft.peft_model")
+    prepare = getattr(peft_model, "_prepare_prompt_learning_config", None)
+    if prepare is None or getattr(prepare, "_sizes_v1_prefixes", False):  # None: peft is still being imported
+        return
+
+    @functools.wraps(prepare)
+    def _prepare_prompt_learning_config(peft_config, model_config):
+        peft_config = prepare(peft_config, model_config)
+        heads = v1_prefix_heads(model_config)
+        if heads and peft_config.peft_type == "PREFIX_TUNING":
+            peft_config.num_attention_heads, peft_config.token_dim = heads, heads * model_config.head_dim
+        return peft_config
+
+    _prepare_prompt_learning_config._sizes_v1_prefixes = True
+    peft_model._prepare_prompt_learning_config = _prepare_prompt_learning_config
+
+
 def register_peft_defaults() -> bool:
-    """Register "diff" next to "llama" in PEFT's default-target tables and guard adapter pushes (`guard_adapter_push`),
-    importing peft. False if peft is missing."""
+    """Register "diff" next to "llama" in PEFT's default-target tables, guard adapter pushes (`guard_adapter_push`)
+    and size V1's prefixes (`size_prefixes_for_v1_caches`), importing peft. False if peft is missing."""
     if importlib.util.find_spec("peft") is None:
         return False
     add_diff_to_peft_default_targets()
     guard_adapter_push()
+    size_prefixes_for_v1_caches()
     return True
 
 
@@ -102,6 +139,8 @@ def register_if_peft_imported() -> None:
     if sys.modules.get("peft") is not None:  # None: an import of peft was blocked
         add_diff_to_peft_default_targets()
         guard_adapter_push()
+        if "peft.peft_model" in sys.modules:  # else peft is still being imported: the next trigger sizes prefixes
+            size_prefixes_for_v1_caches()
 
 
 def install_peft_hooks(model_class: type = DiffPreTrainedModel) -> None:
