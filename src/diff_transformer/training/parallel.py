@@ -72,7 +72,7 @@ def plan_layout(args, config) -> Layout | None:
     if args.diff_only_steps:
         raise TrainingError(
             f"--diff-only-steps with --parallelism {choice}: not supported yet on sharded weights; "
-            "run the first K steps with --parallelism ddp, then resume"
+            "train this run with --parallelism ddp (the default)"
         )
     world, local = world_sizes()
     if choice == "fsdp":

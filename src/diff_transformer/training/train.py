@@ -363,8 +363,15 @@ def _run(args, checkpoint: Checkpoint) -> int:
         world = trainer.args.world_size
         unit = "conversations" if args.chat_data else "blocks"
         size = f"of at most {block_size} tokens" if args.chat_data else f"of {block_size} tokens"
+        shown = type(model).__name__.removeprefix("FSDP")  # fully_shard's subclass of the model's own class
+        if is_sharded(model):
+            layout = model.config.distributed_config
+            shown += (
+                f" sharded by --parallelism {args.parallelism} ({layout.dp_replicate_size} replica(s) x "
+                f"{layout.fsdp_size} FSDP shard(s) x {layout.tp_size} tensor-parallel)"
+            )
         print(
-            f"model: {type(model).__name__} from {args.model}, {n_params:,} parameters ({n_train:,} trainable)\n"
+            f"model: {shown} from {args.model}, {n_params:,} parameters ({n_train:,} trainable)\n"
             f"data: {len(train_data):,} training {unit} {size}"
             + (f", {len(eval_data):,} held out" if eval_data is not None else ", no evaluation")
             + f"; {args.batch_size} x {args.grad_accum} accumulation x {world} process(es) = "
