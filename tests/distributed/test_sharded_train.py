@@ -135,7 +135,7 @@ def runs(tmp_path_factory):
     assert cli.main(["train", *data, "--output", str(root / "single"), "--batch-size", "4"]) == 0
 
     sharded = [*data, "--batch-size", "1", "--parallelism", "hsdp"]
-    succeed(two_nodes([*sharded, "--output", str(root / "hsdp")]))
+    succeed(two_nodes([*sharded, "--output", str(root / "hsdp"), "--save-total-limit", "2"]))
 
     # The same run, one rank of node 1 SIGKILLed once the first sharded checkpoint is complete.
     killed = root / "killed"
@@ -171,8 +171,10 @@ def test_two_nodes_hsdp_equal_one_process(runs):
     assert single[-1] < single[0]  # it trained
     assert_close_weights(root / "hsdp", root / "single", WEIGHT_BOUND)
 
+    # --save-total-limit 2 rotated the run's own sharded checkpoints (recorded with their shards' hashes).
+    assert [path.name for path in trainer_checkpoints(root / "hsdp")] == ["checkpoint-4", "checkpoint-6"]
     # Sharded checkpoints: one safetensors shard per rank, none holding the whole model.
-    checkpoint = root / "hsdp" / "checkpoint-2"
+    checkpoint = root / "hsdp" / "checkpoint-4"
     shards = [path.stat().st_size for path in sorted((checkpoint / "sharded").glob("*.safetensors"))]
     # weights + Adam's two moments, each written once (the two replicas hold the same shards): a quarter per rank
     whole = 3 * (root / "single" / "model.safetensors").stat().st_size

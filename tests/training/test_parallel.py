@@ -70,3 +70,17 @@ def test_refused_before_the_model_loads(monkeypatch, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert status == 2 and err.count("\n") == 0 and "do not split into 3 replicas" in err, err
     assert not output.exists()
+
+
+def test_a_sharded_checkpoint_is_resumed_by_a_sharded_run_only(tmp_path):
+    from diff_transformer.training.resume import check_checkpoint_fits
+    from tests.helpers.tiny import tiny_model
+
+    sharded, whole = tmp_path / "checkpoint-2", tmp_path / "checkpoint-3"
+    (sharded / "sharded").mkdir(parents=True)
+    whole.mkdir()
+    model = tiny_model(2)
+    with pytest.raises(TrainingError, match="is a sharded .* resume it with a sharded --parallelism"):
+        check_checkpoint_fits(sharded, model, lora=False, sharded=False)
+    with pytest.raises(TrainingError, match=r"is a whole .* resume it with --parallelism ddp"):
+        check_checkpoint_fits(whole, model, lora=False, sharded=True)
