@@ -3,13 +3,14 @@
 # CUDA tests, then bench_gpu.py's training, prefill and decoding, eager and compiled (decode_static: generate
 # --compile's static cache + fullgraph compile, CUDA graphs), for Llama, DiffLlama, V1 (sdpa and diff_triton) and V2,
 # and last the census's predictions (benchmarks/results/census.json, counted on any machine) beside the measured
-# ratios. Each step has its own time limit, so a slow one cannot eat the next, and bench_gpu.py's --time-budget
-# records what did not fit as "skipped: time budget". Everything goes under $OUT, at most 8 files (what one device
-# call brings back): summary.txt, tests.log, bench.log, bench_compile.log, census_vs_measured.txt and
-# bench/results_gpu.{json,md}. Run from the repository root:
+# ratios, and one FSDP2 training step of 1B-shaped models (fsdp_step.log, ~2 more minutes). Each step has its own
+# time limit, so a slow one cannot eat the next, and bench_gpu.py's --time-budget records what did not fit as
+# "skipped: time budget". Everything goes under $OUT, at most 8 files (what one device call brings back): summary.txt,
+# tests.log, bench.log, bench_compile.log, fsdp_step.log, census_vs_measured.txt and bench/results_gpu.{json,md}.
+# Run from the repository root:
 #     OUT=/tmp/gpu bash benchmarks/gpu_checks.sh
-# Environment: TESTS_S, BENCH_S, COMPILE_S (step limits, seconds), REPS, MODELS; SWEEP=1 adds the kernel's launch
-# sweep at head_dim 64 and 128 (4 more files and ~3 minutes: leave other steps out then).
+# Environment: TESTS_S, BENCH_S, COMPILE_S, FSDP_S (step limits, seconds), REPS, MODELS; SWEEP=1 adds the kernel's
+# launch sweep at head_dim 64 and 128 (4 more files and ~3 minutes: leave other steps out then).
 # Wheels the GPU image lacks (this package pins transformers and peft) travel in .whl/ (see docs/development.md).
 set -u
 OUT=${OUT:-/tmp/gpu-checks}
@@ -43,6 +44,10 @@ step bench "$BENCH_S" "${BENCH[@]}" --sections train,prefill,decode,decode_stati
 COMPILE_S=${COMPILE_S:-100}
 step bench_compile "$COMPILE_S" "${BENCH[@]}" --sections train_compile --merge \
     --compile-configs llama/sdpa,v1/sdpa,v1/diff_triton,v2/sdpa --time-budget $((COMPILE_S - 15))
+# One FSDP2 training step (fully_shard per layer + root, bf16 MixedPrecisionPolicy, AdamW) of 1B-shaped Llama, V1 and
+# V2, tokens/s and the ratio to Llama in the same run (issue 54); its JSON is printed into fsdp_step.log.
+step fsdp_step "${FSDP_S:-150}" python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
+    benchmarks/bench_fsdp_step.py --out /tmp/fsdp_step.json --print-json
 if [ "${SWEEP:-0}" = 1 ]; then
     step sweep64 100 python3 benchmarks/bench_kernel.py --sweep --head-dim 64 --out "$OUT/kernel64.json"
     step sweep128 100 python3 benchmarks/bench_kernel.py --sweep --head-dim 128 --out "$OUT/kernel128.json"

@@ -3,9 +3,10 @@ interpreters (torch + transformers + accelerate) once:
 
     torchrun --nproc_per_node 2 --standalone -m tests.distributed.dist_suite OUT MODELS
 
-MODELS holds the checkpoints fsdp/ (a V1 model), v1/, v2/, qk/, kv1/ (for tensor parallelism) and train/ + train.txt
-(for `diff-transformer train`); each engine writes its per-rank records under OUT/<engine>/, exactly as the script run
-alone would, and `diff-transformer train` writes its usual output to OUT/train/.
+MODELS holds the checkpoints fsdp/ (a V1 model), fsdp_trainer/ (V2, for docs/training.md's Trainer recipe), v1/,
+v2/, qk/, kv1/ (for tensor parallelism) and train/ + train.txt (for `diff-transformer train`); each engine writes its
+per-rank records under OUT/<engine>/, exactly as the script run alone would, and `diff-transformer train` writes its
+usual output to OUT/train/.
 """
 
 import sys
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from diff_transformer import cli
-from tests.distributed import ddp_train, fsdp_train, tp_run
+from tests.distributed import ddp_train, fsdp_train, fsdp_trainer, tp_run
 from tests.distributed.dist_common import write_rank_record
 
 
@@ -41,6 +42,7 @@ def main():
     out, models = sys.argv[1], sys.argv[2]
     ddp_train.main([f"{out}/ddp", "--per-device-batch", "2", "--steps", "3"])
     fsdp_train.main([f"{models}/fsdp", f"{out}/fsdp", "--steps", "3", "--global-batch", "4"])
+    fsdp_trainer.main([f"{models}/fsdp_trainer", f"{out}/fsdp_trainer", "--per-device-batch", "2", "--steps", "3"])
     tp_run.main([f"{out}/tp", *(f"{tag}={models}/{tag}" for tag in ("v1", "v2", "qk", "kv1"))])
     # The package's own training command, exactly as `torchrun ... -m diff_transformer.cli train ...` runs it.
     status = cli.main(

@@ -2,7 +2,8 @@
 CPU) and compared with an unsharded model in this process:
 
 * DDP: transformers' Trainer (accelerate wraps the model in DistributedDataParallel);
-* FSDP2: transformers' `DistributedConfig(fsdp_size=2)`, i.e. torch's `fully_shard` on every decoder layer + root;
+* FSDP2: transformers' `DistributedConfig(fsdp_size=2)`, i.e. torch's `fully_shard` on every decoder layer + root,
+  in a plain loop and handed to a plain Trainer (docs/training.md's recipe for users' scripts);
 * tensor parallelism: transformers' `DistributedConfig(tp_plan="auto")` with our `base_model_tp_plan`;
 * `diff-transformer train` (Trainer, so DDP) under torchrun.
 
@@ -71,6 +72,7 @@ def runs(tmp_path_factory):
     train."""
     root = tmp_path_factory.mktemp("distributed")
     tiny_model(1).save_pretrained(root / "models" / "fsdp")  # V1: fp32 λ vectors and per-head subln get sharded too
+    tiny_model(2).save_pretrained(root / "models" / "fsdp_trainer")  # the model ddp_train.py builds
     tiny_model(1, seed=1).save_pretrained(root / "models" / "v1")
     tiny_model(2, seed=2).save_pretrained(root / "models" / "v2")
     # Qwen2's biases and Qwen3's q_norm/k_norm (one weight acting on every rank's heads: gradients summed by the plan)
@@ -116,6 +118,22 @@ def test_fsdp2_matches_single_process(runs):
     model = DiffForCausalLM.from_pretrained(runs / "models" / "fsdp").train()
     batches = token_batches(steps * global_batch).view(steps, global_batch, -1)
     losses, state = reference_losses_and_state(model, batches)
+    assert records[0]["losses"] == pytest.approx(losses, abs=1e-5)
+    assert_close_states(states[0], state, atol=1e-5)
+
+
+def test_users_trainer_recipe_with_fsdp2_matches_single_process(runs):
+    """docs/training.md's recipe (DistributedConfig at load, a plain Trainer, save_only_model=True): sharded, not
+    wrapped again, and the single process's losses and weights on the same global batches (as DDP's test)."""
+    records, states = read_ranks(runs / "out" / "fsdp_trainer")
+    for record in records:
+        assert record["backend"] == "gloo" and record["q_proj_local_rows"] == 24  # half of q_proj's 48 rows
+        assert record["model_wrapped"] == "FSDPDiffForCausalLM"  # fully_shard's class: no DDP wrapper around it
+    assert_ranks_identical(states)
+    steps, global_batch = 3, 4
+    model = tiny_model(2).train()
+    batches = token_batches(32)[: steps * global_batch].view(steps, global_batch, -1)
+    losses, state = reference_losses_and_state(model, batches, clip=1.0)
     assert records[0]["losses"] == pytest.approx(losses, abs=1e-5)
     assert_close_states(states[0], state, atol=1e-5)
 

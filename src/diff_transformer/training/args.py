@@ -112,6 +112,19 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     run.add_argument(
         "--gradient-checkpointing", action="store_true", help="recompute activations: less memory, slower"
     )
+    run.add_argument(
+        "--parallelism",
+        choices=("ddp", "fsdp", "hsdp", "tp", "tp+fsdp"),  # training.parallel.PARALLELISMS (not imported: --help)
+        default="ddp",
+        help="under torchrun: ddp (a full copy per rank), fsdp (FSDP2, fully sharded), hsdp (sharded within a "
+        "node, replicated across nodes), tp (tensor parallel), tp+fsdp (2-D); sharded runs write DCP checkpoints",
+    )
+    run.add_argument(
+        "--tp-size", type=int, default=None, help="tp+fsdp: ranks per tensor-parallel group (default: per node)"
+    )
+    run.add_argument(
+        "--replicas", type=int, default=None, help="hsdp: number of replicas (default: the number of nodes)"
+    )
     add_attn_option(run)
 
     log = p.add_argument_group("evaluation, logging, checkpoints")

@@ -63,8 +63,14 @@ def continue_adapter(args, source: adapters.Source) -> None:
     args.lora = True  # what the rest of the checks and the summary go by
 
 
-def load_model(args, training_args, checkpoint: Checkpoint):
+def load_model(args, training_args, checkpoint: Checkpoint, layout=None):
+    """The model, sharded as LAYOUT says (`parallel.plan_layout`; None: whole, for DDP or one process): built on the
+    meta device, each rank loading only its own shard."""
     kwargs = {"dtype": getattr(torch, args.dtype)}
+    if layout is not None:
+        from .parallel import distributed_config
+
+        kwargs["distributed_config"] = distributed_config(layout, training_args.bf16)
     if args.attn_implementation:
         kwargs["attn_implementation"] = check_attn_implementation(args.attn_implementation)
     if args.load_in_4bit:

@@ -19,6 +19,7 @@ from ..outputs.records import forget_entry, has_flag, proven, record_entry, reco
 from ..text_input import whole_number
 from . import TrainingError
 from .callbacks import RunSettingsCallback
+from .parallel import SHARDED_DIR, is_sharded_checkpoint, sharded_shapes
 
 
 _RUN_FILES = ("trainer_state.json", "runs")  # what Trainer writes into every run's output directory
@@ -35,6 +36,7 @@ _TRAINER_CHECKPOINT_FILES = (
     "adapter_config.json",
     SAFETENSORS_SINGLE,
     SAFETENSORS_INDEX,
+    SHARDED_DIR,
 )
 
 
@@ -255,13 +257,20 @@ def _state_problem(state: dict) -> str | None:
     return None
 
 
-def check_checkpoint_fits(checkpoint, model, lora: bool) -> None:
+def check_checkpoint_fits(checkpoint, model, lora: bool, sharded: bool = False) -> None:
     """`--resume CHECKPOINT` holds what this run trains: an adapter for a --lora run, a full model otherwise, with the
     parameters (names and shapes) of MODEL. Trainer would stop in a traceback on a shape, or silently leave a
     parameter it does not find untrained from the checkpoint (a V1 checkpoint resumed into a V2 model)."""
     from ..checkpoints import adapters
 
     checkpoint = Path(checkpoint)
+    if is_sharded_checkpoint(checkpoint) != sharded:
+        kind, fix = (
+            ("sharded (DCP, from --parallelism fsdp/hsdp/tp)", "a sharded --parallelism")
+            if not sharded
+            else ("whole (from --parallelism ddp or one process)", "--parallelism ddp")
+        )
+        raise TrainingError(f"--resume {checkpoint} is a {kind} checkpoint: resume it with {fix}")
     is_adapter = (checkpoint / adapters.ADAPTER_CONFIG).is_file()
     if is_adapter:
         adapters.read_adapter_config(checkpoint)
@@ -285,7 +294,7 @@ def check_checkpoint_fits(checkpoint, model, lora: bool) -> None:
     else:
         tied = set(getattr(model, "all_tied_weights_keys", None) or {})
         expected = {key: tuple(value.shape) for key, value in model.state_dict().items() if key not in tied}
-    stored = _stored_shapes(checkpoint)
+    stored = sharded_shapes(checkpoint) if sharded else _stored_shapes(checkpoint)
     missing = sorted(set(expected) - set(stored))
     unexpected = sorted(set(stored) - set(expected) - tied)
     wrong = sorted(key for key in set(expected) & set(stored) if expected[key] != stored[key])
@@ -350,7 +359,10 @@ def _incomplete(checkpoint: Path) -> str | None:
         json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return "trainer_state.json is truncated or corrupt"
-    weights = sorted(checkpoint.glob("*.safetensors"))
+    sharded = is_sharded_checkpoint(checkpoint)
+    if sharded and not (checkpoint / "optimizer_param_groups.json").is_file():
+        return "no optimizer_param_groups.json beside its sharded weights"
+    weights = sorted((checkpoint / SHARDED_DIR if sharded else checkpoint).glob("*.safetensors"))
     if not weights:
         return "no model weights"
     for path in weights:

@@ -14,6 +14,7 @@ writes its own files there.
 
 from __future__ import annotations
 
+import copy
 import errno
 import math
 import os
@@ -46,6 +47,7 @@ from .checks import check_args, check_output, report_targets
 from .data import build_datasets
 from .freeze import DiffOnlyCallback
 from .model import check_model, load_model, open_model
+from .parallel import is_sharded, load_sharded, plan_layout, save_sharded
 from .resume import (
     RecordCheckpointCallback,
     check_checkpoint_fits,
@@ -78,11 +80,12 @@ class CausalLMTrainer(Trainer):
         # checkpoint-* directory in --output, a user's `checkpoint-0/` included: it is switched off here and
         # `rotate_checkpoints` deletes only checkpoints that this run wrote or that the run record proves a run wrote.
         limit = self.args.save_total_limit
+        save = self._save_sharded_checkpoint if is_sharded(self.model) else super()._save_checkpoint
         if self.args.should_save:  # Trainer writes with open(): never through a link that appeared in --output
             refuse_links(Path(self.args.output_dir), name="--output")
         self.args.save_total_limit = None
         try:
-            super()._save_checkpoint(model, trial)
+            save(model, trial)
         finally:
             self.args.save_total_limit = limit
         if self.args.should_save and limit:
@@ -90,7 +93,47 @@ class CausalLMTrainer(Trainer):
             newest = output / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             rotate_checkpoints(output, limit, newest, self.state.best_model_checkpoint)
 
+    def save_model(self, output_dir=None, _internal_call=False):
+        if getattr(self, "_sharded_checkpoint", False):
+            # A sharded run's checkpoint holds its weights as DCP shards (`_save_checkpoint`), never gathered onto one
+            # rank: only the config goes beside them (what `check_checkpoint_fits` reads the model's version from).
+            if self.args.should_save:
+                self.accelerator.unwrap_model(self.model).config.save_pretrained(output_dir)
+            return
+        super().save_model(output_dir, _internal_call)
+
+    def _save(self, output_dir=None, state_dict=None):
+        if not is_sharded(self.model) or state_dict is not None:
+            return super()._save(output_dir, state_dict)
+        # transformers' own save of a sharded model gathers the weights well, but `fully_shard` made the model an
+        # `FSDPDiffForCausalLM` (torch's class, in torch's module), so `custom_object_save` would copy torch's
+        # _fsdp_*.py files as the "custom code" and point auto_map at them: the gathered weights are saved through
+        # the model's own class instead, built on the meta device (guarded by tests/distributed/test_sharded_train.py).
+        model = self.accelerator.unwrap_model(self.model)
+        state = model.gather_sharded_state_dict_for_save(
+            model, model.state_dict(), model.config.distributed_config, save_on_this_rank=self.args.should_save
+        )  # collective: every rank takes part, only the main process ends up with the full tensors (on CPU)
+        if self.args.should_save:
+            unsharded_twin(model, state).save_pretrained(output_dir or self.args.output_dir)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir or self.args.output_dir)
+
+    def _save_sharded_checkpoint(self, model, trial):
+        output = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        # Before Trainer writes trainer_state.json, which marks the checkpoint complete (`resume._incomplete`).
+        save_sharded(self.model, self.optimizer, output, self.args.should_save)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), output / "scheduler.pt")
+        self._save_rng_state(str(output))
+        self._sharded_checkpoint = True
+        try:  # Trainer's own steps (save_only_model=True): save_model (the config), trainer_state.json
+            Trainer._save_checkpoint(self, model, trial)
+        finally:
+            self._sharded_checkpoint = False
+
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if is_sharded(self.model):  # loaded with the optimizer, once it exists (`_load_optimizer_and_scheduler`)
+            return
         try:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
         except (RuntimeError, ValueError, KeyError, TypeError) as error:  # what `check_checkpoint_fits` cannot see
@@ -100,6 +143,16 @@ class CausalLMTrainer(Trainer):
             ) from None
 
     def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is not None and is_sharded(self.model):
+            try:
+                load_sharded(self.model, self.optimizer, Path(checkpoint))
+                self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / "scheduler.pt", weights_only=True))
+            except (RuntimeError, ValueError, KeyError, TypeError, OSError) as error:
+                raise TrainingError(
+                    f"--resume {checkpoint}: its sharded weights and optimizer states do not load into this run "
+                    f"({one_line(error)}): resume with the MODEL and options the run was started with"
+                ) from None
+            return
         try:
             super()._load_optimizer_and_scheduler(checkpoint)
         except (RuntimeError, ValueError, KeyError, TypeError) as error:
@@ -117,13 +170,30 @@ class CausalLMTrainer(Trainer):
         super()._issue_warnings_after_load(load_result)
 
 
+def unsharded_twin(model, state: dict):
+    """A model of MODEL's own class (the one `fully_shard` subclassed) and config holding the gathered STATE (its
+    tensors, not copies: built on the meta device, then assigned): what saves a sharded model as an ordinary
+    checkpoint."""
+    from transformers import PreTrainedModel
+
+    cls = next(c for c in type(model).__mro__ if issubclass(c, PreTrainedModel) and "FSDP" not in c.__name__)
+    config = copy.deepcopy(model.config)
+    # save_pretrained would gather again (a collective the other ranks never join) for a config that has one
+    config.distributed_config = None
+    with torch.device("meta"):
+        twin = cls(config)
+    twin.load_state_dict(state, assign=True, strict=False)  # a tied head is not in STATE: tie_weights re-ties it
+    twin.tie_weights()
+    return twin
+
+
 def use_bf16(choice: str) -> bool:
     if choice == "auto":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     return choice == "on"
 
 
-def training_arguments(args, has_eval: bool, resuming: bool) -> TrainingArguments:
+def training_arguments(args, has_eval: bool, resuming: bool, sharded: bool = False) -> TrainingArguments:
     bf16 = use_bf16(args.bf16)
     warmup = args.warmup_ratio if args.warmup_ratio is not None else (args.warmup_steps or 0)
     report_to, _ = report_targets(args)
@@ -152,6 +222,9 @@ def training_arguments(args, has_eval: bool, resuming: bool) -> TrainingArgument
         save_strategy="steps",
         save_steps=args.save_steps,
         save_total_limit=args.save_total_limit,
+        # A model sharded when it loads: Trainer checkpoints only its weights (it refuses more); the optimizer, the
+        # scheduler and the RNG go into the DCP checkpoint that `CausalLMTrainer._save_sharded_checkpoint` writes.
+        save_only_model=sharded,
         seed=args.seed,
         report_to=report_to,
         disable_tqdm=args.quiet or not sys.stderr.isatty(),  # bars on a terminal only (cli.options.show_progress)
@@ -177,6 +250,7 @@ def build_trainer(args, checkpoint: Checkpoint | None = None) -> PreparedRun:
     checkpoint = checkpoint or open_model(args)
     check_model(args, checkpoint)
     block_size = check_args(args, checkpoint.config)
+    layout = plan_layout(args, checkpoint.config)  # the world size and head counts, before anything loads
     check_output(args, checkpoint.source)
     resume = resolve_resume(args, block_size)
     tokenizer = checkpoint.tokenizer
@@ -201,10 +275,10 @@ def build_trainer(args, checkpoint: Checkpoint | None = None) -> PreparedRun:
             text_field=args.text_field,
             bos=not args.no_bos,
         )
-    training_args = training_arguments(args, eval_data is not None, resume is not None)
-    model = load_model(args, training_args, checkpoint)
+    training_args = training_arguments(args, eval_data is not None, resume is not None, sharded=layout is not None)
+    model = load_model(args, training_args, checkpoint, layout)
     if resume is not None:
-        check_checkpoint_fits(resume, model, args.lora)
+        check_checkpoint_fits(resume, model, args.lora, sharded=is_sharded(model))
     foreign = resume is not None and Path(resume).resolve().parent != Path(args.output).resolve()
     # Only once the model has loaded: a failed start keeps the old run. --overwrite removes every file and checkpoint
     # an earlier run recorded as its own and nobody changed since (all Trainer checkpoints of a run from before
@@ -289,8 +363,15 @@ def _run(args, checkpoint: Checkpoint) -> int:
         world = trainer.args.world_size
         unit = "conversations" if args.chat_data else "blocks"
         size = f"of at most {block_size} tokens" if args.chat_data else f"of {block_size} tokens"
+        shown = type(model).__name__.removeprefix("FSDP")  # fully_shard's subclass of the model's own class
+        if is_sharded(model):
+            layout = model.config.distributed_config
+            shown += (
+                f" sharded by --parallelism {args.parallelism} ({layout.dp_replicate_size} replica(s) x "
+                f"{layout.fsdp_size} FSDP shard(s) x {layout.tp_size} tensor-parallel)"
+            )
         print(
-            f"model: {type(model).__name__} from {args.model}, {n_params:,} parameters ({n_train:,} trainable)\n"
+            f"model: {shown} from {args.model}, {n_params:,} parameters ({n_train:,} trainable)\n"
             f"data: {len(train_data):,} training {unit} {size}"
             + (f", {len(eval_data):,} held out" if eval_data is not None else ", no evaluation")
             + f"; {args.batch_size} x {args.grad_accum} accumulation x {world} process(es) = "
