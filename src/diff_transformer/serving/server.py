@@ -164,6 +164,34 @@ class QueueBound:
         return JSONResponse({"error": error}, status_code=429, headers={"Retry-After": str(seconds)})
 
 
+def held_until_sent(response, release):
+    """RESPONSE, its model pinned (`release` not yet called) until its last byte is sent: a stream generates while it
+    is sent. A stream never sent (its client left first) lets go when it is collected."""
+    if release is None:
+        return response
+    from fastapi.responses import StreamingResponse
+
+    if not isinstance(response, StreamingResponse):
+        release()
+        return response
+    import weakref
+
+    events = response.body_iterator
+
+    async def sent():
+        try:
+            async for event in events:
+                yield event
+        finally:
+            release()
+            if hasattr(events, "aclose"):
+                await events.aclose()
+
+    response.body_iterator = sent()
+    weakref.finalize(response, release)
+    return response
+
+
 def client_facing() -> None:
     """Install `diff_model_manager`, `check_request`, `load_off_the_loop` and `openai_errors` where transformers'
     `Serve` picks them up (it imports `ModelManager` and `build_server` when it starts, every handler validates
@@ -208,12 +236,19 @@ def client_facing() -> None:
             async def handle_request(self, body: dict, *args, **kwargs):
                 if openai_shaped:
                     check_pinned(self.model_manager, body)
-                await load_off_the_loop(self, body)
-                if chat:
-                    await render_off_the_loop(self, body)
-                if openai_shaped:
-                    return await as_openai(handle, self, body, *args, sse_done=True, **kwargs)
-                return await handle(self, body, *args, **kwargs)
+                release = await load_off_the_loop(self, body)
+                try:
+                    if chat:
+                        await render_off_the_loop(self, body)
+                    if openai_shaped:
+                        response = await as_openai(handle, self, body, *args, sse_done=True, **kwargs)
+                    else:
+                        response = await handle(self, body, *args, **kwargs)
+                except BaseException:
+                    if release is not None:
+                        release()
+                    raise
+                return held_until_sent(response, release)
 
             handle_request._diff_off_the_loop = True
             return handle_request
