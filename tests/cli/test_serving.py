@@ -656,11 +656,12 @@ def test_one_copy_per_local_model_and_at_most_max_loaded_models(models, tmp_path
     from transformers.cli.serving.model_manager import ModelManager
 
     from diff_transformer.serving import models as serving_models
+    from diff_transformer.serving.patches import ServeSettings
 
     third = tmp_path / "v2-copy"
     shutil.copytree(models["v2"], third)
     serving_models.expose_to_transformers_serve()
-    manager = serving_models.diff_model_manager()(device="cpu", model_timeout=-1)
+    manager = serving_models.diff_model_manager(ServeSettings(max_loaded_models=2))(device="cpu", model_timeout=-1)
     loads = []
     original = ModelManager._load_model
 
@@ -669,9 +670,7 @@ def test_one_copy_per_local_model_and_at_most_max_loaded_models(models, tmp_path
         return original(self, model_id_and_revision, *args, **kwargs)
 
     ModelManager._load_model = counted
-    bound = serving_models.max_loaded_models
     try:
-        serving_models.max_loaded_models = 2
         v2, v1 = str(models["v2"]), str(models["v1"])
         for name in (v2, f"{v2}@main", v2):
             manager.load_model_and_processor(manager.process_model_name(name))
@@ -694,7 +693,6 @@ def test_one_copy_per_local_model_and_at_most_max_loaded_models(models, tmp_path
         assert len(loads) == 4
     finally:
         ModelManager._load_model = original
-        serving_models.max_loaded_models = bound
         manager.shutdown()
 
 

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from diff_transformer.serving import models as serving_models
+from diff_transformer.serving.patches import ServeSettings
 from tests.helpers.server import Server
 from tests.serving import fixtures
 from tests.serving.fixtures import CHATS, NEW_TOKENS
@@ -29,7 +30,7 @@ def test_builds_never_overlap_and_pinned_models_are_never_unloaded(models):
     from transformers.cli.serving.model_manager import ModelManager
 
     serving_models.expose_to_transformers_serve()
-    manager = serving_models.diff_model_manager()(device="cpu", model_timeout=-1)
+    manager = serving_models.diff_model_manager(ServeSettings(max_loaded_models=1))(device="cpu", model_timeout=-1)
     building, overlaps, order = [0], [], []
     guard = threading.Lock()
     original = ModelManager._load_model
@@ -46,10 +47,8 @@ def test_builds_never_overlap_and_pinned_models_are_never_unloaded(models):
             with guard:
                 building[0] -= 1
 
-    bound = serving_models.max_loaded_models
     ModelManager._load_model = counted
     try:
-        serving_models.max_loaded_models = 1
         keys = [f"{models[name]}@main" for name in ("v2", "v1", "saved")]
         first, _, release_first = manager.acquire(keys[0])
         waiting = concurrent.futures.ThreadPoolExecutor(1).submit(manager.acquire, keys[1])
@@ -77,7 +76,6 @@ def test_builds_never_overlap_and_pinned_models_are_never_unloaded(models):
         assert len(manager.loaded_models) == 1 and not manager._pins
     finally:
         ModelManager._load_model = original
-        serving_models.max_loaded_models = bound
         manager.shutdown()
 
 

@@ -2,14 +2,9 @@
 (404) or does not load (400) answered at once with one line, a pinned server's other names refused, a model loaded
 in a worker thread, and the Diff classes made resolvable where transformers' model manager looks them up."""
 
-import functools
 from pathlib import Path
 
 from ..errors import UserError, one_line
-
-
-served_models: tuple[str, ...] = ()  # `serve A B ...`: the models this server answers for, listed from the start
-max_loaded_models = 4  # --max-loaded-models (`server.install` sets it)
 
 
 def model_http_error(status: int, message: str, **fields):
@@ -115,8 +110,7 @@ def check_model_directory(directory: Path, shown: str, status: int | None, *, to
         raise model_http_error(status, str(error)) from None
 
 
-@functools.cache
-def diff_model_manager():
+def diff_model_manager(settings=None):
     """transformers' `ModelManager` with what clients rely on: `/v1/models` lists what this server answers for, a
     model that does not exist or does not load is a 404/400 with one line, at once, and every build and drop of a model
     is serialised (see `DiffModelManager`)."""
@@ -124,6 +118,12 @@ def diff_model_manager():
     import threading
 
     from transformers.cli.serving.model_manager import ModelManager, TimedModel
+
+    from .patches import ServeSettings
+
+    ModelManager = getattr(ModelManager, "_diff_original", ModelManager)  # transformers', not a previous install's
+    settings = settings or ServeSettings()
+    served_models = settings.served
 
     class ManagedModel(TimedModel):
         """transformers' `TimedModel` whose idle timeout (--model-timeout) unloads through the manager's lock, and
@@ -149,6 +149,7 @@ def diff_model_manager():
         another model's load."""
 
         def __init__(self, *args, **kwargs):
+            self.settings = settings
             self._build = threading.Lock()  # held while a model is built or dropped
             self._state = threading.Condition()  # loaded_models, _pins, _uses; notified when a pin or model goes
             self._pins: collections.Counter[str] = collections.Counter()  # requests using each model
@@ -261,7 +262,7 @@ def diff_model_manager():
             --max-loaded-models, waiting for requests to end their use when every loaded model is pinned."""
             while True:
                 with self._state:
-                    while len(self.loaded_models) >= max_loaded_models:
+                    while len(self.loaded_models) >= settings.max_loaded_models:
                         victim = next((key for key in self._uses if not self._pins[key]), None)
                         if victim is not None:
                             break
@@ -357,6 +358,7 @@ def check_pinned(manager, body: dict) -> None:
     is not served here), as for a model that does not exist (transformers answered 400)."""
     requested = body.get("model")
     pinned = manager.force_model
+    served_models = manager.settings.served
     if pinned is not None and requested is not None and requested != pinned:
         raise model_http_error(
             404,
