@@ -23,10 +23,11 @@ models, references = fixtures.models, fixtures.references
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def test_builds_never_overlap_and_pinned_models_are_never_unloaded(models):
+def test_builds_never_overlap_and_pinned_models_are_never_unloaded(models, capsys):
     """The manager alone, threads calling it as the server's worker threads do: with room for one model, no two
     builds run at once, a model a request pinned stays loaded (a load of another waits for its release), and every
-    model handed out is the whole model (its tied lm_head is its embedding)."""
+    model handed out is the whole model (its tied lm_head is its embedding). Each load and unload says so in one
+    line on stderr (issue 57 item 2: a load is minutes of silence in a log otherwise), which --quiet silences."""
     from transformers.cli.serving.model_manager import ModelManager
 
     serving_models.expose_to_transformers_serve()
@@ -74,6 +75,16 @@ def test_builds_never_overlap_and_pinned_models_are_never_unloaded(models):
         assert max(overlaps) == 1, overlaps  # never two builds at once
         assert all(tied and maximum < 1e4 for _, tied, maximum in results), results
         assert len(manager.loaded_models) == 1 and not manager._pins
+        lines = capsys.readouterr().err.splitlines()
+        loading = [line for line in lines if line.startswith("diff-transformer serve: loading model ")]
+        loaded = [line for line in lines if line.startswith("diff-transformer serve: loaded model ")]
+        unloaded = [line for line in lines if line.startswith("diff-transformer serve: unloaded model ")]
+        assert len(loading) == len(loaded) == len(order) and len(unloaded) == len(order) - 1, lines
+        assert loading[0] == f"diff-transformer serve: loading model {str(models['v2'])!r}"
+        quiet = serving_models.diff_model_manager(ServeSettings(quiet=True))(device="cpu", model_timeout=-1)
+        quiet.acquire(keys[0])[2]()
+        quiet.shutdown()
+        assert "diff-transformer serve" not in capsys.readouterr().err
     finally:
         ModelManager._load_model = original
         manager.shutdown()

@@ -115,7 +115,9 @@ def diff_model_manager(settings=None):
     model that does not exist or does not load is a 404/400 with one line, at once, and every build and drop of a model
     is serialised (see `DiffModelManager`)."""
     import collections
+    import sys
     import threading
+    import time
 
     from transformers.cli.serving.model_manager import ModelManager, TimedModel
 
@@ -204,6 +206,8 @@ def diff_model_manager(settings=None):
                 self._make_room()
                 if progress_callback is not None:
                     progress_callback({"status": "loading", "model": key, "stage": "processor"})
+                started = time.monotonic()
+                self._say(f"loading model {display_name(key)!r}")
                 try:
                     processor = self._load_processor(model_id_and_revision, gguf_file=gguf_file)
                     model = self._load_model(
@@ -218,6 +222,7 @@ def diff_model_manager(settings=None):
                     raise model_http_error(
                         400, f"model {display_name(model_id_and_revision)!r} cannot be loaded: {one_line(exc)[:300]}"
                     ) from None
+                self._say(f"loaded model {display_name(key)!r} in {time.monotonic() - started:.1f} s")
                 timed = ManagedModel(model, self.model_timeout, processor, manager=self, key=key)
                 with self._state:
                     self.loaded_models[key] = timed
@@ -226,6 +231,12 @@ def diff_model_manager(settings=None):
             if progress_callback is not None:
                 progress_callback({"status": "ready", "model": key, "cached": False})
             return model, processor, release
+
+        def _say(self, line: str) -> None:
+            """One line on stderr, flushed (a log file shows it when it happens), unless --quiet: a load takes from
+            seconds to minutes, during which the server would otherwise print nothing."""
+            if not settings.quiet:
+                print(f"diff-transformer serve: {line}", file=sys.stderr, flush=True)
 
         def _loaded(self, key, pin, progress_callback):
             with self._state:
@@ -272,6 +283,8 @@ def diff_model_manager(settings=None):
                     timed = self.loaded_models.pop(victim)
                     del self._uses[victim]
                 timed.delete_model()
+                name, bound = display_name(victim), settings.max_loaded_models
+                self._say(f"unloaded model {name!r}, the least recently used (--max-loaded-models {bound})")
 
         def _expire(self, key, timed) -> None:
             """--model-timeout passed with KEY idle (transformers' timer thread): unloaded unless a request uses it."""
@@ -285,10 +298,7 @@ def diff_model_manager(settings=None):
                     del self.loaded_models[key]
                     del self._uses[key]
                 timed.delete_model()
-                from transformers.utils import logging
-
-                idle = timed.timeout_seconds
-                logging.get_logger(__name__).info(f"{key} was removed from memory after {idle}s of inactivity")
+                self._say(f"unloaded model {display_name(key)!r} after {timed.timeout_seconds} s idle")
 
         def shutdown(self) -> None:
             """Every model unloaded (`/reset`, the server's end); a request generating keeps its own reference."""
