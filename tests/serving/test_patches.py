@@ -13,7 +13,7 @@ from pathlib import Path
 from transformers.cli import serve as transformers_serve
 from transformers.cli.serving import chat_completion, completion, model_manager, response, systemone, utils
 
-from diff_transformer.serving.patches import GUARD, PATCHES
+from diff_transformer.serving.patches import GUARD, PATCHES, patch_table
 
 
 HANDLERS = (
@@ -151,3 +151,8 @@ print(json.dumps({"targets": targets, "once": once, "loaded": model_manager.Mode
     assert result["once"]  # the second install wrapped the original, not the first patch
     assert result["loaded"] == 4  # the second settings, raised to one place per MODEL served
     assert result["log_level"] == "warning" and result["shutdown"] == 5
+
+
+def test_docs_show_the_patch_table():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    assert patch_table() in page

@@ -238,6 +238,15 @@ PATCHES = (
 )
 
 
+def patch_table() -> str:
+    """`PATCHES` as the Markdown table docs/serving.md shows (a test holds the page to it)."""
+    rows = ["| patch | replaces | why | relies on (pinned transformers 5.23) | guarded by |", "|---|---|---|---|---|"]
+    for patch in PATCHES:
+        cells = (patch.name, f"`{patch.target}`", patch.replaces, patch.relies_on, f"`{patch.guarded_by}`")
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
 def install(settings: ServeSettings) -> ServeSettings:
     """Every patch of `PATCHES`, before transformers' `Serve` starts; the settings they were given (at least one
     loaded model per MODEL served)."""
