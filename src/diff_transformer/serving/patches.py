@@ -22,6 +22,9 @@ GRACEFUL_SHUTDOWN_S = 5
 # in the server at once. 16 MiB holds the largest text a render takes (1 Mi characters, up to 6 bytes each escaped in
 # JSON) with room for a few images.
 MAX_REQUEST_BYTES = 16 << 20
+# Chat-template render processes (`render_pool`): a render takes milliseconds, so two cover the requests a server
+# admits; a hostile one holds its worker at most RENDER_SECONDS + 1 s.
+RENDER_WORKERS = 2
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class ServeSettings:
     max_queued_requests: int = MAX_QUEUED_REQUESTS
     max_loaded_models: int = MAX_LOADED_MODELS  # at least len(served): `install` raises it
     max_request_bytes: int = MAX_REQUEST_BYTES
+    render_workers: int = RENDER_WORKERS  # chat-template render processes (0: render in the server's process)
     graceful_shutdown_s: float = GRACEFUL_SHUTDOWN_S
     requests: "RequestStates" = field(default_factory=lambda: RequestStates(), compare=False)
 
@@ -159,9 +163,16 @@ def _uvicorn(settings: ServeSettings) -> None:
 
 
 def _chat_templates(settings: ServeSettings) -> None:
-    from ..chat_templates import bound_chat_templates
+    from ..chat_templates import bound_chat_templates, isolate
+    from .render_pool import RenderPool
 
     bound_chat_templates()
+    if settings.render_workers:
+        pool = RenderPool(settings.render_workers)
+        pool.warm()
+        isolate(pool.render)
+    else:
+        isolate(None)
 
 
 GUARD = "tests/serving/test_patches.py::"
@@ -230,7 +241,8 @@ PATCHES = (
     Patch(
         "chat templates",
         "transformers.utils.chat_template_utils._compile_jinja_template",
-        "templates render without bound in steps, time or size, on the event loop",
+        "templates render without bound in steps, time or size, on the event loop; here they render in worker "
+        "processes (`render_pool`: address space capped, killed past their time)",
         "_cached_compile_jinja_template(template) -> a jinja2 Template whose environment we rebind",
         GUARD + "test_chat_template_compiler",
         _chat_templates,
