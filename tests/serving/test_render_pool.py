@@ -13,7 +13,11 @@ from transformers import AutoTokenizer
 from diff_transformer import chat_templates
 from diff_transformer.chat_templates import ChatRenderError, ChatTemplateBoundError, render_chat
 from diff_transformer.serving.render_pool import RenderPool
+from tests.serving import fixtures
 from tests.serving.fixtures import CHATS, TINY_LLAMA
+
+
+models = fixtures.models
 
 
 HOSTILE = [
@@ -75,3 +79,43 @@ def test_a_render_building_gigabytes_in_one_call_is_stopped_while_this_process_r
     assert ticks[0] >= elapsed * 100 / 4, (ticks[0], elapsed)  # the GIL was free: at least a quarter of the ticks
     plain = AutoTokenizer.from_pretrained(TINY_LLAMA)
     assert render_chat(plain, CHATS[0], add_generation_prompt=True).strip()  # a fresh worker answers
+
+
+@pytest.mark.slow
+def test_the_server_answers_health_and_other_models_while_a_hostile_render_is_stopped(models, tmp_path):
+    """A request naming a model whose template builds gigabytes in one call: a 400 naming the bound, and meanwhile
+    /health and a chat with another model answer (the render held the server's GIL before: /health timed out)."""
+    import concurrent.futures
+    import json
+    import shutil
+    import urllib.request
+
+    from tests.helpers.server import Server
+
+    hostile = tmp_path / "hostile"
+    shutil.copytree(models["v2"], hostile)
+    config = json.loads((hostile / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (hostile / "tokenizer_config.json").write_text(json.dumps(config))
+    (hostile / "chat_template.jinja").write_text(HOSTILE[0])
+    server = Server(tmp_path / "serve.log")
+    try:
+        server.wait_healthy()
+        client = server.client()
+        normal = dict(model=str(models["v2"]), messages=CHATS[0], max_tokens=4, temperature=0)
+        client.chat.completions.create(**normal)  # both render workers up, the model loaded
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            refused = pool.submit(client.chat.completions.create, **{**normal, "model": str(hostile)})
+            health = []
+            while not refused.done():
+                with urllib.request.urlopen(f"{server.url}/health", timeout=2) as response:
+                    health.append(response.status)
+                time.sleep(0.2)
+            with pytest.raises(Exception) as caught:
+                refused.result()
+        assert caught.value.status_code == 400, caught.value
+        assert "went past a bound" in str(caught.value), caught.value
+        assert health and set(health) == {200}, health
+        assert client.chat.completions.create(**normal).choices[0].message.content is not None
+    finally:
+        server.stop()
