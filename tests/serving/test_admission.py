@@ -132,6 +132,7 @@ def call(server, method, path, data: bytes | None = None):
         return error.code, json.load(error)
 
 
+@pytest.mark.slow
 def test_refusals_are_openai_s_error_body_naming_the_cause(server, models):
     """Unknown routes and methods, a body that is not JSON, a body over the bound, malformed messages and an empty
     model name: each a 4xx whose body is OpenAI's `{"error": {"message", "type", "param", "code"}}`, one line."""

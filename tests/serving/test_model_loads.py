@@ -81,6 +81,15 @@ def test_builds_never_overlap_and_pinned_models_are_never_unloaded(models, capsy
         unloaded = [line for line in lines if line.startswith("diff-transformer serve: unloaded model ")]
         assert len(loading) == len(loaded) == len(order) and len(unloaded) == len(order) - 1, lines
         assert loading[0] == f"diff-transformer serve: loading model {str(models['v2'])!r}"
+        settings = ServeSettings(max_loaded_models=1, model_wait_s=0.3)
+        busy = serving_models.diff_model_manager(settings)(device="cpu", model_timeout=-1)
+        release_busy = busy.acquire(keys[0])[2]
+        with pytest.raises(Exception) as caught:  # the one place pinned past model_wait_s: a 503, not a hang
+            busy.acquire(keys[1])
+        assert caught.value.status_code == 503 and "every loaded model is in use" in caught.value.detail["message"]
+        release_busy()
+        busy.shutdown()
+        capsys.readouterr()
         quiet = serving_models.diff_model_manager(ServeSettings(quiet=True))(device="cpu", model_timeout=-1)
         quiet.acquire(keys[0])[2]()
         quiet.shutdown()

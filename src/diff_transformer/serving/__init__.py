@@ -37,7 +37,11 @@ What transformers' server does not bound, this package does (`server.bounded_gen
   (`models.check_model_directory`).
 * Chat templates render within bounds (`diff_transformer.chat_templates`: 2 s, 5,000,000 steps, 4 Mi characters), in a
   worker thread (`server.render_off_the_loop`): transformers renders on the event loop, where a template with nested
-  loops held up every request, /health included. One past its bound answers 400.
+  loops held up every request, /health included. One past its bound answers 400. The render itself runs in a worker
+  process (`render_pool`: address space capped, killed past its time), as one C call building gigabytes held the
+  server's GIL.
+* Request bodies over --max-request-bytes are answered 413 before they are buffered, and the queue bound counts a
+  request from its arrival; Retry-After is the work ahead of it (`server.QueueBound.retry_after`).
 
 What clients rely on and transformers' server gets wrong, this package fixes (`models.diff_model_manager`,
 `server.openai_errors`, `models.check_pinned`, and `requests`: request fields, `stop`, response names, `[DONE]`):

@@ -270,14 +270,22 @@ def diff_model_manager(settings=None):
 
         def _make_room(self) -> None:
             """Under `_build`: unload the least recently used unpinned models until one more fits in
-            --max-loaded-models, waiting for requests to end their use when every loaded model is pinned."""
+            --max-loaded-models, waiting for requests to end their use when every loaded model is pinned: at most
+            `model_wait_s` (a stream whose client stopped reading holds its pin), then a 503 the client may retry."""
+            deadline = time.monotonic() + settings.model_wait_s
             while True:
                 with self._state:
                     while len(self.loaded_models) >= settings.max_loaded_models:
                         victim = next((key for key in self._uses if not self._pins[key]), None)
                         if victim is not None:
                             break
-                        self._state.wait()
+                        if not self._state.wait(timeout=max(0.0, deadline - time.monotonic())):
+                            raise model_http_error(
+                                503,
+                                f"every loaded model is in use (--max-loaded-models {settings.max_loaded_models}) "
+                                f"and none was free within {settings.model_wait_s:g} s: retry later.",
+                                code="models_busy",
+                            )
                     else:
                         return
                     timed = self.loaded_models.pop(victim)

@@ -37,6 +37,7 @@ class ServeSettings:
     max_queued_requests: int = MAX_QUEUED_REQUESTS
     max_loaded_models: int = MAX_LOADED_MODELS  # at least len(served): `install` raises it
     max_request_bytes: int = MAX_REQUEST_BYTES
+    model_wait_s: float = 60.0  # how long a load waits for a loaded model to be free (all pinned), then 503
     render_workers: int = RENDER_WORKERS  # chat-template render processes (0: render in the server's process)
     graceful_shutdown_s: float = GRACEFUL_SHUTDOWN_S
     requests: "RequestStates" = field(default_factory=lambda: RequestStates(), compare=False)

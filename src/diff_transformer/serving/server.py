@@ -20,6 +20,7 @@ HTTP_ERROR_TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
+    503: "server_error",
 }
 ROUTES = "POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models, GET /health"
 
