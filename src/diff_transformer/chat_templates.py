@@ -198,6 +198,17 @@ _PRERENDERED: contextvars.ContextVar = contextvars.ContextVar("diff_transformer_
 _CAPTURE: contextvars.ContextVar = contextvars.ContextVar("diff_transformer_capture", default=None)
 
 
+# serve's worker-process renderer (`serving.render_pool.RenderPool.render`), when `isolate` installed one
+_ISOLATED = None
+
+
+def isolate(renderer) -> None:
+    """From now on a bounded template's `render` calls RENDERER(source, args, kwargs) for its text (None: renders in
+    this process again); it returns NotImplemented for a render it does not take, which then renders here."""
+    global _ISOLATED
+    _ISOLATED = renderer
+
+
 def _digest(source: str, kwargs) -> str:
     import hashlib
 
@@ -303,7 +314,11 @@ def _bounded_template_class():
                 if ahead is not None and ahead[0] == digest:
                     _PRERENDERED.set(None)
                     return ahead[1]
-            text = "".join(self.generate(*args, **kwargs))
+            text = NotImplemented
+            if _ISOLATED is not None and hasattr(self, "_diff_source"):
+                text = _ISOLATED(self._diff_source, args, kwargs)
+            if text is NotImplemented:
+                text = "".join(self.generate(*args, **kwargs))
             if _CAPTURE.get() is not None:
                 _CAPTURE.get().append((digest, text))
             return text
@@ -411,6 +426,7 @@ __all__ = [
     "ChatTemplateFailedError",
     "bound_chat_templates",
     "check_input",
+    "isolate",
     "prerendered",
     "render_capturing",
     "render_chat",

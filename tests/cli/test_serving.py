@@ -7,30 +7,19 @@ import concurrent.futures
 import json
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
-import diff_transformer
 from diff_transformer import DiffConfig, DiffForCausalLM
-from diff_transformer.conversion import convert_to_diff
 from tests.helpers.server import Server
+from tests.serving import fixtures
+from tests.serving.fixtures import CHATS, NEW_TOKENS, TINY_LLAMA
 
 
-TINY_LLAMA = Path(diff_transformer.__file__).parent / "assets" / "tiny-llama"
 PROMPT = "It is a truth universally acknowledged"
-CHATS = [
-    [{"role": "user", "content": "Tell me about Mr. Darcy and Elizabeth."}],
-    [{"role": "user", "content": "What did Emma think of the weather?"}],
-    [
-        {"role": "system", "content": "You are a novelist."},
-        {"role": "user", "content": "Describe a ball at Netherfield."},
-    ],
-]
-NEW_TOKENS = 24
 # A small paged cache: the default sizes it from the device's memory, which on CPU costs ~20 s at start-up.
 CB_OPTIONS = [
     "--continuous-batching",
@@ -43,58 +32,10 @@ CB_OPTIONS = [
 ]
 
 
+models, references = fixtures.models, fixtures.references  # the models served, and greedy `generate`'s answers
+
 # One intra-op thread here too (see `Server`), restored afterwards.
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """{name: directory}: the shipped tiny Llama converted to V2 and V1, and a random V1 model saved with
-    `save_pretrained` next to the same tokenizer."""
-    root = tmp_path_factory.mktemp("models")
-    dirs = {f"v{v}": convert_to_diff(TINY_LLAMA, root / f"v{v}", diff_version=v, progress=False) for v in (2, 1)}
-    tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA)
-    torch.manual_seed(0)
-    config = DiffConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        diff_version=1,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = DiffForCausalLM(config)
-    with torch.no_grad():  # decisive logits: greedy choices far from ties
-        model.lm_head.weight.mul_(50.0)
-    model.save_pretrained(root / "saved")
-    tokenizer.save_pretrained(root / "saved")
-    dirs["saved"] = root / "saved"
-    return dirs
-
-
-@pytest.fixture(scope="module")
-def references(models):
-    """Greedy `generate` on the chat-templated prompt, as the server would run it:
-    {name: fn(messages, **kw) -> text}."""
-    loaded = {
-        name: (AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path))
-        for name, path in models.items()
-    }
-
-    def reference(name, messages, **generate_kwargs):
-        model, tokenizer = loaded[name]
-        inputs = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
-        )
-        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, **generate_kwargs)
-        generated = out[0, inputs["input_ids"].shape[1] :]
-        return tokenizer.decode(generated, skip_special_tokens=True), len(generated)
-
-    return reference
 
 
 # ---- pipeline ----
@@ -411,7 +352,7 @@ def test_a_model_loads_off_the_event_loop():
 
     from diff_transformer.serving.models import load_off_the_loop
 
-    loaded = []
+    loaded, released = [], []
 
     class Manager:
         force_model = None
@@ -419,9 +360,10 @@ def test_a_model_loads_off_the_event_loop():
         def process_model_name(self, model):
             return f"{model}@main"
 
-        def load_model_and_processor(self, key, gguf_file=None):
+        def acquire(self, key, gguf_file=None):
             time.sleep(0.5)
             loaded.append((key, gguf_file, threading.current_thread() is threading.main_thread()))
+            return None, None, lambda: released.append(key)
 
     handler = SimpleNamespace(model_manager=Manager(), _validate_request=lambda body: None)
 
@@ -435,14 +377,15 @@ def test_a_model_loads_off_the_event_loop():
                 ticks += 1
 
         ticker = asyncio.create_task(tick())
-        await load_off_the_loop(handler, {"model": "org/model"})
+        release = await load_off_the_loop(handler, {"model": "org/model"})
         ticker.cancel()
+        release()  # the pin it took
         return ticks
 
     assert asyncio.run(ticks_during_the_load()) >= 10  # the loop ran on during the 0.5 s load
-    assert loaded == [("org/model@main", None, False)]  # in a worker thread
+    assert loaded == [("org/model@main", None, False)] and released == ["org/model@main"]  # in a worker thread
     Manager.force_model = "pinned"  # loaded at start-up: nothing to do
-    asyncio.run(load_off_the_loop(handler, {"model": "org/model"}))
+    assert asyncio.run(load_off_the_loop(handler, {"model": "org/model"})) is None
     assert len(loaded) == 1
 
 
@@ -713,11 +656,12 @@ def test_one_copy_per_local_model_and_at_most_max_loaded_models(models, tmp_path
     from transformers.cli.serving.model_manager import ModelManager
 
     from diff_transformer.serving import models as serving_models
+    from diff_transformer.serving.patches import ServeSettings
 
     third = tmp_path / "v2-copy"
     shutil.copytree(models["v2"], third)
     serving_models.expose_to_transformers_serve()
-    manager = serving_models.diff_model_manager()(device="cpu", model_timeout=-1)
+    manager = serving_models.diff_model_manager(ServeSettings(max_loaded_models=2))(device="cpu", model_timeout=-1)
     loads = []
     original = ModelManager._load_model
 
@@ -726,9 +670,7 @@ def test_one_copy_per_local_model_and_at_most_max_loaded_models(models, tmp_path
         return original(self, model_id_and_revision, *args, **kwargs)
 
     ModelManager._load_model = counted
-    bound = serving_models.max_loaded_models
     try:
-        serving_models.max_loaded_models = 2
         v2, v1 = str(models["v2"]), str(models["v1"])
         for name in (v2, f"{v2}@main", v2):
             manager.load_model_and_processor(manager.process_model_name(name))
@@ -751,7 +693,6 @@ def test_one_copy_per_local_model_and_at_most_max_loaded_models(models, tmp_path
         assert len(loads) == 4
     finally:
         ModelManager._load_model = original
-        serving_models.max_loaded_models = bound
         manager.shutdown()
 
 

@@ -1,9 +1,9 @@
 """`diff-transformer serve`: transformers' own OpenAI-compatible server (`transformers serve`) for Diff models.
 
 The command: its options parsed (`_own_options`: ours, each MODEL checked before the server starts; everything else
-goes to transformers), `diff_transformer.serving` installed (`serving.server.install`: the package docstring says what
-it bounds and fixes, and why), then transformers' `serve` command run in this process with the same options
-(`diff-transformer serve --help`).
+goes to transformers), `diff_transformer.serving` installed (`serving.patches.install` applies its table of patches;
+the package docstring says what it bounds and fixes, and why), then transformers' `serve` command run in this
+process with the same options (`diff-transformer serve --help`).
 """
 
 import argparse
@@ -24,18 +24,18 @@ Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET 
 of 1-256 characters) ends the answer before the stop string, streaming or not; n > 1 and out-of-range fields are
 refused (HTTP 400, OpenAI's error body); a model that does not exist, or other than a pinned server's MODEL, answers
 404, one that cannot be loaded 400, a local directory with an @revision 400 (it has none); a request past
-the queue bound above answers 429 with Retry-After."""
+the queue bound above answers 429 with Retry-After (the work ahead), a body past the byte bound above 413."""
 
 
 def help_parser() -> argparse.ArgumentParser:
     """The options of `diff-transformer serve` as `--help` shows them (`_own_options` parses them: everything else in
     ARGV goes to transformers, so argparse must not take a value of theirs for MODEL)."""
-    from ..serving.server import MAX_LOADED_MODELS, MAX_QUEUED_REQUESTS
+    from ..serving.patches import MAX_LOADED_MODELS, MAX_QUEUED_REQUESTS, MAX_REQUEST_BYTES
 
     parser = argparse.ArgumentParser(
         prog="diff-transformer serve",
         usage="%(prog)s [MODEL ...] [--max-new-tokens-limit N] [--max-queued-requests N] [--max-loaded-models N]\n"
-        "       [--quiet] [transformers serve options]",
+        "       [--max-request-bytes N] [--quiet] [transformers serve options]",
         description="OpenAI-compatible server for Diff models: transformers' own server (transformers serve) with\n"
         "the Diff classes, every generation bounded by the model's context, and errors clients can read.",
         epilog=PASSED_THROUGH,
@@ -74,6 +74,13 @@ def help_parser() -> argparse.ArgumentParser:
         help="at most N models loaded at once (at least the MODELs named): loading another unloads the one used "
         "least recently (default %(default)s)",
         default=MAX_LOADED_MODELS,
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        metavar="N",
+        type=int,
+        help="at most N bytes of request body, refused (413) before it is read in full (default %(default)s: 16 MiB)",
+        default=MAX_REQUEST_BYTES,
     )
     parser.add_argument(
         "--quiet",
@@ -128,19 +135,25 @@ _COUNTS = {
     "--max-new-tokens-limit": "limit",
     "--max-queued-requests": "max_queued_requests",
     "--max-loaded-models": "max_loaded_models",
+    "--max-request-bytes": "max_request_bytes",
 }
 
 
 def _own_options(argv: list[str]) -> tuple[list[str], dict, bool, tuple[str, ...]]:
     """(ARGV less our options, {"limit", "max_queued_requests", "max_loaded_models"}: our counts, --quiet, the MODELs
     when several), each MODEL checked to exist. One MODEL goes to transformers (its pinned `force_model`); several stay
-    here (then `serving.models.served_models`)."""
+    here (then `ServeSettings.served`)."""
     from ..checkpoints.names import resolve_model
     from ..serving.models import check_model_directory, local_revision_problem
-    from ..serving.server import MAX_LOADED_MODELS, MAX_QUEUED_REQUESTS
+    from ..serving.patches import MAX_LOADED_MODELS, MAX_QUEUED_REQUESTS, MAX_REQUEST_BYTES
 
     rest, quiet, index = [], False, 0
-    counts = {"limit": None, "max_queued_requests": MAX_QUEUED_REQUESTS, "max_loaded_models": MAX_LOADED_MODELS}
+    counts = {
+        "limit": None,
+        "max_queued_requests": MAX_QUEUED_REQUESTS,
+        "max_loaded_models": MAX_LOADED_MODELS,
+        "max_request_bytes": MAX_REQUEST_BYTES,
+    }
     while index < len(argv):
         arg = argv[index]
         if arg == "--quiet":
@@ -172,8 +185,13 @@ def _own_options(argv: list[str]) -> tuple[list[str], dict, bool, tuple[str, ...
     ]
     models = [rest[i] for i in positions]
     for model in models:
+        name = model.partition("@")[0]
+        if name == "":
+            raise UserError(f"MODEL {model!r} names no model: pass a model directory or Hub id ('DIR', 'org/model').")
         if "@" in model and local_revision_problem(model):
             raise UserError(local_revision_problem(model, "MODEL"))
+        if "@" in model:
+            resolve_model(name, name="MODEL")  # a mistyped path with a revision: one line too
         if ":" in model or "@" in model:  # GGUF "<repo>:<file>", revisions: the Hub's
             continue
         _, local = resolve_model(model, name="MODEL")  # a mistyped path: one line, before the server starts
@@ -215,10 +233,10 @@ def main(argv=None):
     import typer
     from transformers.cli.serve import Serve
 
-    from ..serving.server import install
+    from ..serving.patches import ServeSettings, install
 
     argv, counts, quiet, served = _own_options(sys.argv[1:] if argv is None else list(argv))
-    install(counts.pop("limit"), quiet, served, **counts)
+    install(ServeSettings(max_new_tokens_limit=counts.pop("limit"), quiet=quiet, served=served, **counts))
     app = typer.Typer(add_completion=False)
     app.command(help=Serve.__doc__)(Serve)
     with output_settings(quiet):

@@ -6,10 +6,11 @@ transformers 5.23's server looks the model class up by name on the `transformers
 architectures that transformers ships: `transformers serve --trust-remote-code` fails on every custom-code
 checkpoint with "module transformers has no attribute DiffForCausalLM". `diff-transformer serve` (`cli/serve.py`, the
 command) imports diff_transformer (which registers the Auto classes), makes the Diff classes resolvable where the
-server looks (`models.expose_to_transformers_serve`), installs what follows (`server.install`), and then runs
+server looks (`models.expose_to_transformers_serve`), installs what follows (`patches.install`: every patch of
+transformers' server is a row of one table, `patches.PATCHES`, applied from one `ServeSettings`), and then runs
 transformers' `serve` command in this process with the same options (`diff-transformer serve --help`).
 
-What transformers' server does not bound, this package does (`server.limit_generation`, `server.graceful_shutdown`):
+What transformers' server does not bound, this package does (`server.bounded_generation`, the "uvicorn" patch):
 
 * `max_tokens` (`max_completion_tokens`, `max_output_tokens`): transformers generates as many tokens as a request
   asks (and 1024 by default). Here every generation is clamped to the model's context (`max_position_embeddings`
@@ -22,7 +23,11 @@ What transformers' server does not bound, this package does (`server.limit_gener
   at once (`server.QueueBound`); one more is answered 429 with Retry-After.
 * Loaded models: transformers keys a model by "name@revision" and holds it until --model-timeout passes idle, so each
   made-up revision of a local directory loaded another copy. A revision of a local directory is refused
-  (`models.local_revision_problem`), and loading past --max-loaded-models unloads the least recently used model.
+  (`models.local_revision_problem`), and loading past --max-loaded-models unloads the least recently used model that
+  no request is using.
+* Concurrent loads: transformers locks per model, so two models were built at once (`from_pretrained` is not
+  thread-safe: answers of garbage with HTTP 200) and a model was unloaded under a request. Every build and drop of a
+  model runs under one lock, and a request pins its model until its answer is sent (`models.diff_model_manager`).
 * SIGTERM: uvicorn then waits for the requests in flight without limit; here for 5 s, after which they are cancelled
   and the process exits (the generation thread is a daemon).
 * `serve MODEL` with a MODEL that does not exist: one line, exit status 2, before the server starts.
@@ -32,7 +37,11 @@ What transformers' server does not bound, this package does (`server.limit_gener
   (`models.check_model_directory`).
 * Chat templates render within bounds (`diff_transformer.chat_templates`: 2 s, 5,000,000 steps, 4 Mi characters), in a
   worker thread (`server.render_off_the_loop`): transformers renders on the event loop, where a template with nested
-  loops held up every request, /health included. One past its bound answers 400.
+  loops held up every request, /health included. One past its bound answers 400. The render itself runs in a worker
+  process (`render_pool`: address space capped, killed past its time), as one C call building gigabytes held the
+  server's GIL.
+* Request bodies over --max-request-bytes are answered 413 before they are buffered, and the queue bound counts a
+  request from its arrival; Retry-After is the work ahead of it (`server.QueueBound.retry_after`).
 
 What clients rely on and transformers' server gets wrong, this package fixes (`models.diff_model_manager`,
 `server.openai_errors`, `models.check_pinned`, and `requests`: request fields, `stop`, response names, `[DONE]`):
@@ -48,7 +57,7 @@ What clients rely on and transformers' server gets wrong, this package fixes (`m
 * `stop` ends the answer before the stop string, finish_reason "stop" (transformers kept the stop text, and ignored
   `stop` under continuous batching); a response names the model as the request did (not "model@main"); a stream ends
   with `data: [DONE]`.
-* A model is loaded in a worker thread (`models.load_off_the_loop`): transformers loads it on the event loop, where
+* A model is loaded in a thread of its own (`models.load_off_the_loop`): transformers loads it on the event loop, where
   every other request, /health included, waits for it.
 * `--help` is this command's own: its options, then a note of what goes to transformers (`--transformers-help`).
 """

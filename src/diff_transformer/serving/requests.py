@@ -16,10 +16,8 @@
 """
 
 import asyncio
-import contextvars
 import json
 import math
-from dataclasses import dataclass
 
 from ..text_input import TextInputError, check_strings
 
@@ -88,6 +86,10 @@ def _check_shapes(body: dict) -> None:
     """The structured fields, of the types the handlers index into (a wrong one was a TypeError, a 500)."""
     if "model" in body and not (body["model"] is None or isinstance(body["model"], str)):
         raise _invalid("model", f"model={body['model']!r} must be a string: a model directory or Hub id.")
+    if isinstance(body.get("model"), str) and body["model"].partition("@")[0].strip() == "":
+        raise _invalid(
+            "model", f"model={body['model']!r} names no model: name a model directory or Hub id, or omit it."
+        )
     for field in ("chat_template_kwargs",):
         if body.get(field) is not None and not isinstance(body[field], dict):
             raise _invalid(field, f"{field} must be an object.")
@@ -244,21 +246,11 @@ def stop_on_text_criteria():
     return StopOnText
 
 
-@dataclass
-class RequestState:
-    """What one request's generation tells its response (`as_openai`): the stop strings met."""
-
-    stopped: bool = False
-
-
-_request = contextvars.ContextVar("diff_transformer_serve_request", default=None)
-
-
 class StopQueue:
     """The queue a streaming handler reads (`get`, `get_nowait`), with the text cut at the first stop string: the
     generation is cancelled there and the stream ends (None), held-back text is released at the end."""
 
-    def __init__(self, queue: asyncio.Queue, streamer, stops: list[str], state: RequestState | None):
+    def __init__(self, queue: asyncio.Queue, streamer, stops: list[str], state):
         self.queue, self.streamer, self.state = queue, streamer, state
         self.text = StopText(stops)
         self.ready: list = []
@@ -304,8 +296,15 @@ def _stops_of(gen_config) -> list[str] | None:
     return [stops] if isinstance(stops, str) else list(stops)
 
 
-def stop_streaming(manager_method):
-    """`generate_streaming` of transformers' generate managers, honouring the request's stop strings."""
+def _state_of(states, args, kwargs):
+    """The state of the request a generate manager's call serves: transformers passes its `request_id` (keyword)."""
+    request_id = kwargs.get("request_id", args[0] if args else None)
+    return states.get(request_id) if states is not None else None
+
+
+def stop_streaming(manager_method, states=None):
+    """`generate_streaming` of transformers' generate managers, honouring the request's stop strings (and marking
+    them met in the request's state, from STATES)."""
 
     def generate_streaming(self, model, processor, inputs, gen_config, *args, **kwargs):
         stops = _stops_of(gen_config)
@@ -313,12 +312,12 @@ def stop_streaming(manager_method):
             return manager_method(self, model, processor, inputs, gen_config, *args, **kwargs)
         inputs = _with_stop_criteria(self, processor, inputs, stops)
         queue, streamer = manager_method(self, model, processor, inputs, gen_config, *args, **kwargs)
-        return StopQueue(queue, streamer, stops, _request.get()), streamer
+        return StopQueue(queue, streamer, stops, _state_of(states, args, kwargs)), streamer
 
     return generate_streaming
 
 
-def stop_non_streaming(manager_method):
+def stop_non_streaming(manager_method, states=None):
     """`generate_non_streaming`, honouring the request's stop strings: the text cut before the first one, and the
     token ids cut after the token that completed it (what `usage` counts and the response parser reads)."""
 
@@ -333,7 +332,7 @@ def stop_non_streaming(manager_method):
         shown = cut.feed(text)
         if not cut.stopped:
             return answer
-        state = _request.get()
+        state = _state_of(states, args, kwargs)
         if state is not None:
             state.stopped = True
         return shown, input_length, _through_stop(processor, generated, stops)
@@ -385,17 +384,12 @@ def model_name(manager, body: dict) -> str | None:
     return manager.force_model
 
 
-async def as_openai(handle, handler, body: dict, *args, sse_done: bool, **kwargs):
-    """Run transformers' handler, then make its response what OpenAI clients read (see the module docstring)."""
+def as_openai(response, manager, body: dict, state, *, sse_done: bool):
+    """transformers' handler's RESPONSE made what OpenAI clients read (see the module docstring); STATE is what the
+    request's generation marked (`patches.RequestState`), read as the stream is sent."""
     from fastapi.responses import JSONResponse, StreamingResponse
 
-    name = model_name(handler.model_manager, body)
-    state = RequestState()
-    token = _request.set(state)
-    try:
-        response = await handle(handler, body, *args, **kwargs)
-    finally:
-        _request.reset(token)
+    name = model_name(manager, body)
     if isinstance(response, StreamingResponse):
         response.body_iterator = _openai_stream(response.body_iterator, name, state, sse_done)
     elif isinstance(response, JSONResponse) and response.status_code == 200:
@@ -405,7 +399,7 @@ async def as_openai(handle, handler, body: dict, *args, sse_done: bool, **kwargs
     return response
 
 
-def _rename_and_finish(event: dict, name: str | None, state: RequestState) -> None:
+def _rename_and_finish(event: dict, name: str | None, state) -> None:
     if name is not None and "model" in event:
         event["model"] = name
     if state.stopped:
@@ -414,7 +408,7 @@ def _rename_and_finish(event: dict, name: str | None, state: RequestState) -> No
                 choice["finish_reason"] = "stop"
 
 
-def _sse_event(event: str, name: str | None, state: RequestState) -> str:
+def _sse_event(event: str, name: str | None, state) -> str:
     """One `data: ...` event, renamed; transformers' error event (`{"error": "<text, unescaped>"}`) as OpenAI's."""
     payload = event[len("data: ") :]
     try:
@@ -431,7 +425,7 @@ def _sse_event(event: str, name: str | None, state: RequestState) -> str:
     return event
 
 
-async def _openai_stream(events, name: str | None, state: RequestState, sse_done: bool):
+async def _openai_stream(events, name: str | None, state, sse_done: bool):
     buffered = ""
     try:
         async for piece in events:

@@ -1,28 +1,32 @@
-"""transformers' server (`transformers serve`) made into `diff-transformer serve`'s: what clients rely on installed
-where its `Serve` picks it up (`client_facing`: request checks, errors as OpenAI's bodies, models and templates off
-the event loop, at most --max-queued-requests requests at once: `QueueBound`), every generation bounded
-(`limit_generation`) and shutdown bounded (`graceful_shutdown`). `install` does it all; the package docstring says why
-each is needed."""
+"""What `diff-transformer serve` adds to transformers' server, as `patches.PATCHES` installs it: the app's error bodies
+and queue bound (`client_app`: `openai_errors`, `QueueBound`), each handler's request checked, its model loaded and
+its template rendered off the event loop and its model pinned until its answer is sent (`handled`), and every
+generation bounded (`bounded_generation`). The package docstring says why each is needed."""
 
 import functools
 
 from ..errors import one_line
-from .models import check_pinned, diff_model_manager, display_name, load_off_the_loop, model_http_error
+from .models import check_pinned, display_name, load_off_the_loop, model_http_error
 
 
-GRACEFUL_SHUTDOWN_S = 5
-# --max-queued-requests: transformers' plain server runs one `generate` at a time per model (its `InferenceThread`
-# takes them first come, first served), so the last of N admitted requests waits for the N - 1 before it: 8 bounds
-# that wait to 7 generations, each bounded by the context and --max-new-tokens-limit.
-MAX_QUEUED_REQUESTS = 8
-MAX_LOADED_MODELS = 4  # --max-loaded-models: transformers only unloads a model after --model-timeout (300 s) idle
-RETRY_AFTER_MAX_S = 60  # OpenAI's client waits for a Retry-After up to 60 s, and backs off on its own above that
+# The openai client (3.54, pinned in constraints.txt) waits for a Retry-After of up to 120 s and does not retry above
+# it (`MAX_RETRY_AFTER_DELAY`); older clients waited up to 60 s and backed off on their own above. 60 suits both.
+RETRY_AFTER_MAX_S = 60
+RETRY_SERVICE_PRIOR_S = 2.0  # seconds per request assumed before any request has been served
 
-_max_queued_requests = MAX_QUEUED_REQUESTS  # what `install` was given
+HTTP_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    503: "server_error",
+}
+ROUTES = "POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models, GET /health"
 
-_uvicorn_log_level = None  # --quiet: "warning" (transformers' `Serve` asks uvicorn for "info": a line per request)
 
-HTTP_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error"}
+class MalformedMessages(Exception):
+    """transformers could not read a request's messages (before any template ran)."""
 
 
 async def render_off_the_loop(handler, body: dict) -> None:
@@ -43,7 +47,10 @@ async def render_off_the_loop(handler, body: dict) -> None:
     def render():
         _, model, processor = handler._resolve_model(dict(body))
         modality = handler.model_manager.get_model_modality(model, processor=processor)
-        messages = handler.get_processor_inputs_from_messages(body["messages"], modality)
+        try:
+            messages = handler.get_processor_inputs_from_messages(body["messages"], modality)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:  # a part without its text, bad tool_calls
+            raise MalformedMessages(error) from None
         has_video = any(
             part.get("type") == "video"
             for message in messages
@@ -63,11 +70,20 @@ async def render_off_the_loop(handler, body: dict) -> None:
             **kwargs,
         )
 
-    name = display_name(str(body.get("model")))
+    name = display_name(str(body.get("model") or handler.model_manager.force_model))
     try:
         rendered = await asyncio.to_thread(render)
     except ChatRenderError as error:  # too large a request, or a bound: one line
         raise model_http_error(400, f"model {name!r}: {error}.") from None
+    except MalformedMessages as malformed:
+        error = malformed.args[0]
+        what = f"{type(error).__name__}: {one_line(error)[:200]}"
+        raise model_http_error(
+            400,
+            f"messages are malformed ({what}): each content part needs its fields (a text part its text, an "
+            "image_url part its url), and each tool call a function with JSON arguments.",
+            param="messages",
+        ) from None
     except Exception as exc:
         if getattr(exc, "status_code", None):
             raise
@@ -80,18 +96,33 @@ def openai_errors(app) -> None:
     """Errors as OpenAI's API returns them (`{"error": {"message", "type", "param", "code"}}`), which its clients
     read: ours (`requests.http_error`), transformers' HTTPExceptions, and anything unforeseen (a 500 whose
     body says so in JSON, where Starlette answered "Internal Server Error" in plain text)."""
-    from fastapi import HTTPException
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
 
     async def handler(request, exc: HTTPException):
         detail = exc.detail if isinstance(exc.detail, dict) else {"message": str(exc.detail)}
+        message = detail.get("message", "")
+        if exc.status_code == 404 and message == "Not Found":  # Starlette's: no route
+            message = f"no route {request.url.path}: this server answers {ROUTES}."
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}: this server answers {ROUTES}."
         error = {
-            "message": detail.get("message", ""),
+            "message": message,
             "type": HTTP_ERROR_TYPES.get(exc.status_code, "error"),
             "param": detail.get("param"),
-            "code": detail.get("code"),
+            "code": detail.get("code") or {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code),
         }
         return JSONResponse({"error": error}, status_code=exc.status_code, headers=exc.headers)
+
+    async def invalid_body(request, exc: RequestValidationError):
+        first = (exc.errors() or [{}])[0]
+        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+        message = (
+            f"the request body is not a JSON object ({first.get('msg', 'invalid')}{' at ' + where if where else ''})"
+        )
+        error = {"message": message + ".", "type": "invalid_request_error", "param": None, "code": "invalid_json"}
+        return JSONResponse({"error": error}, status_code=400)
 
     async def unforeseen(request, exc: Exception):
         message = f"the server failed on this request ({type(exc).__name__}: {one_line(exc)[:300]})"
@@ -99,58 +130,91 @@ def openai_errors(app) -> None:
         return JSONResponse({"error": error}, status_code=500)
 
     app.add_exception_handler(HTTPException, handler)
+    app.add_exception_handler(RequestValidationError, invalid_body)
     app.add_exception_handler(Exception, unforeseen)
 
 
 class QueueBound:
-    """ASGI middleware: at most `limit` POST requests (completions, chat, responses, model loads) in the server at
-    once, from their whole body's arrival to the last byte of their answer (a stream included, and a non-streaming
-    generation whose client left, which runs to its end); one more is answered at once with 429, a Retry-After header
-    (the median time the recent requests took, 1 to 60 s) and OpenAI's error body, instead of waiting behind them.
+    """ASGI middleware admitting POST requests (completions, chat, responses, model loads): at most `limit` in the
+    server at once, counted from their arrival (before their body is read) to the last byte of their answer (a stream
+    included, and a non-streaming generation whose client left, which runs to its end); one more is answered at once
+    with 429, a Retry-After header (`retry_after`) and OpenAI's error body, instead of waiting behind them. A body over
+    `max_bytes` is answered 413 before it is buffered: at once when its Content-Length says so, else as soon as what
+    has arrived passes it. So the server holds at most `limit` bodies of at most `max_bytes` each.
 
-    Counting requests bounds the queued work: each request's is clamped (`limit_generation`: the context and
+    Counting requests bounds the queued work: each request's is clamped (`bounded_generation`: the context and
     --max-new-tokens-limit). The count lives on the event loop (one thread), so it needs no lock."""
 
-    def __init__(self, app, limit: int):
+    def __init__(self, app, limit: int, max_bytes: int = 16 << 20):
         import collections
 
         self.app = app
         self.limit = limit
+        self.max_bytes = max_bytes
         self.in_flight = 0
-        self.recent_seconds = collections.deque(maxlen=16)
+        # Seconds of service per request: a request's time in the server over the requests it found there (itself
+        # included), as transformers serves a model's requests one after another.
+        self.recent_service = collections.deque(maxlen=16)
+        self.arrivals: dict[object, float] = {}  # when each request in the server arrived
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        # Counted once its body is in: a client that sends its body slowly holds a connection, not a place.
-        received = []
-        while not received or received[-1]["type"] == "http.request" and received[-1].get("more_body"):
-            received.append(await receive())
-
-        async def replay():
-            return received.pop(0) if received else await receive()
-
-        if received[-1]["type"] != "http.request":  # the client left while sending
-            return await self.app(scope, replay, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self.too_large(int(declared))(scope, receive, send)
         if self.in_flight >= self.limit:
-            return await self.refuse()(scope, replay, send)
+            return await self.refuse()(scope, receive, send)
         import time
 
         self.in_flight += 1
-        start = time.monotonic()
+        found, start, answered, key = self.in_flight, time.monotonic(), False, object()
         try:
-            await self.app(scope, replay, send)
+            received, size = [], 0
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client left while sending: nobody to answer
+                received.append(message)
+                size += len(message.get("body", b""))
+                if size > self.max_bytes:
+                    return await self.too_large(size)(scope, receive, send)
+                if not message.get("more_body"):
+                    break
+
+            async def replay():
+                return received.pop(0) if received else await receive()
+
+            async def sending(message):
+                nonlocal answered
+                if message["type"] == "http.response.start":
+                    answered = 200 <= message["status"] < 300  # a refusal (400, 404) costs no generation
+                await send(message)
+
+            self.arrivals[key] = start
+            await self.app(scope, replay, sending)
         finally:
             self.in_flight -= 1
-            self.recent_seconds.append(time.monotonic() - start)
+            self.arrivals.pop(key, None)
+            if answered:
+                self.recent_service.append((time.monotonic() - start) / found)
 
     def retry_after(self) -> int:
+        """Seconds until the requests in the server now have been served: their number times the recent service time
+        per request (the median of the last 16 answered; before any, RETRY_SERVICE_PRIOR_S, or the time the oldest
+        request in the server has spent there if longer), with a margin of half, 1 to RETRY_AFTER_MAX_S. A client
+        that waits that long (OpenAI's does, up to its cap) finds the queue drained, so a burst of (retries + 1) x
+        limit requests is served in full."""
         import math
         import statistics
+        import time
 
-        if not self.recent_seconds:
-            return 1
-        return min(RETRY_AFTER_MAX_S, max(1, math.ceil(statistics.median(self.recent_seconds))))
+        if self.recent_service:
+            service = statistics.median(self.recent_service)
+        else:
+            oldest = min(self.arrivals.values(), default=time.monotonic())
+            service = max(RETRY_SERVICE_PRIOR_S, time.monotonic() - oldest)
+        return min(RETRY_AFTER_MAX_S, max(1, math.ceil(1.5 * self.in_flight * service)))
 
     def refuse(self):
         from fastapi.responses import JSONResponse
@@ -163,72 +227,103 @@ class QueueBound:
         error = {"message": message, "type": "requests", "param": None, "code": "rate_limit_exceeded"}
         return JSONResponse({"error": error}, status_code=429, headers={"Retry-After": str(seconds)})
 
+    def too_large(self, size: int):
+        from fastapi.responses import JSONResponse
 
-def client_facing() -> None:
-    """Install `diff_model_manager`, `check_request`, `load_off_the_loop` and `openai_errors` where transformers'
-    `Serve` picks them up (it imports `ModelManager` and `build_server` when it starts, every handler validates
-    through `BaseHandler._validate_request`, and each model handler's `handle_request` is wrapped)."""
-    from transformers.cli.serving import model_manager, server, utils
+        message = (
+            f"the request body has {'at least ' if size <= self.max_bytes else ''}{size} bytes: this server takes at "
+            f"most {self.max_bytes} (--max-request-bytes); send a shorter request."
+        )
+        error = {"message": message, "type": "invalid_request_error", "param": None, "code": "request_too_large"}
+        return JSONResponse({"error": error}, status_code=413, headers={"Connection": "close"})
 
-    from .requests import as_openai, check_request
 
-    model_manager.ModelManager = diff_model_manager()
-    build = server.build_server
-    if not getattr(build, "_diff_errors", False):
+def held_until_sent(response, release):
+    """RESPONSE, its model pinned (`release` not yet called) until its last byte is sent: a stream generates while it
+    is sent. A stream never sent (its client left first) lets go when it is collected."""
+    if release is None:
+        return response
+    from fastapi.responses import StreamingResponse
 
-        @functools.wraps(build)
-        def build_server(*args, **kwargs):
-            from starlette.middleware import Middleware
+    if not isinstance(response, StreamingResponse):
+        release()
+        return response
+    import weakref
 
-            app = build(*args, **kwargs)
-            openai_errors(app)
-            # Innermost of the app's middleware (transformers' request id and CORS headers go on a 429 too).
-            app.user_middleware.append(Middleware(QueueBound, limit=_max_queued_requests))
-            return app
+    events = response.body_iterator
 
-        build_server._diff_errors = True
-        server.build_server = build_server
-    from transformers.cli.serving import chat_completion, completion, response, systemone
+    async def sent():
+        try:
+            async for event in events:
+                yield event
+        finally:
+            release()
+            if hasattr(events, "aclose"):
+                await events.aclose()
 
-    for handler_class in (
-        chat_completion.ChatCompletionHandler,
-        completion.CompletionHandler,
-        response.ResponseHandler,
-        systemone.SystemOneHandler,
-    ):
-        handle = handler_class.handle_request
-        if getattr(handle, "_diff_off_the_loop", False):
-            continue
+    response.body_iterator = sent()
+    weakref.finalize(response, release)
+    return response
 
-        def make(handle, handler_class=handler_class):
-            chat = handler_class is chat_completion.ChatCompletionHandler
-            openai_shaped = chat or handler_class is completion.CompletionHandler
 
-            @functools.wraps(handle)
-            async def handle_request(self, body: dict, *args, **kwargs):
-                if openai_shaped:
-                    check_pinned(self.model_manager, body)
-                await load_off_the_loop(self, body)
-                if chat:
-                    await render_off_the_loop(self, body)
-                if openai_shaped:
-                    return await as_openai(handle, self, body, *args, sse_done=True, **kwargs)
-                return await handle(self, body, *args, **kwargs)
+def client_app(app, settings):
+    """transformers' FastAPI APP as clients need it: OpenAI's error bodies, and at most --max-queued-requests
+    requests in the server at once (innermost of the app's middleware, so transformers' request id and CORS headers
+    go on a 429 too)."""
+    from starlette.middleware import Middleware
 
-            handle_request._diff_off_the_loop = True
-            return handle_request
+    openai_errors(app)
+    app.user_middleware.append(
+        Middleware(QueueBound, limit=settings.max_queued_requests, max_bytes=settings.max_request_bytes)
+    )
+    return app
 
-        handler_class.handle_request = make(handle)
-    validate = utils.BaseHandler._validate_request
-    if not getattr(validate, "_diff_checked", False):
 
-        @functools.wraps(validate)
-        def validate_request(self, body: dict) -> None:
-            validate(self, body)
-            check_request(body)
+def handled(handle, handler_class, settings):
+    """HANDLER_CLASS's `handle_request(self, body, request_id)` with the request checked against the models served
+    (`check_pinned`), its model loaded off the event loop and pinned until the answer is sent (`load_off_the_loop`,
+    `held_until_sent`), a chat's template rendered off the loop (`render_off_the_loop`), and the answer made OpenAI's
+    (`requests.as_openai`), its per-request state registered under REQUEST_ID (`patches.RequestStates`)."""
+    from transformers.cli.serving import chat_completion, completion
 
-        validate_request._diff_checked = True
-        utils.BaseHandler._validate_request = validate_request
+    from .patches import RequestState
+    from .requests import as_openai, http_error
+
+    chat = handler_class is chat_completion.ChatCompletionHandler
+    openai_shaped = chat or handler_class is completion.CompletionHandler
+    states = settings.requests
+
+    @functools.wraps(handle)
+    async def handle_request(self, body: dict, request_id: str, *args, **kwargs):
+        if openai_shaped:
+            check_pinned(self.model_manager, body)
+        if request_id in states:
+            raise http_error(
+                400, f"X-Request-ID {request_id!r} is already in flight: send a unique one, or none.", code="duplicate"
+            )
+        state = states[request_id] = RequestState()
+        release = None
+        try:
+            release = await load_off_the_loop(self, body)
+            if chat:
+                await render_off_the_loop(self, body)
+            response = await handle(self, body, request_id, *args, **kwargs)
+        except BaseException:
+            states.pop(request_id, None)
+            if release is not None:
+                release()
+            raise
+        if openai_shaped:
+            response = as_openai(response, self.model_manager, body, state, sse_done=True)
+
+        def done():
+            states.pop(request_id, None)
+            if release is not None:
+                release()
+
+        return held_until_sent(response, done)
+
+    return handle_request
 
 
 def _generation_limit(model, inputs: dict, gen_config, limit: int | None) -> None:
@@ -258,84 +353,27 @@ def _generation_limit(model, inputs: dict, gen_config, limit: int | None) -> Non
         gen_config.max_new_tokens = bound
 
 
-def limit_generation(limit: int | None = None) -> None:
-    """Every generation of transformers' server (plain and continuous batching, streaming or not) bounded by the
-    model's context and `limit` (see the module docstring), and ended at the request's stop strings
-    (`requests.stop_streaming`)."""
-    from transformers.cli.serving import utils
-
+def bounded_generation(method, name: str, settings):
+    """A generate manager's METHOD (`generate_streaming` or `generate_non_streaming`, NAME) bounded by the model's
+    context and --max-new-tokens-limit, and ended at the request's stop strings (`requests.stop_streaming`), which
+    mark the request's state (found by the `request_id` transformers passes)."""
     from .requests import stop_non_streaming, stop_streaming
 
-    for manager in (utils.GenerateManager, utils.CBGenerateManager):
-        for name in ("generate_streaming", "generate_non_streaming"):
-            method = getattr(manager, name)
-            if getattr(method, "_diff_limited", False):
-                continue
+    limit, states = settings.max_new_tokens_limit, settings.requests
+    if name == "generate_non_streaming":
+        stopping = stop_non_streaming(method, states)
 
-            def make(method):
-                if name == "generate_non_streaming":
-                    stopping = stop_non_streaming(method)
+        @functools.wraps(method)
+        async def bounded(self, model, processor, inputs, gen_config, *args, **kwargs):
+            _generation_limit(model, inputs, gen_config, limit)
+            return await stopping(self, model, processor, inputs, gen_config, *args, **kwargs)
 
-                    @functools.wraps(method)
-                    async def bounded(self, model, processor, inputs, gen_config, *args, **kwargs):
-                        _generation_limit(model, inputs, gen_config, limit)
-                        return await stopping(self, model, processor, inputs, gen_config, *args, **kwargs)
+    else:
+        stopping = stop_streaming(method, states)
 
-                else:
-                    stopping = stop_streaming(method)
+        @functools.wraps(method)
+        def bounded(self, model, processor, inputs, gen_config, *args, **kwargs):
+            _generation_limit(model, inputs, gen_config, limit)
+            return stopping(self, model, processor, inputs, gen_config, *args, **kwargs)
 
-                    @functools.wraps(method)
-                    def bounded(self, model, processor, inputs, gen_config, *args, **kwargs):
-                        _generation_limit(model, inputs, gen_config, limit)
-                        return stopping(self, model, processor, inputs, gen_config, *args, **kwargs)
-
-                bounded._diff_limited = True
-                return bounded
-
-            setattr(manager, name, make(method))
-
-
-def graceful_shutdown(seconds: float = GRACEFUL_SHUTDOWN_S) -> None:
-    """uvicorn servers created from now on wait at most `seconds` for requests in flight after SIGTERM/SIGINT."""
-    import uvicorn
-
-    init = uvicorn.Config.__init__
-    if getattr(init, "_diff_bounded", False):
-        return
-
-    @functools.wraps(init)
-    def bounded(self, *args, **kwargs):
-        kwargs.setdefault("timeout_graceful_shutdown", seconds)
-        if _uvicorn_log_level is not None:
-            kwargs["log_level"] = _uvicorn_log_level
-        init(self, *args, **kwargs)
-
-    bounded._diff_bounded = True
-    uvicorn.Config.__init__ = bounded
-
-
-def install(
-    limit: int | None,
-    quiet: bool,
-    served: tuple[str, ...],
-    *,
-    max_queued_requests: int = MAX_QUEUED_REQUESTS,
-    max_loaded_models: int = MAX_LOADED_MODELS,
-) -> None:
-    """All of the above, before transformers' `Serve` starts: the models a `serve A B` server answers for and how many
-    it holds at once, uvicorn's log level under --quiet, chat templates within bounds, the Diff classes where
-    transformers looks, what clients see, at most MAX_QUEUED_REQUESTS requests at once, every generation bounded by
-    the context and LIMIT, and a bounded shutdown."""
-    global _uvicorn_log_level, _max_queued_requests
-    from ..chat_templates import bound_chat_templates
-    from . import models
-
-    models.served_models = served
-    models.max_loaded_models = max(max_loaded_models, len(served))
-    _max_queued_requests = max_queued_requests
-    _uvicorn_log_level = "warning" if quiet else None
-    bound_chat_templates()
-    models.expose_to_transformers_serve()
-    client_facing()
-    limit_generation(limit)
-    graceful_shutdown()
+    return bounded
