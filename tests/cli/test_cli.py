@@ -233,6 +233,27 @@ def test_convert_mistyped_path_and_nested_config(refused, tmp_path, capsys, monk
     assert not (tmp_path / "out").exists()
 
 
+def test_an_empty_model_name_is_refused_not_taken_for_the_current_directory(refused, tmp_path, monkeypatch):
+    """Issue 56: `Path("")` is the current directory, so an unset shell variable ran every command on whatever model
+    the current directory held."""
+    from diff_transformer import checkpoints
+    from diff_transformer.checkpoints import CheckpointError
+    from tests.helpers.tiny import tiny_model
+
+    tiny_model(2).save_pretrained(tmp_path)  # a model in the current directory: what "" used to load
+    _tiny_llama(tmp_path / "llama")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match="MODEL is empty"):
+        checkpoints.open("")
+    refused(["generate", "", "5 6 7"], "MODEL is empty")
+    refused(["inspect", " ", "5 6 7", "--json", "maps.json"], "MODEL is empty")
+    refused(["niah", "", "--out", "niah"], "MODEL is empty")
+    refused(["train", "", "--data", "llama/config.json", "--output", "run"], "MODEL is empty")
+    refused(["merge", "", "merged"], "ADAPTER is empty")
+    refused(["convert", "", "out"], "SRC is empty")
+    assert not {"maps.json", "niah", "run", "merged", "out"} & {p.name for p in tmp_path.iterdir()}
+
+
 def test_top_level_help_names_every_command(capsys):
     from diff_transformer import cli
 
