@@ -254,6 +254,25 @@ def test_an_empty_model_name_is_refused_not_taken_for_the_current_directory(refu
     assert not {"maps.json", "niah", "run", "merged", "out"} & {p.name for p in tmp_path.iterdir()}
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_diff_checkpoint_relabelled_llama_is_named_as_such(refused, tmp_path, version):
+    """Issue 56: `model_type: llama` in a Diff config was reported as a head-count mismatch; the fix is the
+    model_type. Named from the config's diff_version, or, without it, from Diff's λ tensors."""
+    import json
+
+    from tests.helpers.tiny import tiny_model
+
+    model = tmp_path / "model"
+    tiny_model(version).save_pretrained(model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    for argv in (["generate", model, "5 6 7"], ["inspect", model, "5 6", "--json", tmp_path / "m.json"]):
+        refused(argv, "model_type='llama'", "Diff Transformer checkpoint", '"model_type": "diff"')
+    del config["diff_version"]
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    refused(["generate", model, "5 6 7"], "Diff's λ tensors", '"model_type": "diff"')
+
+
 def test_top_level_help_names_every_command(capsys):
     from diff_transformer import cli
 
