@@ -155,6 +155,37 @@ def test_convert_command_verifies_v2(tmp_path, capsys):
     assert config["model_type"] == "diff" and config["diff_version"] == 2
 
 
+def test_convert_verify_of_v1_is_informational(tmp_path, capsys):
+    """Issue 57: a V1 conversion, which is not function-preserving, prints the comparison, says it is informational
+    and exits 0."""
+    from diff_transformer import cli
+
+    _tiny_llama(tmp_path / "llama")
+    argv = ["convert", tmp_path / "llama", tmp_path / "v1", "--diff-version", "1", "--v1-init", "paper", "--verify"]
+    assert cli.main([str(a) for a in [*argv, "--quiet"]]) == 0
+    out = capsys.readouterr().out
+    assert "greedy continuations match:" in out and "informational" in out and "not function-preserving" in out
+
+
+def test_convert_verify_exit_status_says_whether_an_exact_conversion_is_exact(tmp_path, capsys, monkeypatch):
+    """Issue 57: V2 (function-preserving) exits 1 with one error line when the converted model differs from its
+    source (here a real wrong weight: one tensor scaled by 1.01 as it is written)."""
+    from diff_transformer import cli
+    from diff_transformer.conversion.writer import ShardWriter
+
+    _tiny_llama(tmp_path / "llama")
+    add = ShardWriter.add
+
+    def wrong(self, name, tensor, dtype=None):
+        return add(self, name, tensor * 1.01 if name.endswith("layers.0.mlp.down_proj.weight") else tensor, dtype)
+
+    monkeypatch.setattr(ShardWriter, "add", wrong)
+    assert cli.main(["convert", str(tmp_path / "llama"), str(tmp_path / "v2"), "--verify", "--quiet"]) == 1
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "not exact" in errors[0] and "informational" not in captured.out
+
+
 @pytest.mark.slow  # end to end (a command, a training run): in the whole suite, not the quick loop
 def test_convert_command_v1_odd_heads_says_it_uses_the_expanded_layout(tmp_path):
     _tiny_llama(tmp_path / "llama", num_attention_heads=3, num_key_value_heads=3)
