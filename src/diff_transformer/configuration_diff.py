@@ -66,6 +66,74 @@ FP32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, without i
 LAMBDA_OFFSET_RANGE = (-38, 10**6)
 
 
+# Every rope_parameters field that transformers' RoPE functions read (modeling_rope_utils), with the range where it
+# gives finite, meaningful frequencies: (low, low included, high, high included, why, example). transformers only
+# warns for a few of them (a factor < 1) and not at all for the rest; one table checks them all, the same way.
+_ROPE_RANGES = {
+    "rope_theta": (
+        1.0,
+        False,
+        math.inf,
+        False,
+        "frequencies are theta^(-2i/d): 1 or less repeats or inverts them",
+        "10000.0",
+    ),
+    "factor": (
+        1.0,
+        True,
+        math.inf,
+        False,
+        "it stretches the context: below 1 it shrinks it, 0 divides by zero",
+        "2.0",
+    ),
+    "original_max_position_embeddings": (1, True, math.inf, False, "a context length in positions", "8192"),
+    "attention_factor": (0.0, False, math.inf, False, "it scales the attention logits", "1.0"),
+    "beta_fast": (0.0, False, math.inf, False, "YaRN's fast boundary, in rotations", "32"),
+    "beta_slow": (0.0, False, math.inf, False, "YaRN's slow boundary, in rotations", "1"),
+    "mscale": (0.0, False, math.inf, False, "it scales YaRN's attention temperature", "1.0"),
+    "mscale_all_dim": (0.0, True, math.inf, False, "it scales YaRN's attention temperature", "0.0"),
+    "low_freq_factor": (0.0, False, math.inf, False, "Llama 3's wavelength boundary divides by it", "1.0"),
+    "high_freq_factor": (0.0, False, math.inf, False, "Llama 3's wavelength boundary divides by it", "4.0"),
+    "partial_rotary_factor": (0.0, False, 1.0, True, "the share of each head's dimensions that rotate", "1.0"),
+}
+_ROPE_LISTS = ("short_factor", "long_factor")  # LongRoPE's per-frequency factors: each in (0, inf)
+
+
+def _check_rope_parameters(rope_parameters) -> None:
+    """A ValueError naming the first rope_parameters field outside its range (`_ROPE_RANGES`), or a non-number."""
+    if not isinstance(rope_parameters, dict):
+        return
+    for key, (low, low_in, high, high_in, why, example) in _ROPE_RANGES.items():
+        value = rope_parameters.get(key)
+        if value is None:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        inside = number and (low <= value if low_in else low < value) and (value <= high if high_in else value < high)
+        if not inside:
+            upper = "" if high == math.inf else f" and {'<=' if high_in else '<'} {high:g}"
+            raise ValueError(
+                f"rope_parameters.{key}={value!r} must be a finite number {'>=' if low_in else '>'} {low:g}{upper} "
+                f"({why}): use e.g. {example}."
+            )
+    for key in _ROPE_LISTS:
+        values = rope_parameters.get(key)
+        if values is None:
+            continue
+        if not isinstance(values, (list, tuple)) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in values
+        ):
+            raise ValueError(
+                f"rope_parameters.{key} must be a list of finite numbers > 0 (LongRoPE divides each frequency by "
+                "one): fix the list."
+            )
+    high, low = rope_parameters.get("high_freq_factor"), rope_parameters.get("low_freq_factor")
+    if high is not None and low is not None and not high > low:
+        raise ValueError(
+            f"rope_parameters.high_freq_factor={high!r} must exceed low_freq_factor={low!r} (Llama 3's smoothing "
+            "divides by their difference): use e.g. 4.0 and 1.0."
+        )
+
+
 # Mirrors transformers.models.llama.configuration_llama.LlamaConfig
 # diff with Llama: `num_attention_heads` counts differential heads and `head_dim` is a sub-head's (default
 # hidden_size // 2H); no `pretraining_tp`; the Diff fields; its own validation (`validate_values`) and λ plans
@@ -268,13 +336,7 @@ class DiffConfig(PreTrainedConfig):
                 "sqrt(mean(x²) + eps) in float32: an eps that is 0 there gives NaN for an all-zero hidden state): "
                 "use e.g. 1e-6 or 1e-5."
             )
-        theta = (self.rope_parameters or {}).get("rope_theta") if isinstance(self.rope_parameters, dict) else None
-        number = isinstance(theta, (int, float)) and not isinstance(theta, bool)
-        if theta is not None and not (number and 1.0 < theta < math.inf):
-            raise ValueError(
-                f"rope_parameters.rope_theta={theta!r} must be a finite number > 1 (RoPE's frequencies are "
-                "theta^(-2i/d): 0 gives infinities, 1 the same angle for every pair): use e.g. 10000.0, Llama's."
-            )
+        _check_rope_parameters(self.rope_parameters)
         if not 0.0 <= self.initializer_range <= 1.0:
             raise ValueError(
                 f"initializer_range={self.initializer_range} must lie in [0, 1] (the std of the initial weights): "

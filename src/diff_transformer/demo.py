@@ -85,7 +85,7 @@ def check_demo_output(output, mark: str, overwrite: bool = False) -> tuple[Path,
 def demo_output(output, mark: str, overwrite: bool = False):
     """Yield (staging directory, --output): write into the first; on success it becomes --output, with a manifest."""
     out, replace = check_demo_output(output, mark, overwrite)
-    staging = Staging(out, overwrite=replace, name="--output")
+    staging = Staging(out, overwrite=replace, name="--output", writes=("diff-v1", "diff-v2"))
     with staging as tmp:
         yield tmp, out
         staging.seal()

@@ -155,6 +155,37 @@ def test_convert_command_verifies_v2(tmp_path, capsys):
     assert config["model_type"] == "diff" and config["diff_version"] == 2
 
 
+def test_convert_verify_of_v1_is_informational(tmp_path, capsys):
+    """Issue 57: a V1 conversion, which is not function-preserving, prints the comparison, says it is informational
+    and exits 0."""
+    from diff_transformer import cli
+
+    _tiny_llama(tmp_path / "llama")
+    argv = ["convert", tmp_path / "llama", tmp_path / "v1", "--diff-version", "1", "--v1-init", "paper", "--verify"]
+    assert cli.main([str(a) for a in [*argv, "--quiet"]]) == 0
+    out = capsys.readouterr().out
+    assert "greedy continuations match:" in out and "informational" in out and "not function-preserving" in out
+
+
+def test_convert_verify_exit_status_says_whether_an_exact_conversion_is_exact(tmp_path, capsys, monkeypatch):
+    """Issue 57: V2 (function-preserving) exits 1 with one error line when the converted model differs from its
+    source (here a real wrong weight: one tensor scaled by 1.01 as it is written)."""
+    from diff_transformer import cli
+    from diff_transformer.conversion.writer import ShardWriter
+
+    _tiny_llama(tmp_path / "llama")
+    add = ShardWriter.add
+
+    def wrong(self, name, tensor, dtype=None):
+        return add(self, name, tensor * 1.01 if name.endswith("layers.0.mlp.down_proj.weight") else tensor, dtype)
+
+    monkeypatch.setattr(ShardWriter, "add", wrong)
+    assert cli.main(["convert", str(tmp_path / "llama"), str(tmp_path / "v2"), "--verify", "--quiet"]) == 1
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "not exact" in errors[0] and "informational" not in captured.out
+
+
 @pytest.mark.slow  # end to end (a command, a training run): in the whole suite, not the quick loop
 def test_convert_command_v1_odd_heads_says_it_uses_the_expanded_layout(tmp_path):
     _tiny_llama(tmp_path / "llama", num_attention_heads=3, num_key_value_heads=3)
@@ -231,6 +262,46 @@ def test_convert_mistyped_path_and_nested_config(refused, tmp_path, capsys, monk
     (tmp_path / "llama" / "config.json").write_text("[" * 100_000 + "]" * 100_000)
     refused(["convert", tmp_path / "llama", "out"], "config.json is nested too deeply")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_empty_model_name_is_refused_not_taken_for_the_current_directory(refused, tmp_path, monkeypatch):
+    """Issue 56: `Path("")` is the current directory, so an unset shell variable ran every command on whatever model
+    the current directory held."""
+    from diff_transformer import checkpoints
+    from diff_transformer.checkpoints import CheckpointError
+    from tests.helpers.tiny import tiny_model
+
+    tiny_model(2).save_pretrained(tmp_path)  # a model in the current directory: what "" used to load
+    _tiny_llama(tmp_path / "llama")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match="MODEL is empty"):
+        checkpoints.open("")
+    refused(["generate", "", "5 6 7"], "MODEL is empty")
+    refused(["inspect", " ", "5 6 7", "--json", "maps.json"], "MODEL is empty")
+    refused(["niah", "", "--out", "niah"], "MODEL is empty")
+    refused(["train", "", "--data", "llama/config.json", "--output", "run"], "MODEL is empty")
+    refused(["merge", "", "merged"], "ADAPTER is empty")
+    refused(["convert", "", "out"], "SRC is empty")
+    assert not {"maps.json", "niah", "run", "merged", "out"} & {p.name for p in tmp_path.iterdir()}
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_diff_checkpoint_relabelled_llama_is_named_as_such(refused, tmp_path, version):
+    """Issue 56: `model_type: llama` in a Diff config was reported as a head-count mismatch; the fix is the
+    model_type. Named from the config's diff_version, or, without it, from Diff's λ tensors."""
+    import json
+
+    from tests.helpers.tiny import tiny_model
+
+    model = tmp_path / "model"
+    tiny_model(version).save_pretrained(model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    for argv in (["generate", model, "5 6 7"], ["inspect", model, "5 6", "--json", tmp_path / "m.json"]):
+        refused(argv, "model_type='llama'", "Diff Transformer checkpoint", '"model_type": "diff"')
+    del config["diff_version"]
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    refused(["generate", model, "5 6 7"], "Diff's λ tensors", '"model_type": "diff"')
 
 
 def test_top_level_help_names_every_command(capsys):

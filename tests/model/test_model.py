@@ -478,6 +478,44 @@ def test_rope_theta_is_a_finite_number_above_one(theta):
         tiny_config(2, rope_parameters={"rope_type": "default", "rope_theta": theta})
 
 
+_ROPE_CASES = [  # (rope_parameters, the field named): every field transformers' RoPE functions read, out of range
+    ({"rope_type": "linear", "factor": 1e-9}, "factor"),
+    ({"rope_type": "dynamic", "factor": -4}, "factor"),
+    ({"rope_type": "linear", "factor": math.nan}, "factor"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 0}, "original_max_position_embeddings"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "attention_factor": -1.0},
+     "attention_factor"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": math.inf}, "beta_fast"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_slow": 0}, "beta_slow"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": "1"}, "mscale"),
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 16, "low_freq_factor": 0.0,
+      "high_freq_factor": 4.0}, "low_freq_factor"),
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 16, "low_freq_factor": 4.0,
+      "high_freq_factor": 1.0}, "high_freq_factor"),
+    ({"rope_type": "default", "partial_rotary_factor": 1.5}, "partial_rotary_factor"),
+    ({"rope_type": "longrope", "short_factor": [1.0, -1.0], "long_factor": [1.0, 1.0],
+      "original_max_position_embeddings": 16}, "short_factor"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("rope", "field"), _ROPE_CASES)
+def test_every_rope_field_is_range_checked_like_rope_theta(rope, field):
+    """Issue 56: factor 1e-9 or -4 was accepted (transformers only warns) while rope_theta was range-checked; one
+    table now checks every field, with one message form naming it."""
+    with pytest.raises(ValueError, match=rf"rope_parameters.{field}.* must "):
+        tiny_config(2, rope_parameters={"rope_theta": 10000.0, **rope})
+
+
+def test_valid_rope_scalings_still_load():
+    for rope in (
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 16, "low_freq_factor": 1.0,
+         "high_freq_factor": 4.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale_all_dim": 0.0},
+    ):  # fmt: skip
+        tiny_config(2, rope_parameters={"rope_theta": 10000.0, **rope})
+
+
 def test_attention_dropout_none_means_no_dropout():
     assert tiny_config(2, attention_dropout=None).attention_dropout == 0.0
     assert tiny_config(1, attention_dropout=None).attention_dropout == 0.0  # V1 refuses dropout, not None

@@ -121,7 +121,7 @@ def test_resume_into_another_run_needs_overwrite_and_keeps_users_directories(ref
     assert (run_x / "checkpoint-mynotes" / "notes.txt").read_text() == "mine"
 
 
-def test_checkpoint_rotation_deletes_only_the_runs_own_checkpoints(workdir, tmp_path):
+def test_checkpoint_rotation_deletes_only_the_runs_own_checkpoints(workdir, tmp_path, refused):
     """--save-total-limit: Trainer's rotation would delete the oldest checkpoint-* directory whoever wrote it; only the
     checkpoints the run record proves are the run's (unchanged) rotate, a resumed run's included."""
     run = tmp_path / "run"
@@ -141,12 +141,17 @@ def test_checkpoint_rotation_deletes_only_the_runs_own_checkpoints(workdir, tmp_
         assert (run / name / "notes.txt").read_text() == "mine"
     record = json.loads((run / ".diff-transformer-run.json").read_text())
     assert sorted(name for name in record if name.startswith("checkpoint-")) == ["checkpoint-5"]
-    # --overwrite, starting over, deletes what the record proves, and nothing else either
-    assert cli.main([str(a) for a in [*argv[:-4], "--max-steps", "1", "--overwrite"]]) == 0
+    # --overwrite, starting over, deletes what the record proves, and nothing else either: a checkpoint-N that is
+    # not the run's (Trainer would write into it, `--resume auto` read it) is refused by name, never removed
+    overwrite = [*argv[:-4], "--max-steps", "1", "--overwrite"]
+    refused(overwrite, "checkpoint-0, checkpoint-2", "--overwrite removes only what")
+    for name in ("checkpoint-0", "checkpoint-2"):
+        (run / name).rename(tmp_path / name)
+    assert cli.main([str(a) for a in overwrite]) == 0
     left = sorted(p.name for p in run.glob("checkpoint-*"))
-    assert left == ["checkpoint-0", "checkpoint-1", "checkpoint-2", "checkpoint-mynotes"]  # 5 went, 1 is the new run's
-    for name in ("checkpoint-0", "checkpoint-2", "checkpoint-mynotes"):
-        assert (run / name / "notes.txt").read_text() == "mine"
+    assert left == ["checkpoint-1", "checkpoint-mynotes"]  # 5 went, 1 is the new run's
+    for path in (tmp_path / "checkpoint-0", tmp_path / "checkpoint-2", run / "checkpoint-mynotes"):
+        assert (path / "notes.txt").read_text() == "mine"
 
 
 @pytest.fixture(scope="module")
@@ -840,25 +845,23 @@ def test_merge_overwrite_keeps_only_the_users_files(finished_runs, tmp_path, cap
     assert cli.main(["merge", str(finished_runs["lora"]), str(out)]) == 0
     assert wrote_this(out, "diff-transformer merge")
     _stale_entries(out, "diff-transformer merge")
-    (out / "README.md").write_text("my card")  # a name the new output writes: replaced (--overwrite)
     assert cli.main(["merge", str(finished_runs["lora"]), str(out), "--overwrite"]) == 0
     assert "kept what no diff-transformer command wrote" in capsys.readouterr().err
     _check_only_the_users_stayed(out)
-    assert (out / "README.md").read_text() != "my card"
     assert type(AutoModelForCausalLM.from_pretrained(out)).__name__ == "DiffForCausalLM"
 
 
-def test_merge_overwrite_of_a_foreign_model_keeps_only_what_is_no_model(finished_runs, tmp_path, capsys):
-    """A directory no command of the package wrote: its model files go (the new model replaces the old), the rest is
-    the user's."""
+def test_merge_overwrite_of_a_foreign_model_is_refused_naming_its_files(finished_runs, tmp_path, refused):
+    """A directory no command of the package wrote: its model files are the user's (no record proves otherwise), and
+    the new model would replace or read them: refused, naming them, nothing removed (issue 56: they were deleted by
+    their names)."""
     out = tmp_path / "foreign"
     out.mkdir()
     (out / "adapter_model.safetensors").write_bytes(b"old")
     (out / "tokenizer.model").write_bytes(b"old")
     (out / "notes.txt").write_text("mine")
-    assert cli.main(["merge", str(finished_runs["lora"]), str(out), "--overwrite"]) == 0
-    left = {p.name for p in out.iterdir()}
-    assert "notes.txt" in left and not {"adapter_model.safetensors", "tokenizer.model"} & left
+    refused(["merge", finished_runs["lora"], out, "--overwrite"], "adapter_model.safetensors", "tokenizer.model")
+    assert {p.name for p in out.iterdir()} == {"adapter_model.safetensors", "tokenizer.model", "notes.txt"}
 
 
 def test_demo_overwrite_keeps_only_the_users_files(tmp_path, capsys):

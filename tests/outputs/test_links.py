@@ -69,6 +69,7 @@ TRAIN_FILES = TRAIN_TOP + [f"checkpoint-1/{name}" for name in TRAIN_CHECKPOINT]
 TRAIN_DIRECTORIES = ["checkpoint-1", "runs"]
 
 CONVERT_FILES = [
+    ".diff-transformer-output.json",
     "LICENSE",
     "README.md",
     "chat_template.jinja",
@@ -195,14 +196,16 @@ SHARDED = ["model.safetensors.index.json", "model-00001-of-00002.safetensors"]
 
 @pytest.mark.parametrize("kind", ["symlink", "hardlink"])
 @pytest.mark.parametrize("name", CONVERT_FILES + SHARDED)
-def test_convert_overwrite_never_writes_through_a_link(work, tmp_path, name, kind):
+def test_convert_overwrite_never_writes_through_a_link(work, tmp_path, name, kind, refused):
+    """A link at a name the conversion writes (or a loader reads) is no output of ours (no record proves it):
+    --overwrite refuses, naming it, and neither the link nor what it points at changes (issue 56)."""
     out = tmp_path / "out"
     out.mkdir()
     target, victim = _victim(tmp_path, directory=False)
-    _plant(out, name, kind, target)
-    _convert(work / "llama", out, sharded=name in SHARDED)
+    link = _plant(out, name, kind, target)
+    refused(["convert", work / "llama", out, "--overwrite", "--quiet"], name, "--overwrite removes only what")
     _untouched(target, victim)
-    assert (out / name).is_file() and not (out / name).is_symlink() and os.stat(out / name).st_nlink == 1
+    assert link.is_symlink() if kind == "symlink" else os.stat(link).st_nlink == 2
 
 
 def test_the_convert_names_cover_what_a_conversion_writes(work, tmp_path):
@@ -217,15 +220,19 @@ def test_the_convert_names_cover_what_a_conversion_writes(work, tmp_path):
 
 @pytest.mark.parametrize("kind", ["symlink", "hardlink"])
 @pytest.mark.parametrize("name", MERGE_FILES)
-def test_merge_overwrite_never_writes_through_a_link(work, tmp_path, name, kind):
+def test_merge_overwrite_never_writes_through_a_link(work, tmp_path, name, kind, refused):
     out = tmp_path / "out"
     out.mkdir()
     target, victim = _victim(tmp_path, directory=False)
-    _plant(out, name, kind, target)
-    assert cli.main([str(a) for a in ["merge", work / "lora", out, "--overwrite"]]) == 0
+    link = _plant(out, name, kind, target)
+    refused(["merge", work / "lora", out, "--overwrite"], name, "--overwrite removes only what")
     _untouched(target, victim)
-    assert (out / name).is_file() and not (out / name).is_symlink() and os.stat(out / name).st_nlink == 1
-    assert _written(out) == set(MERGE_FILES)  # the names cover what a merge writes
+    assert link.is_symlink() if kind == "symlink" else os.stat(link).st_nlink == 2
+
+
+def test_the_merge_names_cover_what_a_merge_writes(work, tmp_path):
+    assert cli.main([str(a) for a in ["merge", work / "lora", tmp_path / "out"]]) == 0
+    assert _written(tmp_path / "out") == set(MERGE_FILES)
 
 
 def test_new_files_replace_a_link_at_their_name(tmp_path):

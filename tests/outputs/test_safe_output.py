@@ -127,8 +127,11 @@ def test_scratch_demo_replaces_its_own_output_only(refused, tmp_path, capsys, mo
     capsys.readouterr()
     refused(["demo", "--scratch", "--output", out], str(out), "--overwrite")
     assert (out / "diff-v1" / "notes.txt").read_text() == "my notes"
-    assert cli.main(["demo", "--scratch", "--output", str(out), "--overwrite"]) == 0  # the flag names the choice
-    assert not (out / "diff-v1" / "notes.txt").exists() and wrote_this(out, "diff-transformer demo --scratch")
+    # diff-v1 holds the user's notes now: no record proves it the demo's, and the new output writes that name
+    refused(["demo", "--scratch", "--output", out, "--overwrite"], str(out), "diff-v1")
+    (out / "diff-v1" / "notes.txt").unlink()  # the demo's own output again, as recorded: replaced with the flag
+    assert cli.main(["demo", "--scratch", "--output", str(out), "--overwrite"]) == 0
+    assert wrote_this(out, "diff-transformer demo --scratch")
     assert hidden_entries(tmp_path) == []
 
 

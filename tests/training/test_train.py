@@ -833,7 +833,8 @@ def test_lambda_warmup_is_refused_where_it_cannot_end_or_has_no_lambda(refused, 
 def test_overwrite_removes_what_the_old_run_wrote_and_keeps_the_users_files(workdir, tmp_path):
     """A full-model run with --overwrite over a LoRA run: no adapter_config.json (every command would then load the
     old adapter) and no adapter card or base record of the old run; a file of the user's stays, and so does one the
-    old run wrote but the user changed since (it is theirs now)."""
+    old run wrote but the user changed since is theirs now: never removed, and, since a loader would read it beside the
+    new model, refused by name until the user moves it (issue 56)."""
     out = tmp_path / "run"
     lora = ["--lora", "--lora-r", "4", "--max-steps", "1", "--eval-fraction", "0", "--report-to", "tensorboard"]
     train(workdir, 2, out, *lora)
@@ -842,10 +843,15 @@ def test_overwrite_removes_what_the_old_run_wrote_and_keeps_the_users_files(work
     (out / "runs" / "mine.txt").write_text("mine")  # inside a directory the run made: the directory is not all its
     with open(out / "adapter_model.safetensors", "ab") as f:
         f.write(b" ")  # changed since the old run wrote it: no longer provably the run's
+    before = sorted(p.name for p in out.iterdir())
+    argv = [str(a) for a in ["train", workdir / "v2", "--data", workdir / "text.txt", "--output", out, *QUIET]]
+    assert cli.main([*argv, "--max-steps", "1", "--eval-fraction", "0", "--overwrite"]) == 2
+    assert sorted(p.name for p in out.iterdir()) == before  # refused before anything was removed
+    (out / "adapter_model.safetensors").rename(tmp_path / "kept.safetensors")
     train(workdir, 2, out, "--max-steps", "1", "--eval-fraction", "0", "--overwrite")
     left = {p.name for p in out.iterdir()}
-    assert not {"adapter_config.json", "base_model.json"} & left
-    assert {"config.json", "model.safetensors", "notes.txt", "adapter_model.safetensors"} <= left
+    assert not {"adapter_config.json", "base_model.json", "adapter_model.safetensors"} & left
+    assert {"config.json", "model.safetensors", "notes.txt"} <= left
     assert (out / "notes.txt").read_text() == "mine" and (out / "runs" / "mine.txt").read_text() == "mine"
     assert type(AutoModelForCausalLM.from_pretrained(out)).__name__ == "DiffForCausalLM"
     assert "README.md" in json.loads((out / ".diff-transformer-run.json").read_text())  # this run's, recorded

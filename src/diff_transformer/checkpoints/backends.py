@@ -2,6 +2,20 @@
 and the one `serve` passes to transformers' server): the names transformers knows here, the package's among them,
 checked once, before anything loads (`cli.main`)."""
 
+# The names `attention_backends()` finds once transformers is imported (its AttentionInterface and the package's),
+# known here without importing it, so that a mistyped name is refused before torch loads (`check_attn_name`).
+# tests/cli/test_option_values.py holds it against `attention_backends()` of the installed transformers.
+KNOWN_BACKENDS = (
+    "diff_map_first",
+    "diff_triton",
+    "eager",
+    "flash_attention_2",
+    "flash_attention_3",
+    "flash_attention_4",
+    "flex_attention",
+    "sdpa",
+)
+
 FLASH_AVAILABLE = {  # transformers' flash backends -> the check of their package
     "flash_attention_2": "is_flash_attn_2_available",
     "flash_attention_3": "is_flash_attn_3_available",
@@ -42,6 +56,15 @@ def attention_backends() -> list[str]:
     register_attention_backends()  # the package's names, also where only the command line was imported
     names = {"eager", *AttentionInterface._global_mapping}
     return sorted(name for name in names if not name.startswith(("differential:", "paged|")))
+
+
+def check_attn_name(name, option: str = "--attn-implementation") -> None:
+    """A `UserError` for a NAME that is no attention backend, decided without importing torch or transformers (from
+    `KNOWN_BACKENDS`); whether a known one can run here is `check_attn_implementation`'s, once they are imported."""
+    from ..errors import UserError
+
+    if name not in KNOWN_BACKENDS:
+        raise UserError(f"{option} {name!r} is not an attention backend: use one of {', '.join(KNOWN_BACKENDS)}.")
 
 
 def check_attn_implementation(name, option: str = "--attn-implementation") -> str:

@@ -150,6 +150,15 @@ def check_config_against_weights(directory: Path, raw: dict, where: str, shapes:
             f"{where}: config.json's hidden_size={hidden} is not a multiple of num_attention_heads={heads}: {fix}."
         )
     model_type = text.get("model_type", raw.get("model_type"))
+    # A Diff checkpoint whose model_type was changed (to "llama", say): its doubled heads would otherwise be reported
+    # as a head-count mismatch below. What shows it: Diff's own config field, or Diff's λ tensors in the weights.
+    diff_weights = any(".self_attn.diff_lambda." in n for n in shapes)  # (DiffLlama's are self_attn.lambda_q1)
+    if model_type != "diff" and (raw.get("diff_version") is not None or diff_weights):
+        evidence = "its diff_version field" if raw.get("diff_version") is not None else "Diff's λ tensors"
+        raise CheckpointError(
+            f"{where}: config.json says model_type={model_type!r}, but this is a Diff Transformer checkpoint "
+            f'({evidence}): set "model_type": "diff" in config.json.'
+        )
     # The families the converter reads (`diff_transformer.families`): q_proj/k_proj rows exactly heads x head_dim
     exact = family_of(model_type) is not None or is_motif(raw)
     if model_type != "diff" and head_dim and not raw.get("quantization_config"):  # packed weights: other shapes

@@ -24,11 +24,13 @@ def merge_adapter(
     in the base's dtype, the custom code, a card naming the adapter and its base, the tokenizer (the adapter's, else
     the base's). Nothing is written unless everything loads; OUT is replaced only with `overwrite`. The merge runs on
     DEVICE; DTYPE ("float32", "bfloat16", "float16") converts the weights, "auto" keeps the base's. With `overwrite`
-    the new checkpoint is installed whole: of the old OUT only the user's files stay (`staging.users_entries`); a
-    manifest records what merge wrote. A merged weight holding NaN or inf (an adapter's `lora_alpha` that overflows
+    the new checkpoint is installed whole: of the old OUT only what a command of this package provably wrote is
+    removed, the user's files stay (or the merge is refused naming them, `staging.users_entries`); a manifest records
+    what merge wrote. A merged weight holding NaN or inf (an adapter's `lora_alpha` that overflows
     W + (alpha / r)·B·A, say) is refused before anything is written, unless `allow_non_finite`."""
     from transformers import AutoTokenizer
 
+    from ..conversion.convert import CUSTOM_CODE_FILES
     from ..integrations.hub import diff_model_card
     from ..outputs.files import check_target
     from ..outputs.records import write_manifest
@@ -43,7 +45,8 @@ def merge_adapter(
         )
     sources = {"ADAPTER": source.adapter} | ({"BASE": source.local} if source.local is not None else {})
     out_path = check_target(out, sources=sources)
-    staging = Staging(out_path, overwrite=overwrite)  # refuses a non-empty OUT before anything loads
+    # Refuses a non-empty OUT before anything loads, and with `overwrite` the user's files the merge would replace.
+    staging = Staging(out_path, overwrite=overwrite, writes=("README.md", *CUSTOM_CODE_FILES))
     with staging as staging_dir:
         import torch
 

@@ -38,6 +38,8 @@ def hub_id(text: str, *, name: str = "MODEL") -> str:
 def resolve_model(text, *, name: str = "MODEL") -> tuple[str, Path | None]:
     """(what to pass to `from_pretrained`, the local directory or None for a Hub id)."""
     text = str(text)
+    if not text.strip():  # Path("") is the current directory: an unset shell variable would load whatever is here
+        raise CheckpointError(f"{name} is empty (an unset shell variable?): pass a model directory or a Hub id.")
     path = Path(text).expanduser()
     if path.exists():
         if not path.is_dir():

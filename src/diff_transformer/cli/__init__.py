@@ -8,7 +8,11 @@ import argparse
 import logging
 import sys
 
-from diff_transformer.checkpoints.backends import check_attn_implementation, requested_attn_implementation
+from diff_transformer.checkpoints.backends import (
+    check_attn_implementation,
+    check_attn_name,
+    requested_attn_implementation,
+)
 from diff_transformer.cli import convert, demo, generate, inspect, merge, niah, serve, train
 from diff_transformer.cli.options import DefaultsHelpFormatter, output_settings
 from diff_transformer.errors import UserError, as_one_line, library_failure, one_line
@@ -56,9 +60,15 @@ def main(argv=None) -> int:
     args.serve_args = rest
     import diff_transformer
 
-    diff_transformer._load()  # what `import diff_transformer` does outside the command (the Auto classes)
     try:
+        # Option values that need no model, before torch and transformers load (seconds on a busy machine): a typo
+        # is one line at once. `early_check` is a command's own (set_defaults), if it has one.
         backend = requested_attn_implementation(args)
+        if backend is not None:
+            check_attn_name(backend)
+        if getattr(args, "early_check", None) is not None:
+            args.early_check(args)
+        diff_transformer._load()  # what `import diff_transformer` does outside the command (the Auto classes)
         if backend is not None:
             check_attn_implementation(backend)
         with output_settings(getattr(args, "quiet", False)):

@@ -1,6 +1,7 @@
 """`diff-transformer convert SRC OUT`: a Llama, Mistral, Qwen2, Qwen3, DiffLlama or Motif checkpoint into a Diff
 checkpoint (`diff_transformer.conversion`), optionally verified against its source."""
 
+import sys
 import time
 from pathlib import Path
 
@@ -109,7 +110,18 @@ def run(args) -> int:
                 f"held-out perplexity ({heldout['tokens']:,} tokens of the built-in English text, as the demo scores "
                 f"it): source {heldout['source']:.4f}, converted {heldout['converted']:.4f}"
             )
-        if report["expected_exact"] and not report["passed"]:
+        if not report["expected_exact"]:  # Llama -> V1: a new model that starts near the source, not the source
+            print(
+                "note: this conversion is not function-preserving, so the comparison above is informational (it "
+                "does not set the exit status): the V1 model starts near the source and needs continued pretraining."
+            )
+        elif not report["passed"]:
+            print(
+                f"error: the conversion is not exact: max |Δlogit| {report['max_abs_logit_diff']:.3g} exceeds "
+                f"{report['atol']:g} or the greedy continuations differ, where this conversion must reproduce the "
+                "source; please report this bug (exit status 1).",
+                file=sys.stderr,
+            )
             return 1
     return 0
 

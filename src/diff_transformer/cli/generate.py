@@ -50,7 +50,7 @@ def add_parser(commands) -> None:
     add_attn_option(generate)
     add_base_option(generate)
     add_quiet_option(generate)
-    generate.set_defaults(func=run)
+    generate.set_defaults(func=run, early_check=_check_generate_options)
 
 
 def run(args) -> int:

@@ -151,7 +151,7 @@ def run(args) -> int:
     for _, checkpoint, *_ in plans:  # one MODEL at a time, each named once in the message
         local = checkpoint.local
         check_target(args.out, name="--out", sources={"MODEL": local} if local else None)
-    staging = Staging(out, overwrite=args.overwrite, name="--out")
+    staging = Staging(out, overwrite=args.overwrite, name="--out", writes=("niah.json", "niah.png"))
     results = []
     with staging as tmp:
         for text, checkpoint, tokenizer, chat, prompts in plans:

@@ -27,6 +27,7 @@ from ..errors import check_seed
 from ..families import DIFFLLAMA, FAMILIES, LLAMA, MOTIF, Family, family_of_config
 from ..integrations.hub import diff_model_card
 from ..outputs.files import check_target
+from ..outputs.records import write_manifest
 from ..outputs.staging import Staging
 from .dtypes import cast_dtype, from_safetensors_code, parse_dtype
 from .errors import ConversionError, conversion_boundary, one_line
@@ -46,6 +47,9 @@ from .writer import ShardWriter
 
 
 CUSTOM_CODE_FILES = ("configuration_diff.py", "modeling_diff.py")
+CONVERT_MARK = "diff-transformer convert"
+# The names OUT may get (Staging refuses an --overwrite over a user's entry of such a name before any work).
+WRITES = ("README.md", "config.json", *CUSTOM_CODE_FILES, *SIDE_FILE_PATTERNS)
 
 # Llama / DiffLlama config fields that DiffConfig shares with the same meaning (the head geometry is set separately).
 _COPIED_FIELDS = (
@@ -531,7 +535,7 @@ def _convert(src, out, expected: Family, options: ConvertOptions) -> Path:
     local_src = Path(os.fspath(src)).expanduser() if isinstance(src, (str, os.PathLike)) else None
     out_path = check_target(out, sources={"SRC": local_src} if local_src is not None and local_src.is_dir() else None)
     # Refused (and dead runs' leftovers recovered) before anything is downloaded or read.
-    staging = Staging(out_path, overwrite=options.overwrite, flag="overwrite=True (--overwrite)")
+    staging = Staging(out_path, overwrite=options.overwrite, flag="overwrite=True (--overwrite)", writes=WRITES)
 
     source = open_source(src, revision=options.revision, token=options.token)
     check_target(out_path, sources={"SRC": source.path})
@@ -541,6 +545,8 @@ def _convert(src, out, expected: Family, options: ConvertOptions) -> Path:
     try:
         with staging as tmp:
             _write(source, config, tensor_map, tmp, out_path.name, options)
+            staging.seal()
+            write_manifest(tmp, CONVERT_MARK)  # what proves to a later --overwrite which files convert wrote
             staging.install()
     except OSError as exc:
         raise ConversionError(

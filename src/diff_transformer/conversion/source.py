@@ -73,6 +73,8 @@ def resolve_source(
     snapshot directory that a later full download completes), so a wrong model is refused before gigabytes arrive.
     """
     text = os.fspath(src)
+    if not text.strip():  # Path("") is the current directory: an unset shell variable would convert whatever is here
+        raise ConversionError("SRC is empty (an unset shell variable?): pass a checkpoint directory or a Hub id.")
     path = Path(text).expanduser()
     if path.exists():
         if not path.is_dir():

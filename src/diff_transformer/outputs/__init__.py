@@ -8,5 +8,6 @@ write them here, in three layers (each imports only the ones above it):
   `record_entry`, `remove_recorded`, ...).
 * `staging`: staging an output beside OUT and installing it whole (`Staging`), the locks of live runs and the
   recovery of dead ones (`recover`), one run at a time into an output written in place (`OutputLock`), and what of a
-  replaced OUT is the user's (`users_entries`).
+  replaced OUT --overwrite may remove: only what a command of this package provably wrote (`ours`); the rest is the
+  user's (`users_entries`), kept, or the command is refused naming it.
 """

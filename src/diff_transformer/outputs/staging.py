@@ -15,14 +15,17 @@
   user's that happens to be called `.OUT.tmp-notes` is never touched.
 * `OutputLock(out)`: one run at a time into an output that is written in place (`train --output`): an flock on
   `OUT/.diff-transformer.lock`; a second run is refused while the first lives.
-* An --overwrite installs the new output whole: of the replaced OUT, only the user's top-level entries stay
-  (`users_entries`: not a model's files, and not proven written by a command of this package, by its manifest or a
-  training run's record); they are moved into the new OUT.
+* An --overwrite installs the new output whole and removes of the replaced OUT only what a command of this package
+  provably wrote (`ours`: its manifest or a training run's record proves it, unchanged; its bookkeeping files). Every
+  other top-level entry is the user's (`users_entries`): moved into the new OUT and named in a note, or, where the
+  new output has an entry of that name or a loader would read it beside the new model (`LOADER_READS`: a stale
+  adapter_config.json, a shard), the run is refused naming it, before any work (`writes`) and again at the install.
 """
 
 from __future__ import annotations
 
 import errno
+import fnmatch
 import json
 import logging
 import os
@@ -32,7 +35,18 @@ import stat
 import tempfile
 from pathlib import Path
 
-from .files import _NOFOLLOW, MANIFEST, RUN_LOCK, STAGING_MARK, OutputError, _read_small, refuse_links, write_new_file
+from ..errors import as_one_line
+from .files import (
+    _NOFOLLOW,
+    MANIFEST,
+    RUN_LOCK,
+    RUN_RECORD,
+    STAGING_MARK,
+    OutputError,
+    _read_small,
+    refuse_links,
+    write_new_file,
+)
 from .records import _manifest_entries, _manifest_proves, _proves, _run_record
 
 
@@ -253,6 +267,7 @@ class Staging:
         overwrite: bool = False,
         name: str = "OUT",
         flag: str = "--overwrite",
+        writes=(),
     ):
         self.out, self.name = Path(out).absolute(), name
         recover(self.out)
@@ -267,6 +282,13 @@ class Staging:
             if not overwrite:
                 raise OutputError(f"{name} {self.out} is not empty: pass {flag} or choose another directory.")
             self.replace = _identity(self.out)
+            # Before any work: the user's entries that the new output would replace (`writes`: patterns of the
+            # names it may hold) or that a loader would read beside it; checked again at the install.
+            patterns = (*LOADER_READS, *writes)
+            candidates = [n for n in os.listdir(self.out) if _matches(n, patterns)]
+            if candidates:
+                mine = ours(self.out)
+                refuse_users_entries(self.out, [n for n in candidates if n not in mine], name)
         self.path: Path | None = None
         self.carried: list[str] = []  # what the install kept of the replaced OUT: the user's (`users_entries`)
         self.installed = False
@@ -318,6 +340,9 @@ class Staging:
         else:
             if current != self.replace:
                 raise self._appeared()
+            users = users_entries(out)  # proven at the last moment: what is not ours is kept, or refused here
+            taken = set(os.listdir(tmp))
+            refuse_users_entries(out, [n for n in users if n in taken or _matches(n, LOADER_READS)], self.name)
             old = out.parent / f".{out.name}.old-{self.token}"
             # What a later run may rename back, and only that.
             _write_lock(self._fd, self.token, staging=self._staging_id, moved=current[:2])
@@ -336,8 +361,14 @@ class Staging:
                         f"is safe in {old}; rename it back."
                     ) from None
                 raise self._appeared() from None
-            self.carried = _carry_users_entries(old, out)
-            shutil.rmtree(old)  # the directory this run was told to replace, less what the user owns
+            self.carried, left = _carry_users_entries(old, out, users)
+            if left:
+                logger.warning(
+                    f"note: {old} holds {_shown(left)}, which appeared or changed in {out.name} while this run "
+                    f"replaced it and which the new output also has: kept there; move or delete it yourself."
+                )
+            else:
+                old.rmdir()
         self.installed = True
         return out
 
@@ -357,66 +388,124 @@ class Staging:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# An --overwrite installs the new output whole: of the replaced OUT only what the user owns stays.
+# An --overwrite removes of the replaced OUT only what a command of this package provably wrote; the rest is the
+# user's: moved into the new OUT, or (where the new output would replace it or read it as part of the model) the
+# command is refused, naming it. Never decided by a name.
 
-# What makes a directory a model (or an adapter, a tokenizer): such an entry of a replaced OUT never stays beside the
-# new output, whoever wrote it (a stale adapter_config.json or shard index would make every command read the old
-# model); the new output's own entries replace those of the same name.
-MODEL_FILE_NAMES = frozenset(
-    {
-        "config.json",
-        "generation_config.json",
-        "adapter_config.json",
-        "base_model.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "tokenizer.model",
-        "vocab.json",
-        "merges.txt",
-        "added_tokens.json",
-        "chat_template.jinja",
-    }
+# Names a loader of the new output reads besides the new output's own files (a stale adapter_config.json or shard
+# index of the user's left beside the new output would make every command read it as part of the model): a user's
+# entry of such a name is refused, never removed. A name decides only a refusal here, never a deletion.
+LOADER_READS = (
+    "config.json",
+    "generation_config.json",
+    "adapter_config.json",
+    "base_model.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "*.safetensors",
+    "*.index.json",
 )
 
 
-MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+def _bookkeeping_of_ours(directory: Path, name: str) -> bool:
+    """`name` is one of this package's bookkeeping files, as its content (not only its name) shows."""
+    path = directory / name
+    if name == MANIFEST:
+        written_by = (_json_dict(path) or {}).get("written_by")
+        return isinstance(written_by, str) and written_by.startswith("diff-transformer")
+    if name == RUN_RECORD:
+        return _json_dict(path) is not None
+    if name == RUN_LOCK:
+        return (_read_small(path) or "").startswith("diff-transformer run")
+    if name == STAGING_MARK:
+        return "token" in (_json_dict(path) or {})
+    return False
 
 
-_BOOKKEEPING = frozenset({MANIFEST, STAGING_MARK, ".diff-transformer.lock", ".diff-transformer-run.json"})
+def _json_dict(path: Path) -> dict | None:
+    """The JSON object in the regular file `path` (never a FIFO, nor read through a link), else None."""
+    try:
+        value = json.loads(_read_small(path, limit=64 << 20) or "null")
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def ours(directory) -> set[str]:
+    """The top-level entries of `directory` that a command of this package provably wrote and nobody changed since
+    (its manifest, `write_manifest`, or a training run's record, `record_written`), and its bookkeeping files."""
+    directory = Path(directory)
+    manifest, record = _manifest_entries(directory), _run_record(directory)
+    found = set()
+    for name in os.listdir(directory):
+        if (
+            _bookkeeping_of_ours(directory, name)
+            or _manifest_proves(directory, name, manifest)
+            or (name in record and _proves(directory, name, record[name]))
+        ):
+            found.add(name)
+    return found
 
 
 def users_entries(old, new=None) -> list[str]:
-    """The top-level entries of a replaced output `old` that are the user's: not a model's files
-    (`MODEL_FILE_NAMES`, `MODEL_FILE_SUFFIXES`), not bookkeeping of this package, not written by a command of this
-    package as its manifest (`write_manifest`) or a training run's record (`record_written`) proves, and not replaced
-    by an entry of the same name in the new output `new`."""
+    """The top-level entries of a replaced output `old` that are the user's: every entry that no command of this
+    package provably wrote (`ours`). `new` is accepted for compatibility and ignored."""
     old = Path(old)
-    manifest = _manifest_entries(old)
-    record = _run_record(old)
-    taken = set(os.listdir(new)) if new is not None else set()
-    kept = []
-    for name in sorted(os.listdir(old)):
-        if name in taken or name in _BOOKKEEPING or name in MODEL_FILE_NAMES or name.endswith(MODEL_FILE_SUFFIXES):
-            continue
-        if _manifest_proves(old, name, manifest) or (name in record and _proves(old, name, record[name])):
-            continue
-        kept.append(name)
-    return kept
+    mine = ours(old)
+    return sorted(name for name in os.listdir(old) if name not in mine)
 
 
-def _carry_users_entries(old: Path, out: Path) -> list[str]:
-    """Move the user's entries of the replaced output `old` into the newly installed `out` (renames in one parent
-    directory: nothing is copied); logged, one note."""
-    carried = []
-    for name in users_entries(old, out):
-        if not os.path.lexists(out / name):
+def _matches(name: str, patterns) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def _shown(names: list[str], limit: int = 8) -> str:
+    text = ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+    return as_one_line(text)
+
+
+def refuse_users_entries(out: Path, names: list[str], name: str = "OUT") -> None:
+    """`OutputError` naming the user's entries `names` of OUT that the new output would replace or read."""
+    if names:
+        raise OutputError(
+            f"{name} {out} holds {_shown(sorted(names))}, which no record of a diff-transformer command proves it "
+            f"wrote (unchanged since), and which the new output would replace or read: --overwrite removes only what "
+            f"an earlier run of this package provably wrote. Move them out of {name}, or choose another {name}; "
+            "nothing was changed."
+        )
+
+
+def _carry_users_entries(old: Path, out: Path, users: list[str]) -> tuple[list[str], list[str]]:
+    """Move the user's entries `users` of the replaced output `old` into the newly installed `out` (renames in one
+    parent directory: nothing is copied, modification times kept), then delete what is left in `old` only where a
+    command of this package provably wrote it; anything else (an entry that appeared or changed meanwhile) is moved
+    too, or, where its name is taken in `out`, stays in `old`. Returns (moved, left in `old`)."""
+    carried, left = [], []
+    for name in users:
+        if os.path.lexists(old / name) and not os.path.lexists(out / name):
             os.rename(old / name, out / name)
             carried.append(name)
+    mine = ours(old)
+    for name in sorted(os.listdir(old)):
+        path = old / name
+        if name in mine:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        elif not os.path.lexists(out / name):
+            os.rename(path, out / name)
+            carried.append(name)
+        else:
+            left.append(name)
     if carried:
-        shown = ", ".join(carried[:4]) + (", ..." if len(carried) > 4 else "")
-        logger.warning(f"note: kept what no diff-transformer command wrote in {out}: {shown}.")
-    return carried
+        logger.warning(f"note: kept what no diff-transformer command wrote in {out}: {_shown(sorted(carried))}.")
+    return sorted(carried), left
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from pathlib import Path
 from ..checkpoints.adapters import Source
 from ..checkpoints.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 from ..errors import installed, missing, require
-from ..outputs.files import RUN_LOCK, check_target, refuse_links
+from ..outputs.files import check_target, refuse_links
+from ..outputs.staging import LOADER_READS, _matches, ours, refuse_users_entries, users_entries
 from . import TrainingError
 from .resume import holds_run
 
@@ -33,6 +34,19 @@ def report_targets(args) -> tuple[list[str] | str, str | None]:
     return args.report_to, None
 
 
+# What a run writes at the top of --output (Trainer, save_pretrained, PEFT, this package's callbacks), as patterns:
+# a user's entry of such a name is refused under --overwrite (a name decides a refusal, never a deletion). Not
+# `runs/`: TensorBoard only adds new files of unique names inside it.
+TRAIN_WRITES = (
+    *LOADER_READS,
+    "README.md",
+    "configuration_diff.py",
+    "modeling_diff.py",
+    "training_args.bin",
+    "trainer_state.json",
+    "*_results.json",
+    "checkpoint-[0-9]*",  # Trainer writes into checkpoint-N (and `--resume auto` reads the last one) whoever made it
+)
 _MODEL_FILES = ("config.json", "adapter_config.json", SAFETENSORS_SINGLE, SAFETENSORS_INDEX)
 
 
@@ -51,9 +65,14 @@ def check_output(args, source: Source) -> Path:
     if os.path.lexists(output) and not output.is_dir():
         raise TrainingError(f"--output {args.output} is a file: pass a directory (it is created if missing)")
     refuse_links(output, name="--output")  # before anything loads: Trainer's files would be written through one
+    if output.is_dir() and args.overwrite:
+        # The run writes in place: of what no run provably wrote, what it would write over (or read as part of the
+        # model beside its own files) is refused by name; the rest stays where it is, untouched.
+        refuse_users_entries(output, [n for n in users_entries(output) if _matches(n, TRAIN_WRITES)], name="--output")
     if output.is_dir() and not args.overwrite and not holds_run(output):
         model = [name for name in _MODEL_FILES if (output / name).exists()]
-        others = sorted(p.name for p in output.iterdir() if p.name != RUN_LOCK)
+        bookkeeping = ours(output)  # a record left by a run killed before its first save, say: not the user's
+        others = sorted(p.name for p in output.iterdir() if p.name not in bookkeeping)
         if model:
             raise TrainingError(
                 f"--output {output} holds a model ({model[0]}) that no training run wrote, and the final save would "

@@ -15,7 +15,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from ..checkpoints.configs import read_json
 from ..checkpoints.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
-from ..outputs.records import forget_entry, has_flag, proven, record_entry, record_flag, recorded
+from ..outputs.records import forget_entry, proven, record_entry, record_flag, recorded
 from ..text_input import whole_number
 from . import TrainingError
 from .callbacks import RunSettingsCallback
@@ -75,11 +75,11 @@ class RecordCheckpointCallback(TrainerCallback):
 
 
 def old_checkpoints(output: Path) -> list[Path]:
-    """The checkpoints of an earlier run that --overwrite deletes without its run record's proof: all Trainer
-    checkpoints (`trainer_checkpoints`) of a run from before checkpoints were recorded, none otherwise (the record's
-    proven ones go with `outputs.records.remove_recorded`; any other, a user's `checkpoint-0/` even with a
-    trainer_state.json, stays)."""
-    return [] if has_flag(output, CHECKPOINTS_RECORDED) else trainer_checkpoints(output)
+    """The checkpoints of an earlier run that --overwrite would delete without its run record's proof: none. A
+    Trainer checkpoint that no record proves (a run from before checkpoints were recorded, a user's `checkpoint-0/`)
+    is refused by name before the run starts (`checks.check_output`), never deleted by its name; the record's proven
+    ones go with `outputs.records.remove_recorded`."""
+    return []
 
 
 def rotate_checkpoints(output: Path, limit: int, newest: Path, best: str | None = None) -> list[str]:
