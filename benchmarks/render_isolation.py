@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """The cost of rendering chat templates in a worker process (`serving.render_pool`, what `diff-transformer serve`
-does) against rendering in the calling process: the shipped tiny Llama's template on a three-message chat, renders
+does) and in a forked child (`chat_templates.render_in_fork`, what the CLI does) against rendering in the calling
+process: the shipped tiny Llama's template on a three-message chat, renders
 interleaved in pairs, median time per render of each, and the worker's start-up time (its imports).
 
     python benchmarks/render_isolation.py [--renders 200]
@@ -43,10 +44,11 @@ def main() -> None:
     pool.warm()
     pool.idle.put(pool.idle.get())  # waits for the worker to be up
     startup = time.perf_counter() - start
-    inline, isolated = [], []
+    inline, isolated, forked = [], [], []
     try:
         for _ in range(args.renders):
-            for target, times in ((None, inline), (pool.render, isolated)):
+            targets = ((chat_templates.in_process, inline), (pool.render, isolated), (None, forked))
+            for target, times in targets:
                 chat_templates.isolate(target)
                 start = time.perf_counter()
                 render_chat(tokenizer, messages, add_generation_prompt=True)
@@ -57,6 +59,7 @@ def main() -> None:
     print(f"worker start-up: {startup:.1f} s")
     print(f"in process: {median(inline) * 1e3:.3f} ms per render")
     print(f"worker:     {median(isolated) * 1e3:.3f} ms per render ({median(isolated) / median(inline):.1f}x)")
+    print(f"fork:       {median(forked) * 1e3:.3f} ms per render ({median(forked) / median(inline):.1f}x)")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import contextvars
 import functools
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -198,15 +199,80 @@ _PRERENDERED: contextvars.ContextVar = contextvars.ContextVar("diff_transformer_
 _CAPTURE: contextvars.ContextVar = contextvars.ContextVar("diff_transformer_capture", default=None)
 
 
-# serve's worker-process renderer (`serving.render_pool.RenderPool.render`), when `isolate` installed one
+# serve's worker-process renderer (`serving.render_pool.RenderPool.render`), `in_process`, or None: a forked child
 _ISOLATED = None
+FORK_KILL_S = RENDER_SECONDS + 1.0  # a forked render's wall-clock kill: its own time bound answers first in Python
 
 
 def isolate(renderer) -> None:
-    """From now on a bounded template's `render` calls RENDERER(source, args, kwargs) for its text (None: renders in
-    this process again); it returns NotImplemented for a render it does not take, which then renders here."""
+    """From now on a bounded template's `render` calls RENDERER(source, args, kwargs) for its text; it returns
+    NotImplemented for a render it does not take, which then renders here (`in_process`: every render here). None:
+    the default, a forked child where the platform forks (`render_in_fork`), else this process."""
     global _ISOLATED
     _ISOLATED = renderer
+
+
+def in_process(source, args, kwargs):
+    """The renderer for `isolate` that renders in this process (serve's render workers: already isolated)."""
+    return NotImplemented
+
+
+def render_in_fork(source: str, args: tuple, kwargs: dict):
+    """SOURCE rendered with ARGS/KWARGS in a child of this process, for the CLI (issue 56 item 2). One C call can build
+    gigabytes holding the GIL (`{{ [[0] * 4000000] * 4000000 }}`, `tojson(indent=...)`, `indent(...)`,
+    `wordwrap(wrapstring=...)`), past every bound checked between Python steps. A forked child costs milliseconds
+    (serve's worker processes cost seconds to start: they import torch; benchmarks/render_isolation.py measures
+    both): it caps its address space (`RLIMIT_AS`: what it maps now plus render_pool's `WORKER_MEMORY_BYTES`, so a
+    builder past it fails with MemoryError), arms an alarm (its default action ends it), renders with the template
+    this process compiled (the compile cache is inherited), and writes its answer as JSON to a pipe; this process
+    waits at most `FORK_KILL_S`, then kills it. The same answer format and errors as the workers' (`answer_of`,
+    `text_of`). Nothing is unpickled; the child ends with os._exit (no atexit handler, no buffer of ours flushed)."""
+    import selectors
+    import signal
+
+    from transformers.utils import chat_template_utils
+
+    from .serving.render_pool import _cap_memory, answer_of, text_of
+
+    template = chat_template_utils._compile_jinja_template(source)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: nothing here may return into the caller's code
+        status = 1
+        try:
+            os.close(read_end)
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(math.ceil(FORK_KILL_S) + 1)  # a backstop: the parent kills at FORK_KILL_S
+            _cap_memory()
+            answer = answer_of(lambda: "".join(template.generate(*args, **kwargs)))
+            data = json.dumps(answer, ensure_ascii=False).encode("utf-8", "surrogatepass")
+            view = memoryview(data)
+            while view:
+                view = view[os.write(write_end, view) :]
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    chunks, deadline, answer = [], time.monotonic() + FORK_KILL_S, None
+    try:
+        with selectors.DefaultSelector() as selector:
+            selector.register(read_end, selectors.EVENT_READ)
+            while (left := deadline - time.monotonic()) > 0 and selector.select(left):
+                chunk = os.read(read_end, 1 << 20)
+                if not chunk:  # the child is done (or died: then its answer is incomplete)
+                    answer = json.loads(b"".join(chunks).decode("utf-8", "surrogatepass")) if chunks else None
+                    break
+                chunks.append(chunk)
+    except ValueError:  # an answer cut short by the child's death
+        answer = None
+    finally:
+        os.close(read_end)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+    return text_of(answer)
 
 
 def _digest(source: str, kwargs) -> str:
@@ -215,6 +281,8 @@ def _digest(source: str, kwargs) -> str:
     text = json.dumps([source, kwargs], sort_keys=True, default=repr)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
+
+_FORK = render_in_fork if hasattr(os, "fork") else None  # else the bounds in this process only
 
 _ITEM_CHARS = 16  # what one list item or dict entry counts for: a template's work grows with items, not only text
 # Media a multimodal request holds (a base64 image): the template writes a placeholder for it, never its text.
@@ -315,8 +383,9 @@ def _bounded_template_class():
                     _PRERENDERED.set(None)
                     return ahead[1]
             text = NotImplemented
-            if _ISOLATED is not None and hasattr(self, "_diff_source"):
-                text = _ISOLATED(self._diff_source, args, kwargs)
+            renderer = _ISOLATED if _ISOLATED is not None else _FORK
+            if renderer is not None and hasattr(self, "_diff_source"):
+                text = renderer(self._diff_source, args, kwargs)
             if text is NotImplemented:
                 text = "".join(self.generate(*args, **kwargs))
             if _CAPTURE.get() is not None:
@@ -426,7 +495,9 @@ __all__ = [
     "ChatTemplateFailedError",
     "bound_chat_templates",
     "check_input",
+    "in_process",
     "isolate",
+    "render_in_fork",
     "prerendered",
     "render_capturing",
     "render_chat",

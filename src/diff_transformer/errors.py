@@ -26,9 +26,10 @@ def one_line(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def library_failure(exc: BaseException) -> str | None:
+def library_failure(exc: BaseException, output=None) -> str | None:
     """One line for a failure that comes from the machine or a file rather than from this package (a full disk, an
-    unreadable or corrupt file), naming the file where the exception knows it and the fix; None for anything else."""
+    unreadable or corrupt file), naming the file where the exception knows it (else OUTPUT, the command's output
+    path, for a failed write) and the fix; None for anything else."""
     import errno
     import json
 
@@ -38,6 +39,9 @@ def library_failure(exc: BaseException) -> str | None:
     if isinstance(exc, (PermissionError, IsADirectoryError, NotADirectoryError, FileNotFoundError)) and exc.filename:
         return f"{exc.strerror or one_line(exc)}: {exc.filename}: check the path and its permissions."
     if type(exc).__name__ == "SafetensorError":  # safetensors' Rust error, without importing safetensors here
+        written = _safetensors_write_failure(str(exc), output)
+        if written is not None:
+            return written
         return f"a safetensors file is corrupt, truncated or unwritable ({one_line(exc)}): restore or re-download it."
     if isinstance(exc, json.JSONDecodeError):
         return f"a JSON file is not valid JSON ({one_line(exc)}): fix or restore it."
@@ -49,6 +53,41 @@ def library_failure(exc: BaseException) -> str | None:
     if isinstance(exc, MemoryError):
         return "out of memory: use a smaller model, batch or length, or a machine with more memory."
     return None
+
+
+def _safetensors_write_failure(message: str, output=None) -> str | None:
+    """One line for a SafetensorError raised while *writing* (`save_file`, `save_pretrained`): the output's disk, not
+    a corrupt input. Relies on safetensors' Rust error text, "Error while serializing: I/O error: <strerror> (os error
+    N)" and, in some versions, ' at path "<path>"' (0.8 names no path for a failed write: then OUTPUT). Guarded by
+    tests/outputs/test_write_errors.py, which provokes real failures."""
+    import errno
+    import os
+    import re
+    import shutil
+
+    if not message.startswith("Error while serializing"):
+        return None
+    code = re.search(r"\(os error (\d+)\)", message)
+    path = re.search(r'at path "(.*)"', message)
+    where = os.path.dirname(path.group(1)) if path else (os.fspath(output) if output else None)
+    if code and int(code.group(1)) in (errno.ENOSPC, errno.EDQUOT):
+        free = ""
+        if where:
+            existing = os.path.abspath(where)
+            while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
+                existing = os.path.dirname(existing)  # the output directory itself is gone (its staging removed)
+            try:
+                free = f" ({shutil.disk_usage(existing).free / 2**20:,.1f} MiB free there)"
+            except OSError:
+                pass
+        place = f" in {where}" if where else ""
+        return (
+            f"no space left on the device writing a safetensors file{place}{free}: free some space or choose an "
+            "output on another disk."
+        )
+    detail = " ".join(message.split(": ", 1)[-1].split())[:300]
+    place = f" in {where}" if where else ""
+    return f"writing a safetensors file{place} failed ({detail}): check the output path, its permissions and its disk."
 
 
 SEED_LIMIT = 2**32  # what every random generator a seed reaches takes (numpy's range; torch's is wider)

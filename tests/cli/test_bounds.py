@@ -340,8 +340,11 @@ def test_serve_renders_a_chat_template_once_off_the_event_loop():
         return generate(self, *args, **kwargs)
 
     body = {"model": str(TINY_LLAMA), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    from diff_transformer import chat_templates
+
     try:
         Template.generate = counting
+        chat_templates.isolate(chat_templates.in_process)  # counted here, not in a forked child (render_in_fork)
 
         async def handle():  # what `client_facing`'s wrapper of the handler does, without patching transformers here
             await server.render_off_the_loop(handler, body)
@@ -350,6 +353,7 @@ def test_serve_renders_a_chat_template_once_off_the_event_loop():
         response = asyncio.run(handle())
     finally:
         Template.generate = generate
+        chat_templates.isolate(None)
     assert response.status_code == 200
     assert renders == [False]  # once, in a worker thread (asyncio.run's loop runs in the main thread)
 

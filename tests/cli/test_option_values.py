@@ -265,6 +265,11 @@ HOSTILE_TEMPLATES = [
     "{{ messages|length }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
     "{% for m in messages %}",
     "",
+    # one C call building gigabytes while holding the GIL (issue 56 item 2): stopped by the forked render's bounds
+    "{{ [[0] * 4000000] * 4000000 }}",
+    "{{ {'a': ['x'] * 100000} | tojson(indent=4000) }}",
+    "{{ ('x\\n' * 1000000) | indent(4000) }}",
+    "{{ ('x ' * 1000000) | wordwrap(1, wrapstring='y' * 4000) }}",
 ]
 TEMPLATE_COMMANDS = {  # the shipped tiny Llama with the template, as {model}
     "train-chat": ["train", "{model}", "--any-model", "--chat-data", "{chat}", "--output", "out/run"]

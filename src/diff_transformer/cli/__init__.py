@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     except Exception as exc:  # the one boundary: a failure of the machine or a file, or a bug (--traceback shows it)
         if args.traceback:
             raise
-        known = library_failure(exc)
+        known = library_failure(exc, getattr(args, "out", None) or getattr(args, "output", None))
         if known is not None:
             print(f"error: {as_one_line(known)}", file=sys.stderr)
             return 2

@@ -126,6 +126,8 @@ def scaled_source_projection(
 
 def read_calibration_text(path) -> str:
     """The first MAX_TEXT_BYTES of a UTF-8 text file (an incomplete character at the cut is dropped)."""
+    import codecs
+
     path = Path(path).expanduser()
     if not path.is_file():
         raise ConversionError(f"--calibration-data {path} is not a file: pass a UTF-8 text file.")
@@ -137,7 +139,10 @@ def read_calibration_text(path) -> str:
     if b"\0" in data:
         raise ConversionError(f"--calibration-data {path} is not text (it holds NUL bytes): pass a UTF-8 text file.")
     try:
-        text = data.decode("utf-8", errors="strict" if len(data) < MAX_TEXT_BYTES else "ignore")
+        # One rule for every size: strict UTF-8. A file cut at MAX_TEXT_BYTES may end inside a character; the
+        # incremental decoder (final=False) holds back only that incomplete tail, and still refuses a bad byte.
+        cut = len(data) == MAX_TEXT_BYTES
+        text = codecs.getincrementaldecoder("utf-8")("strict").decode(data, final=not cut)
     except UnicodeDecodeError as exc:
         raise ConversionError(f"--calibration-data {path} is not UTF-8 text ({exc.reason}): convert it.") from exc
     if not text.strip():

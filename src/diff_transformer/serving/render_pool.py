@@ -115,8 +115,7 @@ class RenderPool:
     def render(self, source: str, args: tuple, kwargs: dict):
         """The text of SOURCE rendered with ARGS/KWARGS in a worker; NotImplemented when they are not JSON (then
         the caller renders in its own process)."""
-        from .. import chat_templates
-        from ..chat_templates import RENDER_SECONDS, ChatTemplateBoundError, ChatTemplateFailedError
+        from ..chat_templates import RENDER_SECONDS
 
         if args:
             return NotImplemented
@@ -135,23 +134,52 @@ class RenderPool:
             else:  # past its time (a C call holding its GIL) or dead (its memory): replaced
                 worker.kill()
                 self._replace()
-        if answer is None:
-            raise ChatTemplateBoundError(
-                f"rendering it took over {RENDER_SECONDS:g} s or more memory than "
-                f"{WORKER_MEMORY_BYTES >> 20} MiB (the limits; a chat template renders in milliseconds)"
-            )
-        if "text" in answer:
-            return answer["text"]
-        if answer["error"] in ERRORS:  # the worker's own refusal, its message whole
-            error = getattr(chat_templates, answer["error"]).__new__(getattr(chat_templates, answer["error"]))
-            Exception.__init__(error, answer["message"])
-            raise error
-        error_class = ChatTemplateBoundError if answer["error"] == "bound" else ChatTemplateFailedError
-        raise error_class(answer["message"])
+        return text_of(answer)
 
     def close(self) -> None:
         while not self.idle.empty():
             self.idle.get().kill()
+
+
+def text_of(answer: dict | None) -> str:
+    """The text of a render's ANSWER (`answer_of`'s, across a pipe), or its refusal raised; None: the render
+    process overran its time or died (its memory). Shared with `chat_templates`' forked renders (the CLI's)."""
+    from .. import chat_templates
+    from ..chat_templates import RENDER_SECONDS, ChatTemplateBoundError, ChatTemplateFailedError
+
+    if answer is None:
+        raise ChatTemplateBoundError(
+            f"rendering it took over {RENDER_SECONDS:g} s or more memory than "
+            f"{WORKER_MEMORY_BYTES >> 20} MiB (the limits; a chat template renders in milliseconds)"
+        )
+    if "text" in answer:
+        return answer["text"]
+    if answer["error"] in ERRORS:  # the render process's own refusal, its message whole
+        error = getattr(chat_templates, answer["error"]).__new__(getattr(chat_templates, answer["error"]))
+        Exception.__init__(error, answer["message"])
+        raise error
+    error_class = ChatTemplateBoundError if answer["error"] == "bound" else ChatTemplateFailedError
+    raise error_class(answer["message"])
+
+
+def answer_of(render) -> dict:
+    """`render()`'s text, or its failure, as the JSON-able answer `text_of` reads."""
+    from ..chat_templates import ChatRenderError
+    from ..errors import one_line
+
+    try:
+        return {"text": render()}
+    except ChatRenderError as error:
+        return {"error": type(error).__name__, "message": str(error)}
+    except RecursionError:
+        return {"error": "bound", "message": "it recursed past Python's depth limit"}
+    except MemoryError:  # past RLIMIT_AS: its message is empty
+        limit = WORKER_MEMORY_BYTES >> 20
+        return {"error": "bound", "message": f"it needed more than {limit} MiB of memory (the limit)"}
+    except OverflowError as error:
+        return {"error": "bound", "message": one_line(error)}
+    except Exception as error:
+        return {"error": "failed", "message": one_line(error)}
 
 
 def _cap_memory() -> None:
@@ -171,30 +199,23 @@ def main() -> None:
     """The worker: one JSON request per line on stdin, one JSON answer per line on stdout."""
     from transformers.utils import chat_template_utils
 
-    from ..chat_templates import ChatRenderError, bound_chat_templates
-    from ..errors import one_line
+    from ..chat_templates import bound_chat_templates, in_process, isolate
 
     bound_chat_templates()
+    isolate(in_process)  # this process is the isolation: no child forked per render
     out = sys.stdout
     sys.stdout = sys.stderr  # nothing a template prints reaches the pipe
     _cap_memory()
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
     for line in sys.stdin:
-        answer: dict
-        try:
+
+        def render(line=line) -> str:
             request = json.loads(line)
             template = chat_template_utils._compile_jinja_template(request["source"])
-            answer = {"text": template.render(**json.loads(request["kwargs"]))}
-        except ChatRenderError as error:
-            answer = {"error": type(error).__name__, "message": str(error)}
-        except RecursionError:
-            answer = {"error": "bound", "message": "it recursed past Python's depth limit"}
-        except (MemoryError, OverflowError) as error:
-            message = one_line(error) or "it needed more memory than the render's limit"
-            answer = {"error": "bound", "message": message}
-        except Exception as error:
-            answer = {"error": "failed", "message": one_line(error)}
+            return template.render(**json.loads(request["kwargs"]))
+
+        answer = answer_of(render)
         out.write(json.dumps(answer, ensure_ascii=False) + "\n")
         out.flush()
 

@@ -1,0 +1,90 @@
+"""Issue 56 item 2 for the CLI: a chat template that builds gigabytes in one C call (holding the GIL, so the step and
+time bounds checked between Python steps never fire) is rendered in a forked child (`chat_templates.render_in_fork`)
+with an address-space cap and a wall-clock kill: `generate --chat` ends in one line, exit 2, within the kill time
+and the memory cap, instead of hanging while it grows. Ordinary renders equal the in-process render."""
+
+import resource
+import subprocess
+import sys
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from diff_transformer import chat_templates
+from diff_transformer.chat_templates import FORK_KILL_S, ChatRenderError, ChatTemplateBoundError, render_chat
+from diff_transformer.serving.render_pool import WORKER_MEMORY_BYTES
+from tests.serving.fixtures import CHATS, TINY_LLAMA
+
+
+HOSTILE = {
+    "nested-list": "{{ [[0] * 4000000] * 4000000 }}",  # a list of 16e12 items printed: one str() call
+    "tojson-indent": "{{ {'a': ['x'] * 100000} | tojson(indent=4000) }}",  # json.dumps: 400 MB in one call
+    "indent": "{{ ('x\\n' * 1000000) | indent(4000) }}",  # 1e6 lines indented by 4,000: 4 GB
+    "wordwrap": "{{ ('x ' * 1000000) | wordwrap(1, wrapstring='y' * 4000) }}",  # 1e6 breaks of 4,000: 4 GB
+}
+pytestmark = pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork: renders stay in process")
+
+
+def _children_peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss << 10  # Linux reports KiB
+
+
+def test_forked_renders_equal_the_in_process_render():
+    tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA)
+    assert chat_templates._ISOLATED is None and chat_templates._FORK is chat_templates.render_in_fork
+    for messages in CHATS:
+        forked = render_chat(tokenizer, messages, add_generation_prompt=True)
+        chat_templates.isolate(chat_templates.in_process)
+        try:
+            assert forked == render_chat(tokenizer, messages, add_generation_prompt=True)
+        finally:
+            chat_templates.isolate(None)
+    tokenizer.chat_template = "{{ raise_exception('no system messages') }}"
+    with pytest.raises(ChatRenderError, match="no system messages"):  # the template's own refusal, whole
+        render_chat(tokenizer, CHATS[0], add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_render_building_gigabytes_in_one_call_is_stopped_in_its_child(name):
+    """One line, within the kill time (plus a margin for a loaded machine), and the child never held more than what
+    this process maps plus the child's cap."""
+    tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA)
+    tokenizer.chat_template = HOSTILE[name]
+    with open("/proc/self/statm") as statm:
+        mapped = int(statm.read().split()[0]) * resource.getpagesize()
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateBoundError) as refused:
+        render_chat(tokenizer, CHATS[0], add_generation_prompt=True)
+    assert time.monotonic() - start < FORK_KILL_S + 10
+    assert "\n" not in str(refused.value)
+    assert _children_peak_bytes() < mapped + WORKER_MEMORY_BYTES + (64 << 20)
+    tokenizer.chat_template = None
+    plain = AutoTokenizer.from_pretrained(TINY_LLAMA)  # this process renders on afterwards
+    assert render_chat(plain, CHATS[0], add_generation_prompt=True)
+
+
+@pytest.mark.slow
+def test_generate_chat_with_each_hostile_template_exits_with_one_line(tmp_path):
+    """The CLI end to end (~20 s per run: torch's imports): exit 2, one `error:` line naming the bound, in bounded
+    time and memory (the command and its children together, from RUSAGE_CHILDREN of this test's process)."""
+    import shutil
+
+    for name, template in HOSTILE.items():
+        model = tmp_path / name
+        shutil.copytree(TINY_LLAMA, model)
+        (model / "chat_template.jinja").write_text(template, encoding="utf-8")
+        start = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "diff_transformer", "generate", str(model), "Hi", "--chat"]
+            + ["--max-new-tokens", "1"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        elapsed = time.monotonic() - start
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert len(lines) == 1 and lines[0].startswith("error: --chat: MODEL ") and "went past a bound" in lines[0]
+        assert elapsed < 120, elapsed  # without the fork: no end (it grew ~25 MB/s until killed)
+        assert _children_peak_bytes() < 4 << 30  # the CLI (~0.5 GB with torch) and its capped child
