@@ -20,6 +20,7 @@ template went past a bound) and `ChatTemplateFailedError` (the template raised, 
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import json
@@ -210,6 +211,17 @@ def isolate(renderer) -> None:
     the default, a forked child where the platform forks (`render_in_fork`), else this process."""
     global _ISOLATED
     _ISOLATED = renderer
+
+
+@contextlib.contextmanager
+def isolation(renderer):
+    """`isolate(RENDERER)` for the renders inside the block, the renderer before it after."""
+    global _ISOLATED
+    previous, _ISOLATED = _ISOLATED, renderer
+    try:
+        yield
+    finally:
+        _ISOLATED = previous
 
 
 def in_process(source, args, kwargs):

@@ -3,6 +3,7 @@ time bounds checked between Python steps never fire) is rendered in a forked chi
 with an address-space cap and a wall-clock kill: `generate --chat` ends in one line, exit 2, within the kill time
 and the memory cap, instead of hanging while it grows. Ordinary renders equal the in-process render."""
 
+import json
 import resource
 import subprocess
 import sys
@@ -88,3 +89,42 @@ def test_generate_chat_with_each_hostile_template_exits_with_one_line(tmp_path):
         assert len(lines) == 1 and lines[0].startswith("error: --chat: MODEL ") and "went past a bound" in lines[0]
         assert elapsed < 120, elapsed  # without the fork: no end (it grew ~25 MB/s until killed)
         assert _children_peak_bytes() < 4 << 30  # the CLI (~0.5 GB with torch) and its capped child
+
+
+def test_train_chat_data_forks_its_first_conversation_only(tmp_path, monkeypatch):
+    """`train --chat-data` renders its first conversation in a forked child (a template that builds gigabytes
+    whatever the data is stopped there, one line) and the rest in process (a fork per render would cost tens of
+    milliseconds, several renders a conversation); the tokens are the same either way."""
+    from diff_transformer.training import TrainingError
+    from diff_transformer.training.chat import tokenize_conversations
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA)
+    data = tmp_path / "chats.jsonl"
+    answered = [[*m, {"role": "assistant", "content": "Yes."}] for m in CHATS if m[-1]["role"] == "user"]
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in answered * 2), encoding="utf-8")
+    forks = []
+
+    def counting(source, args, kwargs):
+        forks.append(len(forks))
+        return chat_templates.render_in_fork(source, args, kwargs)
+
+    monkeypatch.setattr(chat_templates, "_FORK", counting)
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"messages": answered[0]}) + "\n", encoding="utf-8")
+    tokenize_conversations(tokenizer, [one], 4096, "training")
+    renders_of_one = len(forks)  # the renders a conversation takes
+    assert renders_of_one >= 1 and len(answered) * 2 > 1
+    forks.clear()
+    forked = tokenize_conversations(tokenizer, [data], 4096, "training")
+    assert len(forks) == renders_of_one  # the later conversations rendered in process
+    chat_templates.isolate(chat_templates.in_process)
+    try:
+        plain = tokenize_conversations(tokenizer, [data], 4096, "training")
+    finally:
+        chat_templates.isolate(None)
+    assert [forked.example(i) for i in range(len(forked))] == [plain.example(i) for i in range(len(plain))]
+    tokenizer.chat_template = HOSTILE["nested-list"]
+    start = time.monotonic()
+    with pytest.raises(TrainingError) as refused:
+        tokenize_conversations(tokenizer, [data], 4096, "training")
+    assert time.monotonic() - start < FORK_KILL_S + 10 and "\n" not in str(refused.value)

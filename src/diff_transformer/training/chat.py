@@ -24,13 +24,14 @@ template, with the loss on the assistant turns only.
 from __future__ import annotations
 
 import bisect
+import contextlib
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 
-from ..chat_templates import ChatRenderError, ChatTemplateFailedError, render_chat
+from ..chat_templates import ChatRenderError, ChatTemplateFailedError, in_process, isolation, render_chat
 from ..text_input import parse_json_line
 from . import TrainingError
 from .data import _read_text, held_out_indices, require_files
@@ -320,7 +321,12 @@ def tokenize_conversations(
     dataset, count = ChatDataset(), 0
     for path in paths:
         for where, messages in read_conversations(path):
-            ids, labels = conversation_tokens(tokenizer, messages, where)
+            # The first conversation renders as every CLI render does (`render_chat`: in a forked child where the
+            # platform forks), so a template that builds gigabytes in one C call whatever the data is stopped there;
+            # the others render in this process under the Python-level bounds: a fork costs tens of milliseconds a
+            # render (benchmarks/render_isolation.py), several renders a conversation, for every conversation.
+            with contextlib.nullcontext() if count == 0 else isolation(in_process):
+                ids, labels = conversation_tokens(tokenizer, messages, where)
             if len(ids) > block_size:
                 ids, labels, dataset.truncated = ids[:block_size], labels[:block_size], dataset.truncated + 1
             count += 1
