@@ -1,6 +1,6 @@
 #!/bin/bash
-# What a lent GPU runs in one device call (issue 48 "Speed 3"; H100 or H200, about 8 minutes): the fused V1 model's
-# CUDA tests, then bench_gpu.py's training, prefill and decoding, eager and compiled (decode_static: generate
+# What a lent GPU runs in one device call (issue 48 "Speed 3"; H100 or H200, about 9 minutes): the fused V1 model's
+# and convert --device's CUDA tests, then bench_gpu.py's training, prefill and decoding, eager and compiled (decode_static: generate
 # --compile's static cache + fullgraph compile, CUDA graphs), for Llama, DiffLlama, V1 (sdpa and diff_triton) and V2,
 # and last the census's predictions (benchmarks/results/census.json, counted on any machine) beside the measured
 # ratios, and one FSDP2 training step of 1B-shaped models (fsdp_step.log, ~2 more minutes). Each step has its own
@@ -35,7 +35,9 @@ step() {  # step NAME SECONDS COMMAND...: one log per step, its exit status in s
 }
 BENCH=(python3 benchmarks/bench_gpu.py --models "${MODELS:-llama,diffllama,v1,v2}" --backends sdpa,diff_triton
     --reps "${REPS:-3}" --out-dir "$OUT/bench")
-step tests "${TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider -k cuda tests/kernels/test_fused_model.py
+# and convert --device cuda: V1's calibration and --verify on the GPU (tests/conversion/test_device.py)
+step tests "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider -k cuda tests/kernels/test_fused_model.py \
+    tests/conversion/test_device.py
 # Eager training, prefill and decoding, then compiled decoding (two inductor compiles per configuration: batch 1, 32).
 BENCH_S=${BENCH_S:-270}
 step bench "$BENCH_S" "${BENCH[@]}" --sections train,prefill,decode,decode_static --overwrite \

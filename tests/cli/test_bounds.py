@@ -85,6 +85,7 @@ ENTRY_POINTS = {
     "merge": lambda model, tmp: ["merge", adapter_on(model, tmp / "adapter"), tmp / "merged"],
     "serve": lambda model, tmp: ["serve", model],
     "niah": lambda model, tmp: ["niah", model, "--out", tmp / "niah", "--lengths", "64"],
+    "plan": lambda model, tmp: ["plan", model],
 }
 
 

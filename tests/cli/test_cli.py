@@ -69,7 +69,7 @@ def test_python_dash_m_diff_transformer_is_the_command():
     assert result.returncode == 0 and result.stdout.strip() == f"diff-transformer {__version__}", result
 
 
-COMMANDS = ("demo", "convert", "generate", "inspect", "merge", "train", "serve", "niah")
+COMMANDS = ("demo", "convert", "generate", "inspect", "merge", "train", "serve", "niah", "plan")
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The `diff-transformer` command: demo, convert, generate, inspect, merge, train, serve, niah.
+"""The `diff-transformer` command: demo, convert, generate, inspect, merge, train, serve, niah, plan.
 
 Each command is a module of this package with `add_parser(commands)` (its options, and `run(args)` as the function
 to call); the modules import nothing heavy at the top, so `--help` and `--version` do not load torch's models.
@@ -13,12 +13,12 @@ from diff_transformer.checkpoints.backends import (
     check_attn_name,
     requested_attn_implementation,
 )
-from diff_transformer.cli import convert, demo, generate, inspect, merge, niah, serve, train
+from diff_transformer.cli import convert, demo, generate, inspect, merge, niah, plan, serve, train
 from diff_transformer.cli.options import DefaultsHelpFormatter, output_settings
 from diff_transformer.errors import UserError, as_one_line, library_failure, one_line
 
 
-COMMANDS = (demo, convert, generate, inspect, merge, train, serve, niah)
+COMMANDS = (demo, convert, generate, inspect, merge, train, serve, niah, plan)
 
 
 class _Notes(logging.Handler):

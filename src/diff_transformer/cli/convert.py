@@ -52,6 +52,12 @@ def add_parser(commands) -> None:
         help="UTF-8 text to calibrate V1 on, its last fifth held out to measure the start (default: text sampled from "
         "SRC itself, seeded)",
     )
+    convert.add_argument(
+        "--device",
+        default="cpu",
+        help="where V1's calibration (sampling its text, fitting each layer) and --verify run: cpu, cuda, cuda:N or "
+        "auto (CUDA if present). A GPU samples other text than the CPU, so the V1 start differs from a CPU run's",
+    )
     add_quiet_option(convert)
     convert.set_defaults(func=run)
 
@@ -60,7 +66,9 @@ def run(args) -> int:
     import json
 
     from diff_transformer.conversion import convert_to_diff
+    from diff_transformer.conversion.device import check_device
 
+    args.device = check_device(args.device)  # before anything loads or downloads
     out = convert_to_diff(
         args.src,
         args.out,
@@ -71,7 +79,7 @@ def run(args) -> int:
         **{
             name: value
             for name, value in vars(args).items()
-            if name in ("v1_init", "v1_layout", "calibration_data") and value is not None
+            if name in ("v1_init", "v1_layout", "calibration_data", "device") and value is not None
         },
     )
     print(f"wrote {out}")
@@ -166,5 +174,7 @@ def _verify(args, out) -> dict:
     start = time.perf_counter()
     with shipped_assets() as (_, heldout):
         text = heldout.read_text(encoding="utf-8")
-    report = verify_conversion(args.src, out, heldout_text=text, progress=show_progress(args.quiet))
+    report = verify_conversion(
+        args.src, out, heldout_text=text, progress=show_progress(args.quiet), device=args.device
+    )
     return {**report, "seconds": time.perf_counter() - start}

@@ -38,7 +38,14 @@ ridge towards the source's o_proj with one least-squares gain per head (`shrink_
 Layers are fitted in order: layer l is fitted on the hidden states that the already calibrated layers 0..l-1 of the
 V1 model produce, so each fit corrects what reaches it. Only one decoder layer is in memory at a time (its source
 tensors mapped by the same `TensorMap` that writes the checkpoint), plus the hidden states of the calibration blocks
-(blocks x block_size x hidden_size floats) and, once, the embedding matrix to look the tokens up.
+(blocks x block_size x hidden_size floats), once, the embedding matrix to look the tokens up (and, for the held-out
+score, the final norm and LM head), and the fitted o_proj (and, expanded, v_proj) of the layers done, kept on the CPU
+in the dtype they are written in. Sampling the calibration text loads the whole source once, before any of this.
+
+`device` (`convert --device`): where the sampling and the fits run, "cpu" by default. Each layer is read on the CPU,
+moved there, fitted, and its fitted weights brought back to the CPU; on the CPU nothing moves, so the output is the
+same byte for byte whether or not `device="cpu"` is passed. On a GPU the sampled text (its RNG) and the rounding of
+every sum differ, so the start is an equally good one, not the same bytes.
 """
 
 from __future__ import annotations
@@ -93,7 +100,7 @@ def least_squares_projection(
     features, target = features.double(), target.double()
     gram = features.T @ features
     rho = ridge * float(gram.diagonal().mean()) + 1e-12
-    identity = torch.eye(gram.shape[0], dtype=gram.dtype)
+    identity = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
     right = features.T @ target
     if prior is not None:
         right = right + rho * prior.double().T
@@ -113,7 +120,7 @@ def scaled_source_projection(
     pairs = (gram * (weight.T @ weight)).reshape(heads, width, heads, width).sum(dim=(1, 3))  # (H, H)
     right = (cross * weight.T).reshape(heads, -1).sum(dim=1)  # (H,)
     scale = 1e-12 * float(pairs.diagonal().mean()) + 1e-30
-    gains = torch.linalg.solve(pairs + scale * torch.eye(heads, dtype=pairs.dtype), right)
+    gains = torch.linalg.solve(pairs + scale * torch.eye(heads, dtype=pairs.dtype, device=pairs.device), right)
     return weight * gains.repeat_interleave(width)[None]
 
 
@@ -147,19 +154,20 @@ def plan_calibration(
     block_size: int = 256,
     seed: int = 0,
     sample: bool = True,
+    device: str = "cpu",
 ) -> CalibrationPlan:
     """Token blocks for the calibration: `num_blocks` blocks of `block_size` tokens (capped by the context). Without
     `calibration_data`, sampled from the source itself (`sample_calibration_blocks`, seeded); a source that is not a
     causal LM (a classifier: nothing to sample from) reads the built-in text instead, and one without a tokenizer
     as well seeded random token ids (stated as such). With `calibration_data` (a text file), blocks that start with
     the tokenizer's bos token, spread evenly over the text. `sample=False`: the built-in text (the former default,
-    kept for comparison)."""
+    kept for comparison). `device`: where the source samples (the blocks come back on the CPU)."""
     seed = check_seed(seed, "seed", ConversionError)
     if num_blocks < 1 or block_size < 2:
         raise ConversionError(f"calibration needs >= 1 block of >= 2 tokens (got {num_blocks} x {block_size}).")
     block_size = min(block_size, context)
     if calibration_data is None and sample and _is_causal_lm(source_path):
-        blocks = sample_calibration_blocks(source_path, num_blocks + HELDOUT_BLOCKS, block_size, seed)
+        blocks = sample_calibration_blocks(source_path, num_blocks + HELDOUT_BLOCKS, block_size, seed, device)
         if int(blocks.max()) < vocab_size:
             return CalibrationPlan(blocks[:num_blocks], f"{SAMPLED_DESCRIPTION}, seed {seed}", blocks[num_blocks:])
     text = read_calibration_text(calibration_data) if calibration_data is not None else None
@@ -223,27 +231,32 @@ def _is_causal_lm(source_path: Path) -> bool:
 
 
 def sample_calibration_blocks(
-    source_path: Path, num_blocks: int = 16, block_size: int = 256, seed: int = 0
+    source_path: Path, num_blocks: int = 16, block_size: int = 256, seed: int = 0, device: str = "cpu"
 ) -> torch.Tensor:
     """(num_blocks, block_size) token ids sampled from the source model itself, each block its own sequence from
     the bos token (token 0 if the config names none): plain ancestral sampling at temperature 1, no top-k/top-p, the
     end-of-text token suppressed so every block is full. The model's own distribution is what a start that should
-    hold on any text has to reproduce; no text is needed, and the same seed gives the same blocks."""
+    hold on any text has to reproduce; no text is needed, and the same seed gives the same blocks (on the same
+    kind of device: a GPU draws other numbers). Off the CPU the model is loaded straight onto DEVICE."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
 
-    with torch.random.fork_rng(devices=[]):  # seeded without touching the caller's global RNG
+    device = torch.device(device)
+    on_cpu = device.type == "cpu"
+    gpus = [] if on_cpu else [device.index if device.index is not None else torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=gpus):  # seeded without touching the caller's global RNG
         torch.manual_seed(seed)
         bars = transformers_logging.is_progress_bar_enabled()
         transformers_logging.disable_progress_bar()  # the converter reports its own progress; no loading bar
         try:
-            model = AutoModelForCausalLM.from_pretrained(source_path, dtype="auto").eval()  # as stored: bounded memory
+            placement = {} if on_cpu else {"device_map": device}  # the CPU call as it always was: same bytes
+            model = AutoModelForCausalLM.from_pretrained(source_path, dtype="auto", **placement).eval()  # as stored
         finally:
             if bars:
                 transformers_logging.enable_progress_bar()
         eos = model.generation_config.eos_token_id
         bos = model.config.bos_token_id
-        start = torch.full((num_blocks, 1), bos if bos is not None else 0, dtype=torch.long)  # (B, 1)
+        start = torch.full((num_blocks, 1), bos if bos is not None else 0, dtype=torch.long, device=device)  # (B, 1)
         with torch.no_grad():
             blocks = model.generate(
                 start,
@@ -259,7 +272,7 @@ def sample_calibration_blocks(
                 pad_token_id=eos[0] if isinstance(eos, list) else eos,
             )
     del model
-    return blocks  # (num_blocks, block_size)
+    return blocks.cpu()  # (num_blocks, block_size)
 
 
 def _tokenizer(path: Path):
@@ -373,10 +386,12 @@ def calibrate_v1_start(
     refit: bool = True,
     shrink_to_source: bool = False,
     steady_value: float = 0.0,
+    device: str = "cpu",
 ) -> CalibratedStart:
     """Least-squares output projections of every layer, fitted in layer order (see the module docstring). With
     `lambda_grid`, each layer's λ is also chosen from it, the one whose fit leaves the smallest residual, and set
-    through λq2 (still trainable)."""
+    through λq2 (still trainable). `device`: where each layer is fitted (the module docstring); what is returned is
+    on the CPU, o_proj and v_proj in the dtype SRC stores them in (what the writer writes)."""
     from ..modeling_diff import DiffDecoderLayer, DiffRotaryEmbedding
     from .layout import LlamaToV1Expanded
 
@@ -390,27 +405,30 @@ def calibrate_v1_start(
         if canonical.startswith("model.layers.") and not IGNORED_SOURCE_TENSORS.match(name):
             layer_names.setdefault(int(canonical.split(".")[2]), []).append(name)
     d = geometry.head_dim
+    device = torch.device(device)
     with contextlib.ExitStack() as stack:
         reader = _SourceReader(source, stack)
         embedding = reader.get(prefix + "embed_tokens.weight")
-        hidden = embedding[plan.blocks].float()  # (B, L, D)
-        rotary = DiffRotaryEmbedding(config)
+        hidden = embedding[plan.blocks].float().to(device)  # (B, L, D)
+        rotary = DiffRotaryEmbedding(config).to(device)
         scored = plan.heldout_blocks is not None and plan.heldout_blocks.numel() > 0
         length = max(plan.blocks.shape[1], plan.heldout_blocks.shape[1] if scored else 0)
-        cos, sin = rotary(hidden[:1], torch.arange(length)[None])  # (1, length, d)
+        cos, sin = rotary(hidden[:1], torch.arange(length, device=device)[None])  # (1, length, d)
         position_embeddings = (cos[:, : plan.blocks.shape[1]], sin[:, : plan.blocks.shape[1]])
         if scored:  # the held-out blocks, through the source's layers and through the calibrated V1 layers
             eval_positions = (cos[:, : plan.heldout_blocks.shape[1]], sin[:, : plan.heldout_blocks.shape[1]])
-            eval_v1 = embedding[plan.heldout_blocks].float()  # (B', L', D)
+            eval_v1 = embedding[plan.heldout_blocks].float().to(device)  # (B', L', D)
             eval_source = eval_v1.clone()
         del embedding
         weights, residuals, lambdas, q2, chosen_ridges, values = {}, [], {}, {}, [], {}
         for layer_idx in range(geometry.num_layers):
-            layer = _load_layer(DiffDecoderLayer, config, layer_idx, layer_names[layer_idx], reader, tensor_map)
+            names = layer_names[layer_idx]
+            layer = _load_layer(DiffDecoderLayer, config, layer_idx, names, reader, tensor_map).to(device)
             attn = layer.self_attn
             scale = 1.0 - float(config.lambda_init_for_layer(layer_idx))
             if expanded and steady_value:
-                values[layer_idx] = _steady_second_half(attn, layer.input_layernorm(hidden), steady_value)
+                value = _steady_second_half(attn, layer.input_layernorm(hidden), steady_value)
+                values[layer_idx] = value.to(_stored_dtype(source, names, "v_proj.weight")).cpu()
             maps = [
                 _map_outputs(attn, layer.input_layernorm(chunk), position_embeddings)
                 for chunk in hidden.split(micro_batch)
@@ -424,7 +442,7 @@ def calibrate_v1_start(
             candidates = _reachable(attn.diff_lambda, lambda_grid) if lambda_grid else (float(attn.diff_lambda()),)
             heads = attn.num_heads
             # o_proj's input columns that read the fitted channels (head h's channel j is column 2d·h + j)
-            columns = torch.arange(heads * 2 * d).reshape(heads, 2 * d)[:, :fitted].reshape(-1)
+            columns = torch.arange(heads * 2 * d, device=device).reshape(heads, 2 * d)[:, :fitted].reshape(-1)
             source_o_proj = attn.o_proj.weight.detach().double()[:, columns]  # (D, H·fitted): the source's, reordered
             # the source's attention output (before o_proj's bias): rows are tokens, the heads last but one
             source_output = target.reshape(-1, heads * fitted).double() @ source_o_proj.T  # (tokens, D)
@@ -439,12 +457,13 @@ def calibrate_v1_start(
                 eval_source = _source_layer_output(layer, eval_source, eval_positions, source_o_proj, fitted)
             weight = attn.o_proj.weight.detach().clone()
             weight[:, columns] = o_proj.to(weight.dtype)  # the others (expanded: the second half's) stay as mapped
-            weights[layer_idx] = weight
+            # the dtype the tensor map writes it in (`output_weight` casts to it): the same single rounding, less kept
+            weights[layer_idx] = weight.to(_stored_dtype(source, names, "o_proj.weight")).cpu()
             residuals.append(round(residual, 4))
             attn.o_proj.weight.copy_(weight)
             if lambda_grid:
                 lambdas[layer_idx] = round(lam, 4)
-                q2[layer_idx] = _set_lambda(attn.diff_lambda, lam)
+                q2[layer_idx] = _set_lambda(attn.diff_lambda, lam).cpu()
             chunks = hidden.split(micro_batch)
             hidden = torch.cat([_layer_output(layer, chunk, position_embeddings) for chunk in chunks])
             if scored:
@@ -462,7 +481,7 @@ def _steady_second_half(attn, normed: torch.Tensor, ratio: float) -> torch.Tenso
     in the source head's output. Returns the new v_proj weight (set in ATTN too)."""
     flat = normed.reshape(-1, normed.shape[-1]).double()  # (tokens, D)
     mean, cov = flat.mean(0), torch.cov(flat.T)
-    cov = cov + 1e-3 * cov.diagonal().mean() * torch.eye(cov.shape[0], dtype=cov.dtype)
+    cov = cov + 1e-3 * cov.diagonal().mean() * torch.eye(cov.shape[0], dtype=cov.dtype, device=cov.device)
     direction = torch.linalg.solve(cov, mean)
     direction = direction / direction.norm()
     projection = flat @ direction  # (tokens,): nearly constant
@@ -498,8 +517,9 @@ def _heldout_losses(reader, source, geometry, config, eval_source, eval_v1, plan
     if not _is_causal_lm(source.path):
         return None
     head = "lm_head.weight" if "lm_head.weight" in source.tensors else prefix + "embed_tokens.weight"  # or tied
-    norm, head = reader.get(prefix + "norm.weight").float(), reader.get(head).float()
-    labels = plan.heldout_blocks[:, 1:]
+    device = eval_v1.device
+    norm, head = reader.get(prefix + "norm.weight").float().to(device), reader.get(head).float().to(device)
+    labels = plan.heldout_blocks[:, 1:].to(device)
     losses = {}
     for name, hidden in (("source", eval_source), ("converted", eval_v1)):
         total = 0.0
@@ -537,6 +557,13 @@ def _set_lambda(module, value: float) -> torch.Tensor:
     shift = math.log(math.exp(s1) + module.lambda_init - value) - float(module.lambda_q2.double() @ k2)
     module.lambda_q2.copy_(module.lambda_q2 + (shift * k2 / (k2 @ k2)).float())
     return module.lambda_q2.detach().clone()
+
+
+def _stored_dtype(source, names: list[str], suffix: str) -> torch.dtype:
+    """The dtype SRC stores the layer's tensor ending in SUFFIX in (one of NAMES)."""
+    from .dtypes import from_safetensors_code
+
+    return from_safetensors_code(source.tensors[next(n for n in names if n.endswith(suffix))].dtype)
 
 
 def _load_layer(layer_class, config, layer_idx: int, names: list[str], reader: _SourceReader, tensor_map: TensorMap):

@@ -89,6 +89,7 @@ _V1_START_OPTIONS = (
     "calibration_data",
     "calibration_blocks",
     "calibration_block_size",
+    "device",
 )
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class ConvertOptions:
     max_shard_size: int | str | None = None
     revision: str | None = None
     token: str | bool | None = None
+    device: str | None = None
 
 
 @conversion_boundary
@@ -134,6 +136,7 @@ def convert_llama_to_diff(
     max_shard_size: int | str | None = None,
     revision: str | None = None,
     token: str | bool | None = None,
+    device: str | None = None,
 ) -> Path:
     """Convert a Llama-family checkpoint (local directory or Hub id) into a Diff checkpoint at `out`.
 
@@ -177,6 +180,9 @@ def convert_llama_to_diff(
         max_shard_size: bytes (int) or "5GB"-style string for the output shards; None mirrors the input shards.
         revision: Hub revision (branch, tag or commit) of a Hub id, forwarded to `snapshot_download`.
         token: Hub token for a Hub id, forwarded to `snapshot_download`.
+        device: where a calibrated V1 start samples its text and fits its layers (`calibrate.py`): "cpu" (None, the
+            default), "cuda", "cuda:N" or "auto"; checked before anything is read. Nothing else uses it (the
+            weights stream through the CPU).
 
     Returns:
         The output directory.
@@ -204,6 +210,7 @@ def convert_llama_to_diff(
         max_shard_size=max_shard_size,
         revision=revision,
         token=token,
+        device=device,
     )
     return _convert(src, out, LLAMA, options)
 
@@ -283,6 +290,10 @@ def convert_to_diff(
     """Dispatch on SRC's family (`diff_transformer.families`): "llama", "mistral", "qwen2", "qwen3" ->
     `convert_llama_to_diff` (diff_version defaults to 2), "diffllama" -> `convert_diffllama_to_diff` (diff_version 1);
     `architectures: ["MotifForCausalLM"]` -> `convert_motif_to_diff` (diff_version 1)."""
+    if kwargs.get("device") is not None:  # refused before a Hub download
+        from .device import check_device
+
+        kwargs["device"] = check_device(kwargs["device"])
     source = open_source(src, revision=kwargs.get("revision"), token=kwargs.get("token"))
     family = family_of_config(source.config)
     if family is None:
@@ -564,7 +575,10 @@ def _checked(options: ConvertOptions, expected: Family) -> ConvertOptions:
     v1_init = _check_v1_init(expected, options.diff_version, options.v1_init, options.calibration_data)
     if options.v1_layout is not None and v1_init is None:
         raise ConversionError("--v1-layout chooses how Llama heads map onto V1: add --diff-version 1, or drop it.")
-    return replace(options, dtype=dtype, max_shard_size=max_shard_size, seed=seed, v1_init=v1_init)
+    from .device import check_device
+
+    device = check_device(options.device)
+    return replace(options, dtype=dtype, max_shard_size=max_shard_size, seed=seed, v1_init=v1_init, device=device)
 
 
 def _check_v1_init(expected: Family, diff_version: int, v1_init: str | None, calibration_data) -> str | None:
@@ -599,12 +613,20 @@ def _calibrate(source, config, tensor_map, options: ConvertOptions) -> None:
         num_blocks=options.calibration_blocks,
         block_size=options.calibration_block_size,
         seed=options.seed,
+        device=options.device,
     )
     expanded = isinstance(tensor_map, LlamaToV1Expanded)
     grid = None if expanded else {"calibrated": DIFFERENTIAL_GRID, "calibrated-additive": ADDITIVE_GRID}.get(v1_init)
     steady = STEADY_VALUE if expanded else 0.0
     start = calibrate_v1_start(
-        source, config, tensor_map.geometry, tensor_map, plan, lambda_grid=grid, steady_value=steady
+        source,
+        config,
+        tensor_map.geometry,
+        tensor_map,
+        plan,
+        lambda_grid=grid,
+        steady_value=steady,
+        device=options.device,
     )
     tensor_map.output_weights = start.output_weights
     tensor_map.value_weights = start.value_weights
@@ -641,6 +663,8 @@ def _calibrate(source, config, tensor_map, options: ConvertOptions) -> None:
         "calibration_text": plan.description,
         "calibration_tokens": list(plan.blocks.shape),
         "subln_relative_residual": start.residuals,
+        # where the fits ran, when not on the CPU (whose output stays what it always was, byte for byte)
+        **({"calibration_device": options.device.partition(":")[0]} if options.device != "cpu" else {}),
     }
     if grid is not None:
         tensor_map.provenance["lambda_start"] = [start.lambdas[i] for i in sorted(start.lambdas)]
@@ -657,13 +681,30 @@ def _calibrate(source, config, tensor_map, options: ConvertOptions) -> None:
 def _plan(source: SourceCheckpoint, expected: Family, options: ConvertOptions):
     """Validate SRC (config, then every tensor header) and return the Diff config and the tensor map."""
     where = source.repo_id or str(source.path)
-    v1_init = options.v1_init
     # A config that claims more model than the weights hold, refused before anything is built from it (a Hub source:
     # once its weights are downloaded, below).
     if source.repo_id is None:
         check_config_against_weights(source.path, source.config, where)
     else:  # the weights come after the config passed: bound what the config alone can make us plan
         check_config_sizes_plausible(source.config, where)
+    config, tensor_map = _mapped_config(source, expected, options, where)
+    check_model_config(config, where, build=False)  # before a Hub download
+    # OUT gets SRC's generation_config.json: one that generate() cannot use (num_beams -3) is refused here.
+    check_generation_config(str(source.path), where)
+    read_weights_headers(source)
+    if source.repo_id is not None:
+        shapes = {name: info.shape for name, info in source.tensors.items()}
+        check_config_against_weights(source.path, source.config, where, shapes)
+    _validate_tensors(source, tensor_map.geometry, family_of_config(source.config))
+    # The weights hold the layers the config claims: now building it (on the meta device) costs what the model is.
+    check_model_config(config, where)
+    config.dtype = options.dtype or _declared_dtype(source) or _stored_dtype(source, tensor_map.geometry)
+    return config, tensor_map
+
+
+def _mapped_config(source: SourceCheckpoint, expected: Family, options: ConvertOptions, where: str):
+    """The Diff config and tensor map of SRC's config.json converted as OPTIONS ask (no weights read)."""
+    v1_init = options.v1_init
     source_config, family, task = _source_config(source, expected)
     geometry = source_geometry(family, task, source_config)
     calibrated = v1_init in CALIBRATED_INITS
@@ -690,18 +731,20 @@ def _plan(source: SourceCheckpoint, expected: Family, options: ConvertOptions):
     floor = DIFFERENTIAL_LAMBDA_FLOOR if v1_init == "calibrated" else None
     # Built before any weights are downloaded or read, so that an unsupported config is refused early.
     config = _diff_config(source_config, family, task, geometry, options, where, lambda_init, layout, floor)
-    check_model_config(config, where, build=False)  # before a Hub download
-    # OUT gets SRC's generation_config.json: one that generate() cannot use (num_beams -3) is refused here.
-    check_generation_config(str(source.path), where)
-    read_weights_headers(source)
-    if source.repo_id is not None:
-        shapes = {name: info.shape for name, info in source.tensors.items()}
-        check_config_against_weights(source.path, source.config, where, shapes)
-    _validate_tensors(source, geometry, family)
-    # The weights hold the layers the config claims: now building it (on the meta device) costs what the model is.
-    check_model_config(config, where)
-    config.dtype = options.dtype or _declared_dtype(source) or _stored_dtype(source, geometry)
     return config, tensor_map
+
+
+def planned_config(source_config: dict, diff_version: int | None = None, where: str = "config.json"):
+    """The Diff config `convert` writes for a source whose config.json is SOURCE_CONFIG, with the converter's
+    defaults (`diff-transformer plan`): nothing else is read."""
+    source = SourceCheckpoint(Path(where), None, dict(source_config), [])
+    family = family_of_config(source.config)
+    if family is None:
+        raise _model_type_error(source, expected=None)
+    version = family.default_version if diff_version is None else diff_version
+    options = _checked(ConvertOptions(version), family)
+    check_config_sizes_plausible(source.config, where)
+    return _mapped_config(source, family, options, where)[0]
 
 
 def _declared_dtype(source: SourceCheckpoint) -> torch.dtype | None:

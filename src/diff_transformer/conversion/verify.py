@@ -11,6 +11,7 @@ import torch
 from ..checkpoints.weights import find_shards, read_headers
 from ..errors import check_seed
 from ..families import MOTIF, Family, family_of_config
+from .device import check_device
 from .dtypes import dtype_name, from_safetensors_code, parse_dtype
 from .errors import ConversionError, conversion_boundary
 from .families import CAUSAL_LM, Task, task_of
@@ -38,18 +39,20 @@ def verify_conversion(
     heldout_text: str | None = None,
     heldout_tokens: int = 4 * 255,
     progress: bool = False,
+    device: str | None = None,
 ) -> dict:
     """Load SRC (a Llama-family model, DiffLlama or Motif) and OUT (Diff), run `num_sequences` random sequences of
-    `seq_len` tokens through both (in `dtype`, float32 by default, on CPU) and greedily continue the first half of
-    each sequence by `max_new_tokens` tokens. A task head (sequence/token classification, question answering) is
-    compared on its outputs over a batch in which every sequence after the first is right-padded with
-    `pad_token_id` (when the config has one), and `greedy_match` is None.
+    `seq_len` tokens through both (in `dtype`, float32 by default, on `device`, the CPU by default) and greedily
+    continue the first half of each sequence by `max_new_tokens` tokens. A task head (sequence/token
+    classification, question answering) is compared on its outputs over a batch in which every sequence after the
+    first is right-padded with `pad_token_id` (when the config has one), and `greedy_match` is None.
 
     Loads both models whole: meant for checkpoints that fit in memory twice.
 
     transformers has no Motif class: a Motif source is run by `conversion.motif.MotifReference`, this package's
     plain-torch forward written from Motif's semantics (one head at a time, no cache; slow, meant for small
-    checkpoints), and has no held-out score.
+    checkpoints), and has no held-out score; it runs on the CPU whatever `device` says (only the converted model
+    moves).
 
     When OUT stores its weights in another dtype than SRC (`convert --dtype bfloat16`), the reference is the source
     with every weight cast the way the converter cast it (then to `dtype`), so a correct conversion still agrees
@@ -70,6 +73,8 @@ def verify_conversion(
             tokens of that text as the demo scores it (`evaluation.heldout_perplexity`).
         heldout_tokens: how many tokens of `heldout_text` to score.
         progress: a tqdm bar over the held-out scoring.
+        device: where both models run: "cpu" (None), "cuda", "cuda:N" or "auto" (`conversion.device.check_device`,
+            checked before anything loads); the logits are compared on the CPU.
 
     Returns:
         A dict with `max_abs_logit_diff` (max |Δlogit| over all positions), `greedy_match` (token-identical
@@ -85,20 +90,26 @@ def verify_conversion(
     if num_sequences < 1 or seq_len < 2 or max_new_tokens < 0:
         raise ConversionError("verify_conversion needs num_sequences >= 1, seq_len >= 2 and max_new_tokens >= 0.")
     seed = check_seed(seed, "seed", ConversionError)
+    device = check_device(device)
     torch_dtype = parse_dtype(dtype) or torch.float32
     src_path, _ = resolve_source(src, revision=revision, token=token)
     out_path = Path(out).expanduser()
     family, task, diff_version = _check_pair(src_path, out_path)
     expected_exact = family.function_preserving(diff_version)
     reference, converted = _load_pair(src_path, out_path, family, task, torch_dtype)
-    reference_name = _cast_like_output(reference, src_path, out_path)
+    reference_name = _cast_like_output(reference, src_path, out_path)  # on the CPU, as the converter cast
+    if device != "cpu":
+        converted.to(device)
+        if family is not MOTIF:  # MotifReference is plain torch on the CPU
+            reference.to(device)
 
     vocab = min(reference.config.vocab_size, converted.config.vocab_size)
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab, (num_sequences, seq_len), generator=generator)
     if task is CAUSAL_LM:
         with torch.no_grad():
-            max_diff = (reference(input_ids).logits.float() - converted(input_ids).logits.float()).abs().max().item()
+            logits = [_on(model, input_ids).logits.float().cpu() for model in (reference, converted)]
+            max_diff = (logits[0] - logits[1]).abs().max().item()
         prompts = input_ids[:, : max(1, seq_len // 2)]
         greedy_match = _same_greedy_continuations(reference, converted, prompts, max_new_tokens)
     else:  # a task head: its outputs on a padded batch, nothing to generate
@@ -209,8 +220,8 @@ def _same_greedy_continuations(reference, converted, prompts: torch.Tensor, max_
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, pad_token_id=0)
     for row in prompts.split(1):  # (1, L)
         with torch.no_grad():
-            ref_tokens = reference.generate(row, attention_mask=torch.ones_like(row), **kwargs)
-            new_tokens = converted.generate(row, attention_mask=torch.ones_like(row), **kwargs)
+            ref_tokens = _on(reference, row, "generate", **kwargs).cpu()
+            new_tokens = _on(converted, row, "generate", **kwargs).cpu()
         if not torch.equal(ref_tokens, new_tokens):
             return False
     return True
@@ -234,14 +245,26 @@ def _head_difference(reference, converted, input_ids: torch.Tensor, per_token: b
     worst = 0.0
     with torch.no_grad():
         for ids, row_mask in rows:
-            ref, new = reference(ids, attention_mask=row_mask), converted(ids, attention_mask=row_mask)
+            ref = _on(reference, ids, attention_mask=row_mask)
+            new = _on(converted, ids, attention_mask=row_mask)
             for key in ("logits", "start_logits", "end_logits"):
                 if getattr(ref, key, None) is not None:
-                    difference = (ref[key].float() - new[key].float()).abs()
+                    difference = (ref[key].float().cpu() - new[key].float().cpu()).abs()
                     if per_token:  # token classification, question answering: the unpadded positions
                         difference = difference[row_mask.bool()]
                     worst = max(worst, difference.max().item())
     return worst
+
+
+def _on(model, input_ids: torch.Tensor, method: str = "__call__", **kwargs):
+    """MODEL's METHOD on INPUT_IDS (and an attention mask: all ones for `generate`) moved to where MODEL is."""
+    device = getattr(model, "device", torch.device("cpu"))
+    mask = kwargs.pop("attention_mask", None)
+    if method == "generate":
+        mask = torch.ones_like(input_ids)
+    if mask is not None:
+        kwargs["attention_mask"] = mask.to(device)
+    return getattr(model, method)(input_ids.to(device), **kwargs)
 
 
 def _stored_dtype(path: Path) -> torch.dtype | None:

@@ -1,0 +1,163 @@
+"""The memory planner (training/plan.py, `diff-transformer plan`): exact parameter counts against a hand count and
+against a converted checkpoint, bytes per parameter as Trainer's AdamW keeps them, shards as torch splits them, and
+each rank's weights + gradients + AdamW moments against what FSDP2 actually leaves on 2 gloo ranks."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from diff_transformer.conversion import convert_llama_to_diff
+from diff_transformer.errors import UserError
+from diff_transformer.training.plan import (
+    Layout,
+    Training,
+    activation_bytes,
+    chunk_rows,
+    load_config,
+    local_shapes,
+    meta_model,
+    plan_memory,
+    state_bytes,
+)
+from tests.helpers import REPOSITORY
+from tests.helpers.processes import launch
+from tests.helpers.tiny import tiny_config
+
+
+TINY_LLAMA = REPOSITORY / "src" / "diff_transformer" / "assets" / "tiny-llama"
+
+
+def hand_count(config) -> int:
+    """Parameters of a Diff model written out from the layer shapes (H differential heads, H_kv groups, d = head_dim):
+    V1: q 2Hd, k and v 2H_kv·d each, o_proj from H·2d, four λ vectors of d, subln 2d; V2: q 2Hd, k and v H_kv·d each,
+    o_proj from H·d, λ's projection H x D; both: a SwiGLU MLP, two norms per layer, the final norm, embeddings and an
+    untied head."""
+    D, inter, vocab, layers = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_hidden_layers
+    H, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    if config.diff_version == 1:
+        attention = D * 2 * H * d + 2 * (D * 2 * kv * d) + 2 * H * d * D + 4 * d + 2 * d
+    else:
+        attention = D * 2 * H * d + 2 * (D * kv * d) + H * d * D + H * D
+    layer = attention + 3 * D * inter + 2 * D
+    return vocab * D * (1 if config.tie_word_embeddings else 2) + layers * layer + D
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameter_count_is_the_hand_count(version, tied):
+    config = tiny_config(version, tie_word_embeddings=tied)
+    plan = plan_memory(config, Layout(1, 1, "ddp"), Training())
+    assert plan.parameters == hand_count(config)
+
+
+@pytest.mark.parametrize("diff_version, v1_init", [(2, None), (1, "paper")])
+def test_a_llama_config_is_planned_as_the_converter_converts_it(tmp_path, diff_version, v1_init):
+    """The config `convert` writes, reused (not re-derived): its parameters are those of the converted checkpoint."""
+    options = dict(diff_version=diff_version, v1_init=v1_init, progress=False)
+    out = convert_llama_to_diff(TINY_LLAMA, tmp_path / "out", **options)
+    with safe_open(out / "model.safetensors", framework="pt") as handle:
+        stored = sum(math.prod(handle.get_slice(name).get_shape()) for name in handle.keys())
+    config = load_config(TINY_LLAMA / "config.json", diff_version)
+    written = json.loads((out / "config.json").read_text())
+    assert (config.num_attention_heads, config.num_key_value_heads) == (
+        written["num_attention_heads"],
+        written["num_key_value_heads"],
+    )
+    assert plan_memory(config, Layout(1, 1, "ddp"), Training()).parameters == stored  # tied head: stored once
+
+
+def test_bytes_per_parameter_follow_what_trainer_keeps():
+    """float32 weights under bf16 autocast: 4 + 4 + 8 = 16 bytes per parameter. bfloat16 weights: 2 + 2 + 4, except
+    V1's λ vectors, which transformers keeps in float32 (`_keep_in_fp32_modules_strict`)."""
+    for version in (1, 2):
+        config = tiny_config(version)
+        n = hand_count(config)
+        plan = plan_memory(config, Layout(1, 1, "ddp"), Training(bf16=True))
+        assert (plan.weights, plan.gradients, plan.optimizer) == (4 * n, 4 * n, 8 * n)
+        lambdas = 4 * config.head_dim * config.num_hidden_layers if version == 1 else 0
+        plan = plan_memory(config, Layout(1, 1, "ddp"), Training(dtype=torch.bfloat16, bf16=False))
+        assert plan.weights == 2 * (n - lambdas) + 4 * lambdas
+        assert (plan.gradients, plan.optimizer) == (plan.weights, 2 * plan.weights)
+
+
+@pytest.mark.parametrize("rows, world", [(97, 2), (96, 2), (3, 4), (48, 3), (1, 8), (10, 4)])
+def test_shards_split_as_torch_chunk_splits_them(rows, world):
+    chunks = [len(c) for c in torch.arange(rows).chunk(world)]
+    assert chunk_rows(rows, world) == chunks + [0] * (world - len(chunks))
+
+
+def test_sharding_strategies_divide_the_model_state():
+    config = tiny_config(2, hidden_size=64, intermediate_size=128, vocab_size=128)  # every row count even
+    whole = plan_memory(config, Layout(1, 1, "ddp"), Training()).model_state
+    assert plan_memory(config, Layout(2, 4, "ddp"), Training()).model_state == whole
+    assert plan_memory(config, Layout(2, 2, "fsdp"), Training()).model_state == whole // 4
+    assert plan_memory(config, Layout(2, 2, "hsdp"), Training()).model_state == whole // 2
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_tensor_parallel_shapes_follow_the_plan_transformers_applies(version):
+    """docs/training.md's tensor parallelism: q/k/v and the MLP's gate/up split by rows, o_proj and down_proj by
+    columns, the embeddings and the head by vocabulary (97 rows: 49 on the larger rank), V2's λ projection with its
+    heads; norms and V1's λ vectors and subln replicated."""
+    model = meta_model(tiny_config(version))
+    shapes = {name: shape for name, shape, _ in local_shapes(model, Layout(1, 2, "tp"))}
+    full = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    rows = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "diff_lambda.proj", "embed_tokens", "lm_head")
+    for name, shape in full.items():
+        module = name.rsplit(".", 1)[0]
+        if module.endswith(rows):
+            assert shapes[name] == (math.ceil(shape[0] / 2), *shape[1:]), name
+        elif module.endswith(("o_proj", "down_proj")):
+            assert shapes[name] == (shape[0], shape[1] // 2), name
+        else:  # norms, V1's λ vectors and subln
+            assert shapes[name] == shape, name
+    with pytest.raises(UserError, match="cannot split 2 key/value heads"):
+        plan_memory(tiny_config(2), Layout(1, 4, "tp"), Training())
+
+
+def test_activations_shrink_with_checkpointing_and_tensor_parallelism():
+    for version in (1, 2):
+        config = tiny_config(version)
+        full = activation_bytes(config, Training(seq_len=64))
+        checkpointed = activation_bytes(config, Training(seq_len=64, gradient_checkpointing=True))
+        split = activation_bytes(config, Training(seq_len=64), tp=2)
+        assert checkpointed < split < full
+        assert activation_bytes(config, Training(seq_len=128)) == 2 * full  # linear in the tokens
+    v1, v2 = (activation_bytes(tiny_config(v), Training(seq_len=64)) for v in (1, 2))
+    assert v1 != v2  # V1 keeps double-width values and the sub-layer norm's input, V2 its two maps and λ
+
+
+def test_plan_command_prints_the_table_and_refuses_bad_input(capsys, refused, tmp_path):
+    from diff_transformer import cli
+
+    assert cli.main(["plan", str(TINY_LLAMA), "--diff-version", "2", "--nodes", "2", "--gpus-per-node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Diff V2" in out and all(f"| {strategy} |" in out for strategy in ("ddp", "fsdp", "hsdp", "tp", "tp+fsdp"))
+    # V1 pairs the tiny Llama's 6 heads over 2 KV heads into 3 over 1: 2-way tp cannot split them, said per strategy
+    assert cli.main(["plan", str(TINY_LLAMA), "--diff-version", "1", "--nodes", "2", "--gpus-per-node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| fsdp |" in out and "| tp |" not in out and "not planned: tp: " in out
+    refused(["plan", tmp_path / "missing"], "does not exist")
+    refused(["plan", TINY_LLAMA, "--strategy", "hsdp"], "--nodes 2")
+    refused(["plan", TINY_LLAMA, "--strategy", "tp", "--gpus-per-node", "4"], "cannot split")
+    (tmp_path / "config.json").write_text("[1, 2]")
+    refused(["plan", tmp_path], "not a config")
+
+
+@pytest.mark.slow  # one 2-process torchrun launch (~1 min on a loaded 2-core machine)
+def test_planner_agrees_with_the_shards_fsdp2_leaves_on_each_rank(tmp_path):
+    launch("plan_shards", tmp_path, timeout=300)
+    for rank in range(2):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for version in (1, 2):
+            measured = record[f"v{version}"]
+            assert measured["all_dtensors"]
+            model = meta_model(tiny_config(version))
+            planned = state_bytes(model, Layout(1, 2, "fsdp"), Training(), rank=rank)
+            for part in ("weights", "gradients", "optimizer"):
+                assert measured[part] == planned[part], (rank, version, part)
+            # AdamW's step: a float32 scalar per parameter tensor on the CPU, which the planner leaves out
+            assert measured["steps"] == [[1, "cpu"]] * measured["parameter_tensors"]
