@@ -66,7 +66,7 @@ def add_parser(commands) -> None:
 def _check_options(args) -> None:
     from ..evaluation.niah import check_grid
 
-    check_grid(args.lengths, args.depths, args.needles)
+    check_grid(args.lengths, args.depths, args.needles, models=len(args.models))
     if not 1 <= args.batch_size <= 256:
         raise UserError(f"--batch-size {args.batch_size} must be from 1 to 256.")
     if args.batch_size * max(args.lengths) > MAX_BATCH_TOKENS:
@@ -144,9 +144,11 @@ def run(args) -> int:
                 f"({context} positions): ask for lengths up to {context - args.max_new_tokens}."
             )
         chat = not args.no_chat and bool(getattr(tokenizer, "chat_template", None))
-        builder = niah.PromptBuilder(tokenizer, haystack, chat=chat, name=text)
-        prompts = niah.build_grid(builder, lengths, depths, args.needles, args.seed)
-        plans.append((text, checkpoint, tokenizer, chat, prompts))
+        # only the haystack tokens the longest prompt can use are tokenized (niah.haystack_ids)
+        builder = niah.PromptBuilder(tokenizer, haystack, chat=chat, name=text, tokens=lengths[-1])
+        for length in lengths:  # each length checked now; the grid itself is built when this model's turn comes
+            builder.build(length, depths[-1], *niah.needle_for(args.seed, length, depths[-1], 0))
+        plans.append((text, checkpoint, tokenizer, chat, builder))
     out = check_target(args.out, name="--out")
     for _, checkpoint, *_ in plans:  # one MODEL at a time, each named once in the message
         local = checkpoint.local
@@ -154,7 +156,10 @@ def run(args) -> int:
     staging = Staging(out, overwrite=args.overwrite, name="--out", writes=("niah.json", "niah.png"))
     results = []
     with staging as tmp:
-        for text, checkpoint, tokenizer, chat, prompts in plans:
+        for index, (text, checkpoint, tokenizer, chat, builder) in enumerate(plans):
+            prompts = niah.build_grid(builder, lengths, depths, args.needles, args.seed)  # one model's grid at a time
+            plans[index] = (text, checkpoint, tokenizer, chat, None)  # its haystack tokens go with it
+            del builder
             if args.backend == "vllm":
                 dtype = None if args.dtype in (None, "auto") else args.dtype
                 samples = niah.evaluate_vllm(
@@ -169,6 +174,7 @@ def run(args) -> int:
                     )  # fmt: skip
                 del model  # before the next model loads
             results.append(niah.result_record(text, niah.cells_of(prompts, samples)))
+            del prompts, samples
         settings = {
             "lengths": lengths, "depths": depths, "needles": args.needles, "seed": args.seed,
             "haystack": args.haystack or "diff_transformer/assets/heldout.txt", "chat": [p[3] for p in plans],
