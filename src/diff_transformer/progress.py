@@ -27,9 +27,9 @@ class Progress:
 
     `detail` (also settable by `update`) says what the step is doing now ("loading SRC"); `total` None counts
     without a total; `bar=False`: no bar on a terminal (a step made of stages, whose inner steps have their own
-    bars), the lines in a log all the same. In a log, a line is printed every `interval()` seconds while the step
-    runs (from a daemon thread: a step inside one long C call still reports), and a last line when it ends if any
-    line was printed."""
+    bars), the lines in a log all the same; `leave`: the finished bar stays on the terminal. In a log, a line is
+    printed every `interval()` seconds while the step runs (from a daemon thread: a step inside one long C call
+    still reports), and a last line when it ends if any line was printed."""
 
     def __init__(
         self,
@@ -40,6 +40,7 @@ class Progress:
         enabled: bool = True,
         detail: str = "",
         bar: bool = True,
+        leave: bool = False,
     ):
         self.what, self.total, self.unit, self.detail = what, total, unit, detail
         self.done, self.lines = 0, 0
@@ -54,7 +55,7 @@ class Progress:
                 return
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total, desc=what, unit=unit or "it", leave=False)
+            self._bar = tqdm(total=total, desc=what, unit=unit or "it", leave=leave)
             if detail:
                 self._bar.set_postfix_str(detail)
         else:

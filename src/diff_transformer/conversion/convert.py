@@ -785,7 +785,7 @@ def _stream(
 
     from ..progress import Progress
 
-    bar = Progress(desc, total=len(source.tensors), unit="tensor", enabled=progress)
+    bar = Progress(desc, total=len(source.tensors), unit="tensor", enabled=progress, leave=True)
     try:
         for shard in source.shards:
             names = source.tensors_in(shard)
