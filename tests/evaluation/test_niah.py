@@ -4,6 +4,7 @@ equal grids for a source and its V2 conversion, a model that retrieves (the real
 that cannot (the same shapes, random weights), and the refusals."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -159,14 +160,19 @@ def test_progress_is_one_updating_line_on_a_terminal_and_nothing_elsewhere(monke
 
     stream = Stream()
     monkeypatch.setattr("sys.stderr", stream)
+    monkeypatch.setenv("DIFF_TRANSFORMER_PROGRESS_INTERVAL", "0.05")
     with progress_line("niah tiny", 40, quiet=False) as progress:
         for done in range(1, 41):
             progress(done, 40, SimpleNamespace(length=150))
+            if done == 20:
+                time.sleep(0.3)  # a slow prompt: a log hears of it
     written = stream.getvalue()
     if terminal:  # redrawn in place (carriage returns), cleared at the end: no line per prompt
         assert written.startswith("\rniah tiny:") and "\n" not in written and written.endswith("\r")
-    else:
-        assert written == ""
+    else:  # plain lines at a bounded rate, not one per prompt
+        lines = written.splitlines()
+        assert 2 <= len(lines) <= 12 and "niah tiny: prompt 20/40, length 150, " in written, lines
+        assert lines[-1].startswith("niah tiny: prompt 40/40, done"), lines
     stream.truncate(0)
     monkeypatch.setattr("sys.stderr", stream)
     with progress_line("niah tiny", 40, quiet=True) as progress:

@@ -6,7 +6,7 @@ import sys
 
 from ..checkpoints.backends import add_attn_option
 from ..errors import UserError, install_command, installed
-from .options import add_device_options, add_quiet_option, load_kwargs, resolve_device, show_progress
+from .options import add_device_options, add_quiet_option, load_kwargs, resolve_device
 
 
 MAX_BATCH_TOKENS = 2**20  # tokens of one forward (batch x length): what a request may make one forward hold
@@ -82,20 +82,17 @@ def _check_options(args) -> None:
 
 @contextlib.contextmanager
 def progress_line(description: str, total: int, quiet: bool):
-    """`progress(done, total, prompt)` for `niah.evaluate`: one line on a terminal, updated in place (tqdm, cleared at
-    the end), nothing in a piped or redirected log or under --quiet (`show_progress`): the summary says the result."""
-    from tqdm.auto import tqdm
+    """`progress(done, total, prompt)` for `niah.evaluate`: one line on a terminal, updated in place (cleared at the
+    end); in a piped or redirected log a plain line at least every 30 s while the grid runs (`progress.Progress`);
+    nothing under --quiet."""
+    from ..progress import Progress
 
-    bar = tqdm(total=total, desc=description, unit="prompt", disable=not show_progress(quiet), leave=False)
+    with Progress(description, total=total, unit="prompt", enabled=not quiet) as bar:
 
-    def progress(done, total, prompt):
-        bar.set_postfix_str(f"length {prompt.length}", refresh=False)
-        bar.update(done - bar.n)
+        def progress(done, total, prompt):
+            bar.update(done - bar.done, detail=f"length {prompt.length}")
 
-    try:
         yield progress
-    finally:
-        bar.close()
 
 
 def run(args) -> int:
