@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import UserError, as_one_line
-from .evaluation import EVAL_BLOCK_SIZE, heldout_perplexity
+from .evaluation import HELDOUT_TOKENS, heldout_description, heldout_perplexity
 from .outputs.files import OutputError, check_target
 from .outputs.records import write_manifest, wrote_this
 from .outputs.staging import Staging
@@ -38,7 +38,7 @@ ASSET_MODEL = "tiny-llama"
 ASSET_HELDOUT = "heldout.txt"
 DEFAULT_PROMPT = "Elizabeth could not help smiling at"
 DEFAULT_MAX_NEW_TOKENS = 32
-DEMO_EVAL_TOKENS = 16 * (EVAL_BLOCK_SIZE - 1)  # the held-out slice the demo scores: 16 full windows
+DEMO_EVAL_TOKENS = HELDOUT_TOKENS  # the held-out slice the demo (and convert --verify) scores: 16 full windows
 LOGIT_ATOL = 1e-4
 PPL_RTOL = 1e-5
 
@@ -210,8 +210,8 @@ def _load_source(log: _Log, src: Path, heldout_text: str) -> _Loaded:
     n_eval = min(DEMO_EVAL_TOKENS, len(tokenizer(heldout_text, add_special_tokens=False, verbose=False).input_ids))
     figures.update(source_perplexity=ppl, eval_tokens=n_eval)
     log.say(
-        f"    held-out perplexity (first {n_eval:,} tokens of the last chapters of four Austen novels, "
-        f"unseen in training): {ppl:.4f}  (uniform: {len(tokenizer)})"
+        f"    held-out perplexity on {heldout_description(n_eval)}, the first tokens of the last chapters of four "
+        f"Austen novels, unseen in training: {ppl:.4f}  (uniform: {len(tokenizer)})"
     )
     figures["time_load_source_s"] = time.perf_counter() - t
     log.say(f"    ({figures['time_load_source_s']:.1f} s)")
@@ -297,7 +297,8 @@ def _load_converted(log: _Log, out: Path, source: _Loaded, heldout_text: str) ->
     text_diff = max((a - b).abs().max().item() for a, b in zip(source.logits, logits, strict=False))
     log.figures.update(converted_perplexity=ppl, heldout_max_abs_logit_diff=text_diff)
     log.say(
-        f"    held-out perplexity: source {src_ppl:.4f}, converted {ppl:.4f} "
+        f"    held-out perplexity on the same {log.figures['eval_tokens']:,} tokens: source {src_ppl:.4f}, "
+        f"converted {ppl:.4f} "
         f"(relative difference {abs(ppl - src_ppl) / src_ppl:.1e}); max |Δlogit| on that text {text_diff:.2e}"
     )
     log.check("perplexity_equal", abs(ppl - src_ppl) <= PPL_RTOL * src_ppl)

@@ -1,5 +1,6 @@
 """The offline demo: the shipped tiny Llama (real tokenizer, trained on Austen) -> Diff V2, verified end to end."""
 
+import contextlib
 import io
 import json
 import re
@@ -91,9 +92,25 @@ def test_run_demo_end_to_end(tmp_path, capsys):
     # The printout states the same figures.
     assert "PASS" in printed and "FAIL" not in printed
     assert (
-        f"held-out perplexity: source {results['source_perplexity']:.4f}, "
+        f"held-out perplexity on the same {DEMO_EVAL_TOKENS:,} tokens: source {results['source_perplexity']:.4f}, "
         f"converted {results['converted_perplexity']:.4f}" in printed
     )
+    assert (
+        f"held-out perplexity on the shipped held-out Austen text ({DEMO_EVAL_TOKENS:,} tokens, 16 windows of 256)"
+        in printed
+    )
+    # `convert --verify` scores the demo's text, windows and token count: the same number (issue 57 item 3)
+    with shipped_assets() as (model_dir, _):
+        verify_out = io.StringIO()
+        with contextlib.redirect_stdout(verify_out), contextlib.redirect_stderr(io.StringIO()):
+            assert cli.main(["convert", str(model_dir), str(tmp_path / "verified"), "--verify", "--quiet"]) == 0
+    verified = re.search(
+        r"held-out perplexity on the shipped held-out Austen text \(4,080 tokens, 16 windows of 256\), as the demo "
+        r"scores it: source (\S+), converted (\S+)",
+        verify_out.getvalue(),
+    )
+    assert verified, verify_out.getvalue()
+    assert verified.group(1) == verified.group(2) == f"{results['source_perplexity']:.4f}"
     assert f"max |Δlogit| = {results['verify_max_abs_logit_diff']:.2e}" in printed
     assert "greedy continuations identical: True" in printed
     continuation = (DEFAULT_PROMPT + results["source_generation"]).replace("\n", "\n" + " " * 20)

@@ -695,16 +695,18 @@ def test_convert_verify_is_timed_and_reports_held_out_perplexity(tmp_path):
     assert "llama -> diff v2: 100%" in err and "38/38" in err  # the conversion's bar (tensors)
     assert re.search(r"greedy continuations match: True  \(\d+\.\d s\)", out), out
     match = re.search(
-        r"held-out perplexity \(1,020 tokens of the built-in English text.*\): source (\S+), converted (\S+)", out
+        r"held-out perplexity on the shipped held-out Austen text \(4,080 tokens, 16 windows of 256\), as the demo "
+        r"scores it: source (\S+), converted (\S+)",
+        out,
     )
     assert match, out
     tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA)
     source = AutoModelForCausalLM.from_pretrained(TINY_LLAMA).eval()
-    expected = heldout_perplexity(source, tokenizer, HELDOUT, max_tokens=1020)
+    expected = heldout_perplexity(source, tokenizer, HELDOUT, max_tokens=4080)
     assert float(match.group(1)) == float(match.group(2)) == float(f"{expected:.4f}")
-    # The perplexity's bars (over 4 windows each; tqdm redraws at most every 0.1 s, and leave=False clears them, so
+    # The perplexity's bars (over 16 windows each; tqdm redraws at most every 0.1 s, and leave=False clears them, so
     # a fast run may show only their first frame).
-    assert re.search(r"source: +\d+%\|.*\| \d/4 ", err) and re.search(r"converted: +\d+%\|.*\| \d/4 ", err), err
+    assert re.search(r"source: +\d+%\|.*\| \d+/16 ", err) and re.search(r"converted: +\d+%\|.*\| \d+/16 ", err), err
     quiet = run_cli("convert", TINY_LLAMA, tmp_path / "quiet", "--verify", "--quiet", terminal=True)
     assert quiet[0] == 0 and "tensor/s" not in quiet[2] and "window/s" not in quiet[2]
     piped = run_cli("convert", TINY_LLAMA, tmp_path / "piped", "--verify")  # not a terminal: no bars either

@@ -5,7 +5,7 @@ import sys
 import time
 from pathlib import Path
 
-from .options import add_quiet_option, show_progress
+from .options import add_quiet_option
 
 
 def add_parser(commands) -> None:
@@ -75,7 +75,7 @@ def run(args) -> int:
         diff_version=args.diff_version,
         dtype=args.dtype,
         overwrite=args.overwrite,
-        progress=show_progress(args.quiet),
+        progress=not args.quiet,  # a bar on a terminal, lines in a log (progress.Progress)
         **{
             name: value
             for name, value in vars(args).items()
@@ -97,8 +97,9 @@ def run(args) -> int:
         if step0:
             print(
                 f"V1 at step 0: perplexity {step0['converted_perplexity']:.2f} against the source's "
-                f"{step0['source_perplexity']:.2f} ({step0['ratio']:.2f}x) on {step0['tokens']:,} held-out tokens of "
-                "the calibration data (never fitted on)."
+                f"{step0['source_perplexity']:.2f} ({step0['ratio']:.2f}x) on {_step0_tokens(step0)} of the "
+                f"calibration text ({conversion['calibration_text']}), never fitted on; not the held-out Austen "
+                "text that the demo and --verify score."
             )
     if args.diff_version == 1 and not conversion.get("function_preserving"):  # Llama-shaped -> V1
         closer = ""
@@ -106,6 +107,8 @@ def run(args) -> int:
             closer = " (or use --v1-init calibrated-additive, which starts closer but adds its second map)"
         print(f"note: diff_version=1 is not function-preserving: continue pretraining{closer}.")
     if args.verify:
+        from diff_transformer.evaluation import heldout_description
+
         report = _verify(args, out)
         greedy = "" if report["greedy_match"] is None else f", greedy continuations match: {report['greedy_match']}"
         print(
@@ -115,8 +118,8 @@ def run(args) -> int:
         if report["heldout"] is not None:
             heldout = report["heldout"]
             print(
-                f"held-out perplexity ({heldout['tokens']:,} tokens of the built-in English text, as the demo scores "
-                f"it): source {heldout['source']:.4f}, converted {heldout['converted']:.4f}"
+                f"held-out perplexity on {heldout_description(heldout['tokens'])}, as the demo scores it: source "
+                f"{heldout['source']:.4f}, converted {heldout['converted']:.4f}"
             )
         if not report["expected_exact"]:  # Llama -> V1: a new model that starts near the source, not the source
             print(
@@ -132,6 +135,14 @@ def run(args) -> int:
             )
             return 1
     return 0
+
+
+def _step0_tokens(step0: dict) -> str:
+    """ "3,825 held-out tokens (15 blocks × 255)"; a record written before the blocks were recorded: the count."""
+    tokens = f"{step0['tokens']:,} held-out tokens"
+    if "blocks" in step0:
+        tokens += f" ({step0['blocks']} blocks × {step0['block_tokens']})"
+    return tokens
 
 
 def _calibrated_start(conversion: dict) -> str:
@@ -174,7 +185,5 @@ def _verify(args, out) -> dict:
     start = time.perf_counter()
     with shipped_assets() as (_, heldout):
         text = heldout.read_text(encoding="utf-8")
-    report = verify_conversion(
-        args.src, out, heldout_text=text, progress=show_progress(args.quiet), device=args.device
-    )
+    report = verify_conversion(args.src, out, heldout_text=text, progress=not args.quiet, device=args.device)
     return {**report, "seconds": time.perf_counter() - start}

@@ -6,7 +6,7 @@ import sys
 
 from ..checkpoints.backends import add_attn_option
 from ..errors import UserError, install_command, installed
-from .options import add_device_options, add_quiet_option, load_kwargs, resolve_device, show_progress
+from .options import add_device_options, add_quiet_option, load_kwargs, resolve_device
 
 
 MAX_BATCH_TOKENS = 2**20  # tokens of one forward (batch x length): what a request may make one forward hold
@@ -66,7 +66,7 @@ def add_parser(commands) -> None:
 def _check_options(args) -> None:
     from ..evaluation.niah import check_grid
 
-    check_grid(args.lengths, args.depths, args.needles)
+    check_grid(args.lengths, args.depths, args.needles, models=len(args.models))
     if not 1 <= args.batch_size <= 256:
         raise UserError(f"--batch-size {args.batch_size} must be from 1 to 256.")
     if args.batch_size * max(args.lengths) > MAX_BATCH_TOKENS:
@@ -82,20 +82,17 @@ def _check_options(args) -> None:
 
 @contextlib.contextmanager
 def progress_line(description: str, total: int, quiet: bool):
-    """`progress(done, total, prompt)` for `niah.evaluate`: one line on a terminal, updated in place (tqdm, cleared at
-    the end), nothing in a piped or redirected log or under --quiet (`show_progress`): the summary says the result."""
-    from tqdm.auto import tqdm
+    """`progress(done, total, prompt)` for `niah.evaluate`: one line on a terminal, updated in place (cleared at the
+    end); in a piped or redirected log a plain line at least every 30 s while the grid runs (`progress.Progress`);
+    nothing under --quiet."""
+    from ..progress import Progress
 
-    bar = tqdm(total=total, desc=description, unit="prompt", disable=not show_progress(quiet), leave=False)
+    with Progress(description, total=total, unit="prompt", enabled=not quiet) as bar:
 
-    def progress(done, total, prompt):
-        bar.set_postfix_str(f"length {prompt.length}", refresh=False)
-        bar.update(done - bar.n)
+        def progress(done, total, prompt):
+            bar.update(done - bar.done, detail=f"length {prompt.length}")
 
-    try:
         yield progress
-    finally:
-        bar.close()
 
 
 def run(args) -> int:
@@ -144,9 +141,11 @@ def run(args) -> int:
                 f"({context} positions): ask for lengths up to {context - args.max_new_tokens}."
             )
         chat = not args.no_chat and bool(getattr(tokenizer, "chat_template", None))
-        builder = niah.PromptBuilder(tokenizer, haystack, chat=chat, name=text)
-        prompts = niah.build_grid(builder, lengths, depths, args.needles, args.seed)
-        plans.append((text, checkpoint, tokenizer, chat, prompts))
+        # only the haystack tokens the longest prompt can use are tokenized (niah.haystack_ids)
+        builder = niah.PromptBuilder(tokenizer, haystack, chat=chat, name=text, tokens=lengths[-1])
+        for length in lengths:  # each length checked now; the grid itself is built when this model's turn comes
+            builder.build(length, depths[-1], *niah.needle_for(args.seed, length, depths[-1], 0))
+        plans.append((text, checkpoint, tokenizer, chat, builder))
     out = check_target(args.out, name="--out")
     for _, checkpoint, *_ in plans:  # one MODEL at a time, each named once in the message
         local = checkpoint.local
@@ -154,7 +153,10 @@ def run(args) -> int:
     staging = Staging(out, overwrite=args.overwrite, name="--out", writes=("niah.json", "niah.png"))
     results = []
     with staging as tmp:
-        for text, checkpoint, tokenizer, chat, prompts in plans:
+        for index, (text, checkpoint, tokenizer, chat, builder) in enumerate(plans):
+            prompts = niah.build_grid(builder, lengths, depths, args.needles, args.seed)  # one model's grid at a time
+            plans[index] = (text, checkpoint, tokenizer, chat, None)  # its haystack tokens go with it
+            del builder
             if args.backend == "vllm":
                 dtype = None if args.dtype in (None, "auto") else args.dtype
                 samples = niah.evaluate_vllm(
@@ -169,6 +171,7 @@ def run(args) -> int:
                     )  # fmt: skip
                 del model  # before the next model loads
             results.append(niah.result_record(text, niah.cells_of(prompts, samples)))
+            del prompts, samples
         settings = {
             "lengths": lengths, "depths": depths, "needles": args.needles, "seed": args.seed,
             "haystack": args.haystack or "diff_transformer/assets/heldout.txt", "chat": [p[3] for p in plans],

@@ -59,6 +59,7 @@ from pathlib import Path
 import torch
 
 from ..errors import check_seed
+from ..progress import Progress
 from .errors import ConversionError, one_line
 from .layout import IGNORED_SOURCE_TENSORS, Geometry, TensorMap
 
@@ -160,19 +161,23 @@ def plan_calibration(
     seed: int = 0,
     sample: bool = True,
     device: str = "cpu",
+    progress: bool = False,
 ) -> CalibrationPlan:
     """Token blocks for the calibration: `num_blocks` blocks of `block_size` tokens (capped by the context). Without
     `calibration_data`, sampled from the source itself (`sample_calibration_blocks`, seeded); a source that is not a
     causal LM (a classifier: nothing to sample from) reads the built-in text instead, and one without a tokenizer
     as well seeded random token ids (stated as such). With `calibration_data` (a text file), blocks that start with
     the tokenizer's bos token, spread evenly over the text. `sample=False`: the built-in text (the former default,
-    kept for comparison). `device`: where the source samples (the blocks come back on the CPU)."""
+    kept for comparison). `device`: where the source samples (the blocks come back on the CPU). `progress`: report
+    the sampling (`progress.Progress`)."""
     seed = check_seed(seed, "seed", ConversionError)
     if num_blocks < 1 or block_size < 2:
         raise ConversionError(f"calibration needs >= 1 block of >= 2 tokens (got {num_blocks} x {block_size}).")
     block_size = min(block_size, context)
     if calibration_data is None and sample and _is_causal_lm(source_path):
-        blocks = sample_calibration_blocks(source_path, num_blocks + HELDOUT_BLOCKS, block_size, seed, device)
+        blocks = sample_calibration_blocks(
+            source_path, num_blocks + HELDOUT_BLOCKS, block_size, seed, device, progress=progress
+        )
         if int(blocks.max()) < vocab_size:
             return CalibrationPlan(blocks[:num_blocks], f"{SAMPLED_DESCRIPTION}, seed {seed}", blocks[num_blocks:])
     text = read_calibration_text(calibration_data) if calibration_data is not None else None
@@ -236,20 +241,34 @@ def _is_causal_lm(source_path: Path) -> bool:
 
 
 def sample_calibration_blocks(
-    source_path: Path, num_blocks: int = 16, block_size: int = 256, seed: int = 0, device: str = "cpu"
+    source_path: Path,
+    num_blocks: int = 16,
+    block_size: int = 256,
+    seed: int = 0,
+    device: str = "cpu",
+    progress: bool = False,
 ) -> torch.Tensor:
     """(num_blocks, block_size) token ids sampled from the source model itself, each block its own sequence from
     the bos token (token 0 if the config names none): plain ancestral sampling at temperature 1, no top-k/top-p, the
     end-of-text token suppressed so every block is full. The model's own distribution is what a start that should
     hold on any text has to reproduce; no text is needed, and the same seed gives the same blocks (on the same
-    kind of device: a GPU draws other numbers). Off the CPU the model is loaded straight onto DEVICE."""
-    from transformers import AutoModelForCausalLM
+    kind of device: a GPU draws other numbers). Off the CPU the model is loaded straight onto DEVICE. `progress`:
+    tokens sampled so far (`progress.Progress`)."""
+    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+    class _Count(StoppingCriteria):  # never stops generation: counts its steps for the progress line
+        def __call__(self, input_ids, scores, **kwargs):
+            report.update(1)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
     from transformers.utils import logging as transformers_logging
 
     device = torch.device(device)
     on_cpu = device.type == "cpu"
     gpus = [] if on_cpu else [device.index if device.index is not None else torch.cuda.current_device()]
-    with torch.random.fork_rng(devices=gpus):  # seeded without touching the caller's global RNG
+    what = f"sampling V1 calibration text ({num_blocks} blocks)"
+    report = Progress(what, total=block_size - 1, unit="token", enabled=progress, detail="loading SRC")
+    with report, torch.random.fork_rng(devices=gpus):  # seeded without touching the caller's global RNG
         torch.manual_seed(seed)
         bars = transformers_logging.is_progress_bar_enabled()
         transformers_logging.disable_progress_bar()  # the converter reports its own progress; no loading bar
@@ -262,6 +281,7 @@ def sample_calibration_blocks(
         eos = model.generation_config.eos_token_id
         bos = model.config.bos_token_id
         start = torch.full((num_blocks, 1), bos if bos is not None else 0, dtype=torch.long, device=device)  # (B, 1)
+        report.detail = "generating"
         with torch.no_grad():
             blocks = model.generate(
                 start,
@@ -275,6 +295,7 @@ def sample_calibration_blocks(
                 max_new_tokens=block_size - 1,
                 min_new_tokens=block_size - 1,  # suppresses eos until the block is full
                 pad_token_id=eos[0] if isinstance(eos, list) else eos,
+                stopping_criteria=StoppingCriteriaList([_Count()]),
             )
     del model
     return blocks.cpu()  # (num_blocks, block_size)
@@ -392,11 +413,13 @@ def calibrate_v1_start(
     shrink_to_source: bool = False,
     steady_value: float = 0.0,
     device: str = "cpu",
+    progress: bool = False,
 ) -> CalibratedStart:
     """Least-squares output projections of every layer, fitted in layer order (see the module docstring). With
     `lambda_grid`, each layer's λ is also chosen from it, the one whose fit leaves the smallest residual, and set
     through λq2 (still trainable). `device`: where each layer is fitted (the module docstring); what is returned is
-    on the CPU, o_proj and v_proj in the dtype SRC stores them in (what the writer writes)."""
+    on the CPU, o_proj and v_proj in the dtype SRC stores them in (what the writer writes). `progress`: layers
+    fitted so far (`progress.Progress`)."""
     from ..modeling_diff import DiffDecoderLayer, DiffRotaryEmbedding
     from .layout import LlamaToV1Expanded
 
@@ -412,6 +435,9 @@ def calibrate_v1_start(
     d = geometry.head_dim
     device = torch.device(device)
     with contextlib.ExitStack() as stack:
+        report = stack.enter_context(
+            Progress("calibrating V1", total=geometry.num_layers, unit="layer", enabled=progress)
+        )
         reader = _SourceReader(source, stack)
         embedding = reader.get(prefix + "embed_tokens.weight")
         hidden = embedding[plan.blocks].float().to(device)  # (B, L, D)
@@ -474,6 +500,8 @@ def calibrate_v1_start(
             if scored:
                 eval_v1 = _layer_output(layer, eval_v1, eval_positions)
             del layer
+            report.update(1)
+        report.detail = "scoring the held-out blocks"
         quality = _heldout_losses(reader, source, geometry, config, eval_source, eval_v1, plan) if scored else None
     return CalibratedStart(weights, residuals, lambdas, q2, chosen_ridges, quality, values or None)
 
@@ -533,7 +561,7 @@ def _heldout_losses(reader, source, geometry, config, eval_source, eval_v1, plan
             logits = normed[:-1] @ head.T
             total += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
         losses[name] = total / labels.numel()
-    return {**losses, "tokens": labels.numel()}
+    return {**losses, "tokens": labels.numel(), "blocks": labels.shape[0], "block_tokens": labels.shape[1]}
 
 
 def _reachable(module, grid: tuple[float, ...]) -> tuple[float, ...]:

@@ -154,7 +154,8 @@ def convert_llama_to_diff(
         dtype: cast floating tensors to this dtype ("bfloat16", torch.float16, ...); None keeps the stored dtypes.
             V1's λ vectors are always stored in float32.
         overwrite: replace a non-empty `out` (only once the new checkpoint is complete).
-        progress: show a tqdm bar over tensors.
+        progress: report the work (tensors written, V1's calibration): a bar on a terminal, a line at least every
+            30 s in a log (`progress.Progress`).
         lambda_std: std of V1's fresh λ vectors (ignored for V2).
         seed: seeds V1's fresh λ vectors (per layer) and the sampled calibration text.
         v1_init: V1 only. "calibrated" (the default for V1): differential, λ > 0 in every layer from step 0 and
@@ -614,6 +615,7 @@ def _calibrate(source, config, tensor_map, options: ConvertOptions) -> None:
         block_size=options.calibration_block_size,
         seed=options.seed,
         device=options.device,
+        progress=options.progress,
     )
     expanded = isinstance(tensor_map, LlamaToV1Expanded)
     grid = None if expanded else {"calibrated": DIFFERENTIAL_GRID, "calibrated-additive": ADDITIVE_GRID}.get(v1_init)
@@ -627,6 +629,7 @@ def _calibrate(source, config, tensor_map, options: ConvertOptions) -> None:
         lambda_grid=grid,
         steady_value=steady,
         device=options.device,
+        progress=options.progress,
     )
     tensor_map.output_weights = start.output_weights
     tensor_map.value_weights = start.value_weights
@@ -672,6 +675,8 @@ def _calibrate(source, config, tensor_map, options: ConvertOptions) -> None:
         source_loss, converted_loss = start.heldout_loss["source"], start.heldout_loss["converted"]
         tensor_map.provenance["step0_heldout"] = {
             "tokens": start.heldout_loss["tokens"],
+            "blocks": start.heldout_loss["blocks"],
+            "block_tokens": start.heldout_loss["block_tokens"],
             "source_perplexity": round(math.exp(source_loss), 4),
             "converted_perplexity": round(math.exp(converted_loss), 4),
             "ratio": round(math.exp(converted_loss - source_loss), 4),
@@ -759,12 +764,10 @@ def _stored_dtype(source: SourceCheckpoint, geometry: Geometry) -> torch.dtype:
 
 def _write(source, config, tensor_map, tmp: Path, name: str, options: ConvertOptions) -> None:
     """Everything OUT will hold, written into `tmp`: shards, config, custom code, side files, card."""
-    from tqdm.auto import tqdm
-
     family = family_of_config(source.config)
     writer = ShardWriter(tmp, options.max_shard_size, expected_tensors=2 * len(source.tensors))
     desc = f"{family.model_type} -> diff v{config.diff_version}"
-    _stream(source, tensor_map, writer, options.dtype, options.progress, tqdm, desc)
+    _stream(source, tensor_map, writer, options.dtype, options.progress, desc)
     writer.finish()
     _check_output_against_model(config, writer)
     config.conversion = conversion_provenance(source, family, config.diff_version)
@@ -776,11 +779,13 @@ def _write(source, config, tensor_map, tmp: Path, name: str, options: ConvertOpt
 
 
 def _stream(
-    source: SourceCheckpoint, tensor_map, writer: ShardWriter, target_dtype, progress: bool, tqdm, desc: str
+    source: SourceCheckpoint, tensor_map, writer: ShardWriter, target_dtype, progress: bool, desc: str
 ) -> None:
     from safetensors import safe_open
 
-    bar = tqdm(total=len(source.tensors), desc=desc, unit="tensor", disable=not progress)
+    from ..progress import Progress
+
+    bar = Progress(desc, total=len(source.tensors), unit="tensor", enabled=progress, leave=True)
     try:
         for shard in source.shards:
             names = source.tensors_in(shard)

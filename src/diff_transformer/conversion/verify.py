@@ -10,7 +10,9 @@ import torch
 
 from ..checkpoints.weights import find_shards, read_headers
 from ..errors import check_seed
+from ..evaluation import HELDOUT_TOKENS
 from ..families import MOTIF, Family, family_of_config
+from ..progress import Progress
 from .device import check_device
 from .dtypes import dtype_name, from_safetensors_code, parse_dtype
 from .errors import ConversionError, conversion_boundary
@@ -37,7 +39,7 @@ def verify_conversion(
     revision: str | None = None,
     token: str | bool | None = None,
     heldout_text: str | None = None,
-    heldout_tokens: int = 4 * 255,
+    heldout_tokens: int = HELDOUT_TOKENS,
     progress: bool = False,
     device: str | None = None,
 ) -> dict:
@@ -71,8 +73,10 @@ def verify_conversion(
         token: Hub token for a Hub-id `src`.
         heldout_text: with it, a causal LM whose source has a tokenizer is also scored on the first `heldout_tokens`
             tokens of that text as the demo scores it (`evaluation.heldout_perplexity`).
-        heldout_tokens: how many tokens of `heldout_text` to score.
-        progress: a tqdm bar over the held-out scoring.
+        heldout_tokens: how many tokens of `heldout_text` to score (default: the demo's, `evaluation.HELDOUT_TOKENS`,
+            in windows of `evaluation.EVAL_BLOCK_SIZE`, so the shipped text gives the demo's number).
+        progress: report each stage (loading, logits, continuations, held-out windows): a bar on a terminal, a
+            line at least every 30 s in a log (`progress.Progress`).
         device: where both models run: "cpu" (None), "cuda", "cuda:N" or "auto" (`conversion.device.check_device`,
             checked before anything loads); the logits are compared on the CPU.
 
@@ -96,29 +100,33 @@ def verify_conversion(
     out_path = Path(out).expanduser()
     family, task, diff_version = _check_pair(src_path, out_path)
     expected_exact = family.function_preserving(diff_version)
-    reference, converted = _load_pair(src_path, out_path, family, task, torch_dtype)
-    reference_name = _cast_like_output(reference, src_path, out_path)  # on the CPU, as the converter cast
-    if device != "cpu":
-        converted.to(device)
-        if family is not MOTIF:  # MotifReference is plain torch on the CPU
-            reference.to(device)
+    with Progress("verifying", enabled=progress, detail="loading both models", bar=False) as report:
+        reference, converted = _load_pair(src_path, out_path, family, task, torch_dtype)
+        reference_name = _cast_like_output(reference, src_path, out_path)  # on the CPU, as the converter cast
+        if device != "cpu":
+            converted.to(device)
+            if family is not MOTIF:  # MotifReference is plain torch on the CPU
+                reference.to(device)
 
-    vocab = min(reference.config.vocab_size, converted.config.vocab_size)
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, vocab, (num_sequences, seq_len), generator=generator)
-    if task is CAUSAL_LM:
-        with torch.no_grad():
-            logits = [_on(model, input_ids).logits.float().cpu() for model in (reference, converted)]
-            max_diff = (logits[0] - logits[1]).abs().max().item()
-        prompts = input_ids[:, : max(1, seq_len // 2)]
-        greedy_match = _same_greedy_continuations(reference, converted, prompts, max_new_tokens)
-    else:  # a task head: its outputs on a padded batch, nothing to generate
-        per_token = task.suffix != "ForSequenceClassification"
-        max_diff = _head_difference(reference, converted, input_ids, per_token)
-        greedy_match, max_new_tokens = None, 0
-    heldout = None
-    if heldout_text is not None and task is CAUSAL_LM and family is not MOTIF:
-        heldout = _heldout(reference, converted, src_path, heldout_text, heldout_tokens, progress)
+        vocab = min(reference.config.vocab_size, converted.config.vocab_size)
+        generator = torch.Generator().manual_seed(seed)
+        input_ids = torch.randint(0, vocab, (num_sequences, seq_len), generator=generator)
+        report.detail = f"comparing logits on {num_sequences} random sequences"
+        if task is CAUSAL_LM:
+            with torch.no_grad():
+                logits = [_on(model, input_ids).logits.float().cpu() for model in (reference, converted)]
+                max_diff = (logits[0] - logits[1]).abs().max().item()
+            prompts = input_ids[:, : max(1, seq_len // 2)]
+            report.detail = "comparing greedy continuations"
+            greedy_match = _same_greedy_continuations(reference, converted, prompts, max_new_tokens)
+        else:  # a task head: its outputs on a padded batch, nothing to generate
+            per_token = task.suffix != "ForSequenceClassification"
+            max_diff = _head_difference(reference, converted, input_ids, per_token)
+            greedy_match, max_new_tokens = None, 0
+        heldout = None
+        if heldout_text is not None and task is CAUSAL_LM and family is not MOTIF:
+            report.detail = f"held-out perplexity of both models ({heldout_tokens:,} tokens)"
+            heldout = _heldout(reference, converted, src_path, heldout_text, heldout_tokens, progress)
     passed = (max_diff <= atol and greedy_match is not False) if expected_exact else None
     return {
         "max_abs_logit_diff": max_diff,

@@ -5,6 +5,15 @@ import math
 
 
 EVAL_BLOCK_SIZE = 256  # tokens per perplexity window, the leading <s> included (as in training)
+HELDOUT_TOKENS = 16 * (EVAL_BLOCK_SIZE - 1)  # the held-out slice the demo and `convert --verify` score: 16 windows
+HELDOUT_TEXT = "the shipped held-out Austen text"  # assets/heldout.txt, as the printed perplexities name it
+
+
+def heldout_description(tokens: int, block_size: int = EVAL_BLOCK_SIZE) -> str:
+    """How a printed perplexity names what it scored: "the shipped held-out Austen text (4,080 tokens, 16
+    windows of 256)" (the last window shorter when `tokens` is not a multiple of `block_size - 1`)."""
+    windows = -(-tokens // (block_size - 1))
+    return f"{HELDOUT_TEXT} ({tokens:,} tokens, {windows} windows of {block_size})"
 
 
 def heldout_perplexity(
@@ -22,7 +31,7 @@ def heldout_perplexity(
     """Perplexity of `model` on `text`: the text's tokens (`max_tokens` first ones if given) are cut into consecutive
     windows of `block_size - 1` tokens, each scored after a leading bos token; exp(mean negative log-likelihood) over
     every token of the text. With `return_logits`, also returns the list of logits tensors (for comparisons); with
-    `progress`, a tqdm bar over the windows."""
+    `progress`, the windows scored so far (`progress.Progress`: a bar on a terminal, lines in a log)."""
     import torch  # here, not at the top: the command line imports this module for its help
 
     ids = tokenizer(text, add_special_tokens=False, verbose=False).input_ids
@@ -41,9 +50,9 @@ def heldout_perplexity(
             # Full windows in batches, then the (shorter) last one alone: no padding anywhere.
             groups = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
             groups = [[w for w in g if len(w) == span] for g in groups] + [[w] for w in windows if len(w) != span]
-            from tqdm.auto import tqdm
+            from ..progress import Progress
 
-            bar = tqdm(total=len(windows), desc=desc, unit="window", disable=not progress, leave=False)
+            bar = Progress(desc, total=len(windows), unit="window", enabled=progress)
             for group in (g for g in groups if g):
                 batch = torch.tensor([[tokenizer.bos_token_id] + w for w in group], device=device)
                 logits = model(input_ids=batch).logits.float()

@@ -37,10 +37,18 @@ KEYS = (
     "sparrow", "thistle", "timber", "tundra", "violet", "walnut", "willow", "zephyr",
 )  # fmt: skip
 MAX_NEEDLES = 1000  # per cell: what one run may be asked to generate
-# The grid's budget, checked before anything is built: every prompt is held (its token ids) until it is scored.
-MAX_PROMPTS = 100_000  # lengths x depths x needles, per model
-MAX_GRID_TOKENS = 1 << 26  # 64 Mi tokens: the sum of the prompts' lengths, per model (~0.5 GiB of token ids)
+# The run's budget, checked before anything is built, over every model named: one model's grid is held (its token
+# ids) until it is scored, the next model's built once that one is done.
+MAX_PROMPTS = 100_000  # lengths x depths x needles x models
+MAX_GRID_TOKENS = 1 << 26  # 64 Mi tokens: the sum of the prompts' lengths over all models (~0.5 GiB of token ids)
 MAX_HAYSTACK_BYTES = 64 * 2**20
+# What of the haystack is tokenized: a prefix of HAYSTACK_CHARS_PER_TOKEN x the longest length (at least
+# MIN_HAYSTACK_CHARS), cut at a line end, doubled until it gives enough tokens; never more than MAX_HAYSTACK_CHARS
+# characters (a fast tokenizer holds ~60x the text it reads: 16 Mi characters stay near 1 GB, where a whole 60 MB
+# text aborted at 3.8 GB). The shipped text (~130 k characters) is always tokenized whole.
+HAYSTACK_CHARS_PER_TOKEN = 8
+MIN_HAYSTACK_CHARS = 1 << 20
+MAX_HAYSTACK_CHARS = 1 << 24
 _PLACEHOLDER = "\x00HAYSTACK\x00"
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s*$|\n\s*$")
 
@@ -89,10 +97,12 @@ def needle_for(seed: int, length: int, depth: float, index: int) -> tuple[str, s
 class PromptBuilder:
     """Prompts of exact token lengths from one tokenizer and one haystack text."""
 
-    def __init__(self, tokenizer, haystack: str, *, chat: bool, name: str = "the model"):
+    def __init__(self, tokenizer, haystack: str, *, chat: bool, name: str = "the model", tokens: int | None = None):
+        """`tokens`: how many haystack tokens the longest prompt can need (None: all of them): only a prefix of the
+        text that gives them is tokenized (`haystack_ids`)."""
         self.tokenizer, self.chat, self.name = tokenizer, chat, name
         self._frames: dict[str, tuple[list[int], list[int]]] = {}
-        self.haystack = tokenizer(haystack, add_special_tokens=False, verbose=False)["input_ids"]
+        self.haystack = haystack_ids(tokenizer, haystack, tokens)
         # Sentence boundaries: offsets i where token i-1 ends a sentence (or a line); 0 is one too.
         ends = {}
         for token in set(self.haystack):
@@ -160,6 +170,21 @@ class PromptBuilder:
             needle_start=len(before) + offset,
             needle_length=len(needle),
         )
+
+
+def haystack_ids(tokenizer, text: str, tokens: int | None = None) -> list[int]:
+    """The token ids of TEXT, or of a prefix of it (cut at a line end) that holds at least TOKENS of them, so the
+    tokenizer's memory follows the longest prompt, not the file (see MAX_HAYSTACK_CHARS)."""
+    size = len(text) if tokens is None else max(MIN_HAYSTACK_CHARS, HAYSTACK_CHARS_PER_TOKEN * tokens)
+    while True:
+        size = min(size, len(text), MAX_HAYSTACK_CHARS)
+        cut = text.rfind("\n", 0, size) + 1 if size < len(text) else size
+        prefix = text[: cut or size]
+        ids = tokenizer(prefix, add_special_tokens=False, verbose=False)["input_ids"]
+        # a prefix cut mid-text: its last tokens may merge with what follows, so one more than asked is kept aside
+        if size >= len(text) or size >= MAX_HAYSTACK_CHARS or tokens is None or len(ids) > tokens:
+            return ids
+        size *= 2
 
 
 def build_grid(builder: PromptBuilder, lengths, depths, needles: int, seed: int) -> list[Prompt]:
@@ -413,8 +438,8 @@ def heatmap(results: list[dict], lengths, depths):
     return fig
 
 
-def check_grid(lengths, depths, needles: int) -> None:
-    """The grid's options, before anything loads."""
+def check_grid(lengths, depths, needles: int, models: int = 1) -> None:
+    """The grid's options, before anything loads; the budget counts the grids of all MODELS of the run."""
     if not lengths or any(n < 1 for n in lengths):
         raise UserError("--lengths must be positive token counts, e.g. --lengths 1024 2048 4096.")
     if len(set(lengths)) != len(lengths):
@@ -425,18 +450,19 @@ def check_grid(lengths, depths, needles: int) -> None:
         raise UserError("--depths repeats a depth: give each once.")
     if not 1 <= needles <= MAX_NEEDLES:
         raise UserError(f"--needles {needles} must be from 1 to {MAX_NEEDLES} (prompts per cell).")
-    prompts = len(lengths) * len(depths) * needles
+    prompts = len(lengths) * len(depths) * needles * models
     if prompts > MAX_PROMPTS:
         raise UserError(
-            f"--lengths ({len(lengths)}) x --depths ({len(depths)}) x --needles {needles} make {prompts:,} prompts, "
-            f"more than {MAX_PROMPTS:,} per model: give fewer lengths, depths or needles."
+            f"--lengths ({len(lengths)}) x --depths ({len(depths)}) x --needles {needles} x {models} MODEL(s) make "
+            f"{prompts:,} prompts, more than {MAX_PROMPTS:,} in one run: give fewer lengths, depths, needles or "
+            "models."
         )
-    tokens = sum(lengths) * len(depths) * needles
+    tokens = sum(lengths) * len(depths) * needles * models
     if tokens > MAX_GRID_TOKENS:
         raise UserError(
-            f"the grid's {prompts:,} prompts hold {tokens:,} tokens (--lengths summed x --depths x --needles), more "
-            f"than {MAX_GRID_TOKENS:,} per model, all held until scored: give fewer or shorter lengths, fewer depths "
-            "or needles."
+            f"the run's {prompts:,} prompts hold {tokens:,} tokens (--lengths summed x --depths x --needles x "
+            f"{models} MODEL(s)), more than {MAX_GRID_TOKENS:,} in one run: give fewer or shorter --lengths, fewer "
+            "--depths, --needles or models."
         )
 
 
