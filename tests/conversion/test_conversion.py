@@ -777,11 +777,18 @@ def test_non_empty_out_is_refused_then_overwritten(tmp_path):
         convert_llama_to_diff(bad, out, overwrite=True, progress=False)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
-    # the new checkpoint is installed whole; of the old OUT only the user's own files stay (not a model's files)
+    # a model's file that no run of ours provably wrote is never deleted: refused, named, nothing changed
     (out / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    with pytest.raises(ConversionError, match=r"holds model\.safetensors\.index\.json, which no record"):
+        convert_llama_to_diff(src, out, overwrite=True, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt", "model.safetensors.index.json"]
+    # without it, the new checkpoint is installed whole and the user's own files stay
+    (out / "model.safetensors.index.json").unlink()
     convert_llama_to_diff(src, out, overwrite=True, progress=False)
     assert (out / "keep.txt").read_text() == "precious" and (out / "config.json").is_file()
-    assert not (out / "model.safetensors.index.json").exists()
+    # and a second --overwrite replaces what the first one provably wrote
+    convert_llama_to_diff(src, out, overwrite=True, progress=False)
+    assert (out / "keep.txt").read_text() == "precious" and (out / "config.json").is_file()
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
     assert tree_digest(src) == digest
 

@@ -591,7 +591,8 @@ def test_cli_errors_name_the_problem(workdir, tmp_path, capsys):
         assert message in capsys.readouterr().err, argv
     assert cli.main(["train", model, "--data", text, "--output", str(tmp_path / "has-ckpt")]) == 2
     assert "pass --resume" in capsys.readouterr().err
-    # --overwrite deletes the old run's checkpoints only once the new run has its model: a failed start keeps them.
+    # A checkpoint no run record proves ours is never deleted, even with --overwrite: refused, named, kept (before the
+    # model loads: a LoRA option that would fail later is not reached).
     argv = [
         "train",
         model,
@@ -604,7 +605,7 @@ def test_cli_errors_name_the_problem(workdir, tmp_path, capsys):
         "--lora-target-modules",
         "no_such_proj",
     ]
-    assert cli.main(argv) == 2 and "LoRA: " in capsys.readouterr().err
+    assert cli.main(argv) == 2 and "holds checkpoint-5" in capsys.readouterr().err
     assert (tmp_path / "has-ckpt" / "checkpoint-5").is_dir()
     assert not (tmp_path / "out").exists()  # nothing written on failure
 
