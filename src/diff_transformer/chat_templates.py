@@ -200,6 +200,62 @@ _PRERENDERED: contextvars.ContextVar = contextvars.ContextVar("diff_transformer_
 _CAPTURE: contextvars.ContextVar = contextvars.ContextVar("diff_transformer_capture", default=None)
 
 
+# A render process's memory (a forked child's, serve's worker's): above what a worker holds after its imports, 128x
+# the largest output allowed
+WORKER_MEMORY_BYTES = 512 << 20
+# The refusals a worker reports by name, their message whole (else "bound" or "failed" with a detail)
+ERRORS = ("ChatInputTooLargeError", "ChatTemplateBoundError", "ChatTemplateFailedError", "ChatRenderError")
+
+
+def text_of(answer: dict | None) -> str:
+    """The text of a render's ANSWER (`answer_of`'s, across a pipe), or its refusal raised; None: the render
+    process overran its time or died (its memory). Shared by the forked renders (the CLI's) and serve's render
+    workers (`serving.render_pool`)."""
+    if answer is None:
+        raise ChatTemplateBoundError(
+            f"rendering it took over {RENDER_SECONDS:g} s or more memory than "
+            f"{WORKER_MEMORY_BYTES >> 20} MiB (the limits; a chat template renders in milliseconds)"
+        )
+    if "text" in answer:
+        return answer["text"]
+    if answer["error"] in ERRORS:  # the render process's own refusal, its message whole
+        error = globals()[answer["error"]].__new__(globals()[answer["error"]])
+        Exception.__init__(error, answer["message"])
+        raise error
+    error_class = ChatTemplateBoundError if answer["error"] == "bound" else ChatTemplateFailedError
+    raise error_class(answer["message"])
+
+
+def answer_of(render) -> dict:
+    """`render()`'s text, or its failure, as the JSON-able answer `text_of` reads."""
+    try:
+        return {"text": render()}
+    except ChatRenderError as error:
+        return {"error": type(error).__name__, "message": str(error)}
+    except RecursionError:
+        return {"error": "bound", "message": "it recursed past Python's depth limit"}
+    except MemoryError:  # past RLIMIT_AS: its message is empty
+        limit = WORKER_MEMORY_BYTES >> 20
+        return {"error": "bound", "message": f"it needed more than {limit} MiB of memory (the limit)"}
+    except OverflowError as error:
+        return {"error": "bound", "message": one_line(error)}
+    except Exception as error:
+        return {"error": "failed", "message": one_line(error)}
+
+
+def _cap_memory() -> None:
+    """RLIMIT_AS at what this process maps now plus WORKER_MEMORY_BYTES."""
+    import resource
+
+    with open("/proc/self/statm") as statm:
+        mapped = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = mapped + WORKER_MEMORY_BYTES
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
 # serve's worker-process renderer (`serving.render_pool.RenderPool.render`), `in_process`, or None: a forked child
 _ISOLATED = None
 FORK_KILL_S = RENDER_SECONDS + 1.0  # a forked render's wall-clock kill: its own time bound answers first in Python
@@ -234,7 +290,7 @@ def render_in_fork(source: str, args: tuple, kwargs: dict):
     gigabytes holding the GIL (`{{ [[0] * 4000000] * 4000000 }}`, `tojson(indent=...)`, `indent(...)`,
     `wordwrap(wrapstring=...)`), past every bound checked between Python steps. A forked child costs milliseconds
     (serve's worker processes cost seconds to start: they import torch; benchmarks/render_isolation.py measures
-    both): it caps its address space (`RLIMIT_AS`: what it maps now plus render_pool's `WORKER_MEMORY_BYTES`, so a
+    both): it caps its address space (`RLIMIT_AS`: what it maps now plus `WORKER_MEMORY_BYTES`, so a
     builder past it fails with MemoryError), arms an alarm (its default action ends it), renders with the template
     this process compiled (the compile cache is inherited), and writes its answer as JSON to a pipe; this process
     waits at most `FORK_KILL_S`, then kills it. The same answer format and errors as the workers' (`answer_of`,
@@ -243,8 +299,6 @@ def render_in_fork(source: str, args: tuple, kwargs: dict):
     import signal
 
     from transformers.utils import chat_template_utils
-
-    from .serving.render_pool import _cap_memory, answer_of, text_of
 
     template = chat_template_utils._compile_jinja_template(source)
     read_end, write_end = os.pipe()

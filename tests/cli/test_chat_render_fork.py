@@ -13,8 +13,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from diff_transformer import chat_templates
-from diff_transformer.chat_templates import FORK_KILL_S, ChatRenderError, ChatTemplateBoundError, render_chat
-from diff_transformer.serving.render_pool import WORKER_MEMORY_BYTES
+from diff_transformer.chat_templates import (
+    FORK_KILL_S,
+    WORKER_MEMORY_BYTES,
+    ChatRenderError,
+    ChatTemplateBoundError,
+    render_chat,
+)
 from tests.serving.fixtures import CHATS, TINY_LLAMA
 
 

@@ -19,6 +19,10 @@ Nothing is imported here (`open` imports `opening` when called), so naming this 
 from ..errors import UserError
 
 
+# The files a Diff checkpoint carries as its code (`auto_map`), written by the converter and by merge
+CUSTOM_CODE_FILES = ("configuration_diff.py", "modeling_diff.py")
+
+
 class CheckpointError(UserError):
     """A named model or checkpoint cannot be used. The message is one line: what is wrong, then how to fix it."""
 
@@ -31,4 +35,4 @@ def open(name, base: str | None = None, **options):  # noqa: A001  (the `tarfile
     return open_checkpoint(name, base, **options)
 
 
-__all__ = ["CheckpointError", "open"]
+__all__ = ["CUSTOM_CODE_FILES", "CheckpointError", "open"]

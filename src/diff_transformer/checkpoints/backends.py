@@ -1,6 +1,7 @@
 """The attention backend a command loads a model with (`--attn-implementation` of generate, inspect, niah and train,
 and the one `serve` passes to transformers' server): the names transformers knows here, the package's among them,
-checked once, before anything loads (`cli.main`)."""
+checked once, before anything loads (`cli.main`); and the device a command runs on (`resolve_device`: `--device`
+of generate, inspect, merge, niah, and convert's check)."""
 
 # The names `attention_backends()` finds once transformers is imported (its AttentionInterface and the package's),
 # known here without importing it, so that a mistyped name is refused before torch loads (`check_attn_name`).
@@ -82,5 +83,38 @@ def check_attn_implementation(name, option: str = "--attn-implementation") -> st
         raise UserError(
             f"{option} {name} needs a CUDA GPU and its flash-attn package, which this machine lacks: use sdpa "
             "(the default) here."
+        )
+    return name
+
+
+def resolve_device(name: str | None = "auto", option: str = "--device") -> str:
+    """The torch device NAME names: "auto" (or None) is CUDA when torch sees a GPU, else Apple's MPS, else the CPU;
+    any other name is checked to exist here (a `UserError` of one line naming the fix otherwise)."""
+    import torch
+
+    from ..errors import UserError
+    from ..text_input import whole_number
+
+    name = "auto" if name is None else str(name).strip().lower()
+    mps = getattr(torch.backends, "mps", None)
+    mps_available = mps is not None and mps.is_available()
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "mps" if mps_available else "cpu"
+    kind, _, index = name.partition(":")
+    if kind not in ("cpu", "cuda", "mps") or (index and not (kind == "cuda" and whole_number(index) is not None)):
+        raise UserError(f"{option} {name!r} is not a device: use auto, cpu, cuda, cuda:N or mps.")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(
+                f"{option} {name}: torch sees no CUDA GPU here (torch.cuda.is_available() is False): use "
+                f"{option} cpu, or {option} auto to take whatever is present."
+            )
+        count = torch.cuda.device_count()
+        if index and int(index) >= count:
+            raise UserError(f"{option} {name}: there are {count} CUDA device(s) here: use cuda:0 to cuda:{count - 1}.")
+    if kind == "mps" and not mps_available:
+        raise UserError(
+            f"{option} mps: torch sees no Apple MPS device here: use {option} cpu, or {option} auto to take whatever "
+            "is present."
         )
     return name

@@ -30,11 +30,11 @@ def merge_adapter(
     W + (alpha / r)·B·A, say) is refused before anything is written, unless `allow_non_finite`."""
     from transformers import AutoTokenizer
 
-    from ..conversion.convert import CUSTOM_CODE_FILES
     from ..integrations.hub import diff_model_card
     from ..outputs.files import check_target
     from ..outputs.records import write_manifest
     from ..outputs.staging import Staging
+    from . import CUSTOM_CODE_FILES
 
     checkpoint = open_checkpoint(adapter, base, tokenizer=False, label="ADAPTER")
     source = checkpoint.source

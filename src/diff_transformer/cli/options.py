@@ -5,6 +5,8 @@ import contextlib
 import sys
 import warnings
 
+from ..checkpoints.backends import resolve_device  # noqa: F401  (the --device check, with its options here)
+
 
 QUIET_HELP = "no progress bars, and no warnings from transformers, PEFT or tokenizers: results and errors only"
 
@@ -110,39 +112,6 @@ def add_device_options(parser, what: str = "run the model") -> None:
         default="auto",
         help="load the weights in this dtype; auto keeps the dtype they were saved in (default: auto)",
     )
-
-
-def resolve_device(name: str | None = "auto", option: str = "--device") -> str:
-    """The torch device NAME names: "auto" (or None) is CUDA when torch sees a GPU, else Apple's MPS, else the CPU;
-    any other name is checked to exist here (a `UserError` of one line naming the fix otherwise)."""
-    import torch
-
-    from ..errors import UserError
-    from ..text_input import whole_number
-
-    name = "auto" if name is None else str(name).strip().lower()
-    mps = getattr(torch.backends, "mps", None)
-    mps_available = mps is not None and mps.is_available()
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "mps" if mps_available else "cpu"
-    kind, _, index = name.partition(":")
-    if kind not in ("cpu", "cuda", "mps") or (index and not (kind == "cuda" and whole_number(index) is not None)):
-        raise UserError(f"{option} {name!r} is not a device: use auto, cpu, cuda, cuda:N or mps.")
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(
-                f"{option} {name}: torch sees no CUDA GPU here (torch.cuda.is_available() is False): use "
-                f"{option} cpu, or {option} auto to take whatever is present."
-            )
-        count = torch.cuda.device_count()
-        if index and int(index) >= count:
-            raise UserError(f"{option} {name}: there are {count} CUDA device(s) here: use cuda:0 to cuda:{count - 1}.")
-    if kind == "mps" and not mps_available:
-        raise UserError(
-            f"{option} mps: torch sees no Apple MPS device here: use {option} cpu, or {option} auto to take whatever "
-            "is present."
-        )
-    return name
 
 
 def load_kwargs(dtype: str | None, attn_implementation: str | None = None) -> dict:

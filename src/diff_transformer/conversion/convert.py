@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoints import CUSTOM_CODE_FILES
 from ..checkpoints.configs import check_generation_config, check_model_config
 from ..checkpoints.loading import check_config_against_weights, check_config_sizes_plausible
 from ..configuration_diff import AUTO_MAP
@@ -46,7 +47,6 @@ from .source import SIDE_FILE_PATTERNS, SourceCheckpoint, check_float_dtypes, op
 from .writer import ShardWriter
 
 
-CUSTOM_CODE_FILES = ("configuration_diff.py", "modeling_diff.py")
 CONVERT_MARK = "diff-transformer convert"
 # The names OUT may get (Staging refuses an --overwrite over a user's entry of such a name before any work).
 WRITES = ("README.md", "config.json", *CUSTOM_CODE_FILES, *SIDE_FILE_PATTERNS)

@@ -12,7 +12,7 @@ def check_device(device: str | None, option: str = "--device") -> str:
     """DEVICE checked before anything loads: None -> "cpu"; "cpu", "cuda", "cuda:N" (present here) or "auto" (CUDA
     when torch sees a GPU, else the CPU). MPS is refused: the fits solve float64 systems, which MPS has no kernels
     for. A `ConversionError` of one line otherwise."""
-    from ..cli.options import resolve_device  # the check every other command's --device goes through
+    from ..checkpoints.backends import resolve_device  # the check every other command's --device goes through
 
     name = "cpu" if device is None else str(device).strip().lower()
     if name.partition(":")[0] == "mps":

@@ -24,11 +24,10 @@ import subprocess
 import sys
 import threading
 
+from ..chat_templates import _cap_memory, answer_of, text_of
 
-WORKER_MEMORY_BYTES = 512 << 20  # above what the worker holds after its imports: 128x the largest output allowed
+
 KILL_MARGIN_S = 1.0  # past RENDER_SECONDS: the worker's own bound answers first whenever Python code runs
-# The refusals a worker reports by name, their message whole (else "bound" or "failed" with a detail)
-ERRORS = ("ChatInputTooLargeError", "ChatTemplateBoundError", "ChatTemplateFailedError", "ChatRenderError")
 
 
 class Worker:
@@ -139,60 +138,6 @@ class RenderPool:
     def close(self) -> None:
         while not self.idle.empty():
             self.idle.get().kill()
-
-
-def text_of(answer: dict | None) -> str:
-    """The text of a render's ANSWER (`answer_of`'s, across a pipe), or its refusal raised; None: the render
-    process overran its time or died (its memory). Shared with `chat_templates`' forked renders (the CLI's)."""
-    from .. import chat_templates
-    from ..chat_templates import RENDER_SECONDS, ChatTemplateBoundError, ChatTemplateFailedError
-
-    if answer is None:
-        raise ChatTemplateBoundError(
-            f"rendering it took over {RENDER_SECONDS:g} s or more memory than "
-            f"{WORKER_MEMORY_BYTES >> 20} MiB (the limits; a chat template renders in milliseconds)"
-        )
-    if "text" in answer:
-        return answer["text"]
-    if answer["error"] in ERRORS:  # the render process's own refusal, its message whole
-        error = getattr(chat_templates, answer["error"]).__new__(getattr(chat_templates, answer["error"]))
-        Exception.__init__(error, answer["message"])
-        raise error
-    error_class = ChatTemplateBoundError if answer["error"] == "bound" else ChatTemplateFailedError
-    raise error_class(answer["message"])
-
-
-def answer_of(render) -> dict:
-    """`render()`'s text, or its failure, as the JSON-able answer `text_of` reads."""
-    from ..chat_templates import ChatRenderError
-    from ..errors import one_line
-
-    try:
-        return {"text": render()}
-    except ChatRenderError as error:
-        return {"error": type(error).__name__, "message": str(error)}
-    except RecursionError:
-        return {"error": "bound", "message": "it recursed past Python's depth limit"}
-    except MemoryError:  # past RLIMIT_AS: its message is empty
-        limit = WORKER_MEMORY_BYTES >> 20
-        return {"error": "bound", "message": f"it needed more than {limit} MiB of memory (the limit)"}
-    except OverflowError as error:
-        return {"error": "bound", "message": one_line(error)}
-    except Exception as error:
-        return {"error": "failed", "message": one_line(error)}
-
-
-def _cap_memory() -> None:
-    """RLIMIT_AS at what this process maps now plus WORKER_MEMORY_BYTES."""
-    import resource
-
-    with open("/proc/self/statm") as statm:
-        mapped = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    limit = mapped + WORKER_MEMORY_BYTES
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
 def main() -> None:
