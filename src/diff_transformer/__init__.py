@@ -9,6 +9,7 @@ package imports neither torch nor transformers, so `--version` and `--help` answ
 everything (`_load`) before it runs a subcommand, and the names below load on first use there too.
 """
 
+import importlib
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,40 +17,53 @@ from typing import TYPE_CHECKING
 from ._version import __version__  # noqa: F401  (one place: setup.cfg and --version read it too)
 
 
-if TYPE_CHECKING:  # what `_load` binds, for type checkers and the API reference (mkdocstrings reads this statically)
-    from .configuration_diff import DiffConfig
-    from .integrations.peft import register_peft_defaults
-    from .layers import DifferentialAttention, differential_attention
-    from .modeling_diff import (
-        DiffAttention,
-        DiffAttentionV1,
-        DiffAttentionV2,
-        DiffDecoderLayer,
-        DiffForCausalLM,
-        DiffForQuestionAnswering,
-        DiffForSequenceClassification,
-        DiffForTokenClassification,
-        DiffModel,
-        DiffPreTrainedModel,
-    )
+# The public names, by the module that defines them: `__all__`, `_load`'s imports and the names bound here.
+PUBLIC_NAMES = {
+    ".configuration_diff": ("DiffConfig",),
+    ".modeling_diff": (
+        "DiffPreTrainedModel",
+        "DiffModel",
+        "DiffForCausalLM",
+        "DiffForSequenceClassification",
+        "DiffForTokenClassification",
+        "DiffForQuestionAnswering",
+        "DiffAttention",
+        "DiffAttentionV1",
+        "DiffAttentionV2",
+        "DiffDecoderLayer",
+    ),
+    ".layers": ("DifferentialAttention", "differential_attention"),
+    ".integrations.peft": ("register_peft_defaults",),
+}
 
+# transformers' Auto class -> our class it resolves "diff" to (and whose source `save_pretrained` copies)
+AUTO_CLASSES = {
+    "AutoConfig": "DiffConfig",
+    "AutoModel": "DiffModel",
+    "AutoModelForCausalLM": "DiffForCausalLM",
+    "AutoModelForSequenceClassification": "DiffForSequenceClassification",
+    "AutoModelForTokenClassification": "DiffForTokenClassification",
+    "AutoModelForQuestionAnswering": "DiffForQuestionAnswering",
+}
 
-__all__ = [
-    "DiffConfig",
-    "DiffPreTrainedModel",
-    "DiffModel",
-    "DiffForCausalLM",
-    "DiffForSequenceClassification",
-    "DiffForTokenClassification",
-    "DiffForQuestionAnswering",
-    "DiffAttention",
-    "DiffAttentionV1",
-    "DiffAttentionV2",
-    "DiffDecoderLayer",
-    "DifferentialAttention",
-    "differential_attention",
-    "register_peft_defaults",
-]
+__all__ = [name for names in PUBLIC_NAMES.values() for name in names]
+
+if TYPE_CHECKING:  # `PUBLIC_NAMES` spelled out for type checkers and mkdocstrings, which read imports statically
+    # (`X as X`: a re-export); tests/model/test_package.py holds this block to the table.
+    from .configuration_diff import DiffConfig as DiffConfig
+    from .integrations.peft import register_peft_defaults as register_peft_defaults
+    from .layers import DifferentialAttention as DifferentialAttention
+    from .layers import differential_attention as differential_attention
+    from .modeling_diff import DiffAttention as DiffAttention
+    from .modeling_diff import DiffAttentionV1 as DiffAttentionV1
+    from .modeling_diff import DiffAttentionV2 as DiffAttentionV2
+    from .modeling_diff import DiffDecoderLayer as DiffDecoderLayer
+    from .modeling_diff import DiffForCausalLM as DiffForCausalLM
+    from .modeling_diff import DiffForQuestionAnswering as DiffForQuestionAnswering
+    from .modeling_diff import DiffForSequenceClassification as DiffForSequenceClassification
+    from .modeling_diff import DiffForTokenClassification as DiffForTokenClassification
+    from .modeling_diff import DiffModel as DiffModel
+    from .modeling_diff import DiffPreTrainedModel as DiffPreTrainedModel
 
 
 def _load() -> None:
@@ -59,69 +73,31 @@ def _load() -> None:
     if _loaded:
         return
     _loaded = True  # before the imports: a module that reads a name of ours while they run gets no second _load
-    from transformers import (
-        AutoConfig,
-        AutoModel,
-        AutoModelForCausalLM,
-        AutoModelForQuestionAnswering,
-        AutoModelForSequenceClassification,
-        AutoModelForTokenClassification,
-    )
+    import transformers
 
-    from .configuration_diff import DiffConfig
     from .integrations import install as _install_integrations
-    from .integrations.peft import register_peft_defaults
-    from .layers import DifferentialAttention, differential_attention
-    from .modeling_diff import (
-        DiffAttention,
-        DiffAttentionV1,
-        DiffAttentionV2,
-        DiffDecoderLayer,
-        DiffForCausalLM,
-        DiffForQuestionAnswering,
-        DiffForSequenceClassification,
-        DiffForTokenClassification,
-        DiffModel,
-        DiffPreTrainedModel,
-    )
 
-    AutoConfig.register(DiffConfig.model_type, DiffConfig, exist_ok=True)
-    AutoModel.register(DiffConfig, DiffModel, exist_ok=True)
-    AutoModelForCausalLM.register(DiffConfig, DiffForCausalLM, exist_ok=True)
-    AutoModelForSequenceClassification.register(DiffConfig, DiffForSequenceClassification, exist_ok=True)
-    AutoModelForTokenClassification.register(DiffConfig, DiffForTokenClassification, exist_ok=True)
-    AutoModelForQuestionAnswering.register(DiffConfig, DiffForQuestionAnswering, exist_ok=True)
-
-    # `save_pretrained` copies these classes' source files next to the weights and writes `auto_map`, so saved models
-    # also load with `trust_remote_code=True` where this package is not installed.
-    DiffConfig.register_for_auto_class("AutoConfig")
-    DiffModel.register_for_auto_class("AutoModel")
-    DiffForCausalLM.register_for_auto_class("AutoModelForCausalLM")
-    DiffForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
-    DiffForTokenClassification.register_for_auto_class("AutoModelForTokenClassification")
-    DiffForQuestionAnswering.register_for_auto_class("AutoModelForQuestionAnswering")
+    public = {
+        name: getattr(importlib.import_module(module, __name__), name)
+        for module, names in PUBLIC_NAMES.items()
+        for name in names
+    }
+    config = public["DiffConfig"]
+    for auto_class, ours in AUTO_CLASSES.items():
+        if auto_class == "AutoConfig":
+            transformers.AutoConfig.register(config.model_type, config, exist_ok=True)
+        else:
+            getattr(transformers, auto_class).register(config, public[ours], exist_ok=True)
+        # `save_pretrained` copies the class's source file next to the weights and writes `auto_map`, so saved models
+        # also load with `trust_remote_code=True` where this package is not installed.
+        public[ours].register_for_auto_class(auto_class)
 
     # What the package adds to the model classes and to transformers (see `integrations`): the "diff_triton" attention
     # backend (V1's fused kernel), the model card on save/push, PEFT's default target modules for "diff" (peft is not
     # imported here: it is slow; Diff models constructed after it is imported register too).
     _install_integrations()
 
-    globals().update(
-        DiffConfig=DiffConfig,
-        DiffPreTrainedModel=DiffPreTrainedModel,
-        DiffModel=DiffModel,
-        DiffForCausalLM=DiffForCausalLM,
-        DiffForSequenceClassification=DiffForSequenceClassification,
-        DiffForTokenClassification=DiffForTokenClassification,
-        DiffForQuestionAnswering=DiffForQuestionAnswering,
-        DiffAttention=DiffAttention,
-        DiffAttentionV1=DiffAttentionV1,
-        DiffAttentionV2=DiffAttentionV2,
-        DiffDecoderLayer=DiffDecoderLayer,
-        DifferentialAttention=DifferentialAttention,
-        differential_attention=differential_attention,
-        register_peft_defaults=register_peft_defaults,
-    )
+    globals().update(public)
 
 
 def _command_starting() -> bool:

@@ -14,6 +14,7 @@ and the sibling configuration are imported: this file is the checkpoints' Hub cu
 """
 
 import copy
+from collections import namedtuple
 from collections.abc import Callable
 
 import torch
@@ -40,7 +41,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
-from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.generic import is_flash_attention_requested, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_diff import POLY_NORM, DiffConfig
@@ -232,16 +233,9 @@ class DiffAttentionV2(DiffAttention):
         differential = differential_attention_function(self.config._attn_implementation, hidden_states.device)
         if differential is not None:
             result = differential(
-                self,
-                query_states,
-                key_states,
-                value_states,
-                attention_mask,
-                dropout=0.0 if not self.training else self.attention_dropout,
-                scaling=self.scaling,
-                differential_lambda=lam,
-                **kwargs,
-            )
+                self, query_states, key_states, value_states, attention_mask, scaling=self.scaling,
+                dropout=0.0 if not self.training else self.attention_dropout, differential_lambda=lam, **kwargs,
+            )  # fmt: skip
             if result is not None:  # (B, N, H, d): the differential output in one call
                 return self.o_proj(result[0].reshape(*input_shape, -1)), result[1]
 
@@ -264,7 +258,8 @@ class DiffAttentionV2(DiffAttention):
             weights = attn_weights.view(input_shape[0], -1, 2, *attn_weights.shape[2:])  # (B, H, 2, N, L)
             attn_weights = weights[:, :, 0] - lam.transpose(1, 2).unsqueeze(-1).to(weights.dtype) * weights[:, :, 1]
         dropped = self.training and self.attention_dropout
-        if attn_weights is not None and self.config._attn_implementation == "eager" and not dropped:
+        from_map = attention_backend(self.config._attn_implementation).output_from_map
+        if attn_weights is not None and from_map and not dropped:
             # Eager returns maps: compute the output from them (as Llama does), so they are on the gradient path.
             # With dropout, eager drops between its maps and its output, so the backend's output is kept.
             attn_output = _output_from_map(attn_weights, value_states)  # (B, N, H, d)
@@ -316,9 +311,18 @@ def differential_attention_function(implementation: str, device: torch.device | 
     return ALL_ATTENTION_FUNCTIONS.get(f"{key}:{device.type}" if device else key) or ALL_ATTENTION_FUNCTIONS.get(key)
 
 
-def needs_equal_head_sizes(implementation: str) -> bool:
-    """Whether a backend needs V as wide as q and k: the flash kernels (FA2/3/4, kernels-community, paged or not)."""
-    return "flash" in implementation
+# What a backend can do beyond sdpa's calls (docs/design.md): transformers' own; flash kernels by their names below.
+AttentionBackend = namedtuple("AttentionBackend", "split_calls returns_maps output_from_map after_paged_update")
+TRANSFORMERS_ATTENTION_BACKENDS = {
+    "eager": AttentionBackend(False, True, True, None),
+    "paged|eager": AttentionBackend(False, True, False, "eager"),
+}
+
+
+def attention_backend(implementation: str) -> AttentionBackend:
+    """What the backend `implementation` (`config._attn_implementation`) can do, as `AttentionBackend`."""
+    flash = is_flash_attention_requested(requested_attention_implementation=implementation)
+    return TRANSFORMERS_ATTENTION_BACKENDS.get(implementation) or AttentionBackend(flash, False, False, None)
 
 
 def v1_attention_forward(
@@ -417,6 +421,7 @@ class DiffAttentionV1(DiffAttention):
         key = rotary_component_major(key, cos, sin)  # (B, 2H_kv, N, d): [k1 | k2]
 
         implementation = self.config._attn_implementation
+        backend = attention_backend(implementation)
         # Relies on: continuous batching passing its `PagedAttentionCache` as kwarg `cache` to the paged functions,
         # which update it on every call; V1 calls twice or more, so it writes once here. Guarded by
         # test_continuous_batching_matches_generate (tests/model/test_generation.py, tests/cli/test_serving.py).
@@ -425,10 +430,8 @@ class DiffAttentionV1(DiffAttention):
         if paged_cache is not None or past_key_values is not None or differential is not None:
             value = v1_component_major(value)  # (B, 2H_kv, N, d): what caches hold and differential functions take
         if paged_cache is not None:
-            key, value = paged_cache.update(
-                key_states=key, value_states=value, layer_idx=self.layer_idx, kwargs=kwargs
-            )
-            implementation = "eager" if implementation == "paged|eager" else implementation  # = eager + the update
+            key, value = paged_cache.update(key, value, self.layer_idx, kwargs)  # kwargs: updated in place
+            implementation = backend.after_paged_update or implementation
         elif past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         lam = self.generation_lambda(past_key_values, N)  # () fp32
@@ -441,8 +444,8 @@ class DiffAttentionV1(DiffAttention):
             attn_output, attn_weights = result
         else:
             attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-            split_value = needs_equal_head_sizes(implementation) or (N == 1 and implementation != "eager")
-            from_map = self.config._attn_implementation == "eager"
+            split_calls, returns_maps, _, _ = attention_backend(implementation)
+            split_value, from_map = split_calls or (N == 1 and not returns_maps), backend.output_from_map
             attn_output, attn_weights = v1_attention_forward(
                 self, attention_interface, query, key, value, lam, attention_mask, split_value, from_map, **kwargs
             )  # (B, N, H, 2d), (B, H, N, L) or None
@@ -621,10 +624,7 @@ class DiffPreTrainedModel(_PreTrainedModelHooks, PreTrainedModel):  # hooks: see
         1: ([], ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"]),
         2: (["diff_lambda.proj"], []),
     }
-    _can_record_outputs = {
-        "hidden_states": DiffDecoderLayer,
-        "attentions": DiffAttention,
-    }
+    _can_record_outputs = {"hidden_states": DiffDecoderLayer, "attentions": DiffAttention}
 
     def __init__(self, config: DiffConfig, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)

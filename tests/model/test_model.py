@@ -573,8 +573,8 @@ def test_flash_style_backend_gets_equal_head_dims(diff_version, monkeypatch):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("equal_head_dims_cpu", flash_like)
-    needs = modeling.needs_equal_head_sizes  # decides by name: the stand-in is treated as flash kernels are
-    monkeypatch.setattr(modeling, "needs_equal_head_sizes", lambda name: name == "equal_head_dims_cpu" or needs(name))
+    flash_kernels = modeling.AttentionBackend(True, False, False, None)  # the stand-in is treated as flash kernels are
+    monkeypatch.setitem(modeling.TRANSFORMERS_ATTENTION_BACKENDS, "equal_head_dims_cpu", flash_kernels)
     eager = tiny_model(diff_version)
     flash = tiny_model(diff_version, attn_implementation="sdpa")
     flash.set_attn_implementation("equal_head_dims_cpu")

@@ -46,6 +46,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 
 from ...configuration_diff import DiffConfig
+from ...modeling_diff import DiffLambdaV1  # the one λ formula: the transformers model's
 from .fields import check_config
 
 
@@ -117,24 +118,6 @@ class DiffMLP(nn.Module):
         x, _ = self.gate_up_proj(x)
         x, _ = self.down_proj(self.act_fn(x))
         return x
-
-
-class DiffLambdaV1(nn.Module):
-    """λ = exp(λq1·λk1) - exp(λq2·λk2) + λ_init: one fp32 scalar per layer, replicated on every rank."""
-
-    def __init__(self, head_dim: int, lambda_init: float, lambda_floor: float | None = None):
-        super().__init__()
-        self.lambda_init, self.lambda_floor = lambda_init, lambda_floor
-        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
-            setattr(self, name, nn.Parameter(torch.zeros(head_dim, dtype=torch.float32), requires_grad=False))
-
-    def forward(self) -> torch.Tensor:
-        lambda_1 = torch.exp(torch.sum(self.lambda_q1.float() * self.lambda_k1.float()))
-        lambda_2 = torch.exp(torch.sum(self.lambda_q2.float() * self.lambda_k2.float()))
-        lambda_full = lambda_1 - lambda_2 + self.lambda_init  # () fp32
-        if self.lambda_floor is None:
-            return lambda_full
-        return self.lambda_floor + nn.functional.softplus(lambda_full - self.lambda_floor, beta=100.0)
 
 
 class DiffLambdaV2(nn.Module):
@@ -310,7 +293,8 @@ class DiffAttentionV1(DiffAttention):
         qkv = None if self.num_noise_heads is None else (d, H + self.num_noise_heads, 2 * H_kv)
         super().__init__(config, 2 * d, H, cache_config, quant_config, prefix, qkv_heads=qkv)
         self.lambda_init = config.lambda_init_for_layer(layer_idx)
-        self.diff_lambda = DiffLambdaV1(d, self.lambda_init, getattr(config, "lambda_floor", None))
+        lambda_floor = getattr(config, "lambda_floor", None)
+        self.diff_lambda = DiffLambdaV1(d, self.lambda_init, lambda_floor).requires_grad_(False)
         # λ depends on the weights only: computed once they are loaded (`DiffModel.load_weights`), not every step
         # (up to 11 ops a layer, a third of what the layer dispatched beyond Llama's in a decode step).
         self.register_buffer("lambda_value", torch.zeros((), dtype=torch.float32), persistent=False)
