@@ -2,6 +2,8 @@
 checked before the weights load (what goes to transformers' `generate`: `diff_transformer.generation`)."""
 
 import math
+import sys
+import time
 
 from ..checkpoints.backends import add_attn_option
 from ..checkpoints.configs import MIN_TEMPERATURE
@@ -44,7 +46,8 @@ def add_parser(commands) -> None:
         "--compile",
         action="store_true",
         help="decode with a static cache and a torch.compile'd decoding step (fullgraph; CUDA graphs on a GPU): the "
-        "first tokens wait for the compile (about a minute), long answers come faster",
+        "first tokens wait for the compile (on 2 CPU cores 2-5 min of the first call, up to 14 min wall under load; "
+        "docs/performance.md), long answers come faster",
     )
     add_device_options(generate, "generate")
     add_attn_option(generate)
@@ -100,7 +103,33 @@ def run(args) -> int:
             system=args.system,
             max_new_tokens=args.max_new_tokens,
         )
-    return _answer(args, model, tokenizer, inputs, kwargs)
+    compiling = _compile_note(args, device)
+    started = time.perf_counter()
+    status = _answer(args, model, tokenizer, inputs, kwargs)
+    if compiling:
+        print(
+            f"note: {compiling} done: generation took {time.perf_counter() - started:.0f} s with it", file=sys.stderr
+        )
+    return status
+
+
+def _compile_note(args, device: str) -> str | None:
+    """What this run compiles before its first tokens (--compile; flex attention on the CPU, which compiles C++), said
+    in one line on stderr as it starts (unless --quiet): minutes on a CPU, without a word otherwise."""
+    if args.compile:
+        what = "compiling the decoding step (torch.compile, fullgraph)"
+    elif args.attn_implementation == "flex_attention" and device == "cpu":
+        what = "compiling flex attention's C++ kernels for the CPU"
+    else:
+        return None
+    if not args.quiet:
+        print(
+            f"note: {what}: the first tokens wait for it (minutes on a CPU: 155-280 s of the first call on 2 cores, "
+            "docs/performance.md)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return None if args.quiet else what
 
 
 def _prompt_inputs(args, tokenizer, session: bool):
