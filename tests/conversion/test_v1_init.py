@@ -267,7 +267,8 @@ def test_calibration_data_file_is_used_and_bad_ones_are_refused(tmp_path, capsys
     assert f"λ at step 0 fitted per layer: {conversion['lambda_start']}" in printed
     assert "o_proj refitted per layer by least squares (sub-layer norm weight kept at 1)" in printed
     step0 = conversion["step0_heldout"]  # the text's last fifth, never fitted on; printed without --verify
-    assert f"({step0['ratio']:.2f}x) on {step0['tokens']:,} held-out tokens of the calibration data" in printed
+    held = f"{step0['tokens']:,} held-out tokens ({step0['blocks']} blocks × {step0['block_tokens']})"
+    assert f"({step0['ratio']:.2f}x) on {held} of the calibration text (--calibration-data mine.txt)" in printed
     assert conversion["calibration_text"] == "--calibration-data mine.txt"  # the name, never the machine's path
     default = load_file(
         convert_llama_to_diff(TINY_LLAMA, tmp_path / "default", diff_version=1, progress=False) / "model.safetensors"
