@@ -13,7 +13,7 @@ model.safetensors bit for bit; other CPUs or torch builds may differ in the last
    `<|assistant|>`), saved as a transformers fast tokenizer that prepends `<s>` and carries a small chat template;
 2. a `LlamaForCausalLM` (GQA, tied embeddings) trained with AdamW on random windows of `--block-size` tokens,
    each window starting with `<s>`; every book ends with `</s>`;
-3. held-out perplexity (`diff_transformer.demo.heldout_perplexity`, the demo's function) on data/heldout.txt,
+3. held-out perplexity (`diff_transformer.cli.demo.heldout_perplexity`, the demo's function) on data/heldout.txt,
    printed and written to the model card together with the figures of the run;
 4. `save_pretrained`: config.json, model.safetensors (float32), tokenizer, generation_config.json, README.md.
 """
@@ -31,7 +31,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from diff_transformer.demo import DEMO_EVAL_TOKENS, heldout_perplexity
+from diff_transformer.cli.demo import DEMO_EVAL_TOKENS, heldout_perplexity
 
 
 REPO = Path(__file__).resolve().parent.parent

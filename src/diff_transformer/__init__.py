@@ -6,10 +6,11 @@ Diff checkpoints natively (no `trust_remote_code` needed).
 
 One exception: while the `diff-transformer` command starts (the console script, `python -m diff_transformer`), the
 package imports neither torch nor transformers, so `--version` and `--help` answer at once; the command registers
-everything (`_load`) before it runs a subcommand, and the names below load on first use there too.
+everything (`_load`) before it runs a subcommand, and the public names load on first use there too.
 """
 
 import importlib
+import importlib.util
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,24 +18,9 @@ from typing import TYPE_CHECKING
 from ._version import __version__  # noqa: F401  (one place: setup.cfg and --version read it too)
 
 
-# The public names, by the module that defines them: `__all__`, `_load`'s imports and the names bound here.
-PUBLIC_NAMES = {
-    ".configuration_diff": ("DiffConfig",),
-    ".modeling_diff": (
-        "DiffPreTrainedModel",
-        "DiffModel",
-        "DiffForCausalLM",
-        "DiffForSequenceClassification",
-        "DiffForTokenClassification",
-        "DiffForQuestionAnswering",
-        "DiffAttention",
-        "DiffAttentionV1",
-        "DiffAttentionV2",
-        "DiffDecoderLayer",
-    ),
-    ".layers": ("DifferentialAttention", "differential_attention"),
-    ".integrations.peft": ("register_peft_defaults",),
-}
+# The modules whose `__all__` lists the package's public names, in order: each module's `__all__` is the one list of
+# its names (the model files' own, shipped with checkpoints), and `_load` binds them here.
+PUBLIC_MODULES = (".configuration_diff", ".integrations.peft", ".layers", ".modeling_diff")
 
 # transformers' Auto class -> our class it resolves "diff" to (and whose source `save_pretrained` copies)
 AUTO_CLASSES = {
@@ -46,24 +32,12 @@ AUTO_CLASSES = {
     "AutoModelForQuestionAnswering": "DiffForQuestionAnswering",
 }
 
-__all__ = [name for names in PUBLIC_NAMES.values() for name in names]
-
-if TYPE_CHECKING:  # `PUBLIC_NAMES` spelled out for type checkers and mkdocstrings, which read imports statically
-    # (`X as X`: a re-export); tests/model/test_package.py holds this block to the table.
-    from .configuration_diff import DiffConfig as DiffConfig
-    from .integrations.peft import register_peft_defaults as register_peft_defaults
-    from .layers import DifferentialAttention as DifferentialAttention
-    from .layers import differential_attention as differential_attention
-    from .modeling_diff import DiffAttention as DiffAttention
-    from .modeling_diff import DiffAttentionV1 as DiffAttentionV1
-    from .modeling_diff import DiffAttentionV2 as DiffAttentionV2
-    from .modeling_diff import DiffDecoderLayer as DiffDecoderLayer
-    from .modeling_diff import DiffForCausalLM as DiffForCausalLM
-    from .modeling_diff import DiffForQuestionAnswering as DiffForQuestionAnswering
-    from .modeling_diff import DiffForSequenceClassification as DiffForSequenceClassification
-    from .modeling_diff import DiffForTokenClassification as DiffForTokenClassification
-    from .modeling_diff import DiffModel as DiffModel
-    from .modeling_diff import DiffPreTrainedModel as DiffPreTrainedModel
+if TYPE_CHECKING:  # `PUBLIC_MODULES` for type checkers and mkdocstrings, which read a star import through `__all__`
+    # (tests/model/test_package.py holds this block to the tuple)
+    from .configuration_diff import *  # noqa: F403
+    from .integrations.peft import *  # noqa: F403
+    from .layers import *  # noqa: F403
+    from .modeling_diff import *  # noqa: F403
 
 
 def _load() -> None:
@@ -77,11 +51,8 @@ def _load() -> None:
 
     from .integrations import install as _install_integrations
 
-    public = {
-        name: getattr(importlib.import_module(module, __name__), name)
-        for module, names in PUBLIC_NAMES.items()
-        for name in names
-    }
+    modules = [importlib.import_module(module, __name__) for module in PUBLIC_MODULES]
+    public = {name: getattr(module, name) for module in modules for name in module.__all__}
     config = public["DiffConfig"]
     for auto_class, ours in AUTO_CLASSES.items():
         if auto_class == "AutoConfig":
@@ -97,7 +68,7 @@ def _load() -> None:
     # imported here: it is slow; Diff models constructed after it is imported register too).
     _install_integrations()
 
-    globals().update(public)
+    globals().update(public, __all__=list(public))
 
 
 def _command_starting() -> bool:
@@ -114,9 +85,13 @@ def _command_starting() -> bool:
 
 
 def __getattr__(name: str):
-    if name in __all__ and not _loaded:
+    # While the command starts, a public name (or `__all__`) loads the package; a submodule's name does not (`from
+    # diff_transformer import cli` asks for the attribute before it imports the submodule).
+    public = name == "__all__" or not (name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}"))
+    if public and not _loaded:
         _load()
-        return globals()[name]
+        if name in globals():
+            return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -11,6 +11,8 @@ import math
 import torch
 from torch import nn
 
+from .modeling_diff import v1_lambda  # the paper's λ formula, written once
+
 
 def _check_finite(name: str, value: float, minimum: float | None = None, fix: str = "") -> None:
     """Refuse a NaN/inf (or too small) Python number, which would otherwise only show up as NaN outputs."""
@@ -213,11 +215,7 @@ class DifferentialAttention(nn.Module):
     def current_lambda(self, query_input: torch.Tensor) -> torch.Tensor:
         """λ for `query_input` `(B, Nq, embed_dim)`: 0-d (scalar mode), `(H,)` (head) or `(B, H, Nq)` (token)."""
         if self.lambda_mode == "scalar":
-            return (
-                torch.exp((self.lambda_q1 * self.lambda_k1).sum())
-                - torch.exp((self.lambda_q2 * self.lambda_k2).sum())
-                + self.lambda_init
-            )
+            return v1_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2, self.lambda_init)
         if self.lambda_mode == "head":
             return self.lambda_head
         return torch.sigmoid(self.lambda_proj(query_input)).transpose(1, 2)  # (B, H, Nq)

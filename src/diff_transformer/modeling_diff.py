@@ -23,6 +23,7 @@ from transformers import initialization as init  # respects `_is_hf_initialized`
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
+from transformers.integrations.eager_paged import eager_paged_attention_forward
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
@@ -116,23 +117,25 @@ class DiffMLP(nn.Module):
         return down_proj
 
 
+def v1_lambda(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init: float) -> torch.Tensor:
+    """The paper's λ = exp(λq1·λk1) - exp(λq2·λk2) + λ_init, () fp32: the one place that computes it."""
+    dot = lambda q, k: torch.dot(q.float(), k.float())  # noqa: E731
+    return torch.exp(dot(lambda_q1, lambda_k1)) - torch.exp(dot(lambda_q2, lambda_k2)) + lambda_init
+
+
 class DiffLambdaV1(nn.Module):
     """The paper's re-parameterised scalar: λ = exp(λq1·λk1) - exp(λq2·λk2) + λ_init, kept in fp32; with a floor m
     (`config.lambda_floor`), m + softplus₁₀₀(λ - m): λ stays above m, so the layer always subtracts."""
 
     def __init__(self, head_dim: int, lambda_init: float, lambda_floor: float | None = None):
         super().__init__()
-        self.lambda_init = lambda_init
-        self.lambda_floor = lambda_floor
-        self.lambda_q1 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32))
-        self.lambda_k1 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32))
-        self.lambda_q2 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32))
-        self.lambda_k2 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32))
+        self.lambda_init, self.lambda_floor = lambda_init, lambda_floor
+        self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = (
+            nn.Parameter(torch.zeros(head_dim, dtype=torch.float32)) for _ in range(4)
+        )
 
     def forward(self) -> torch.Tensor:
-        lambda_1 = torch.exp(torch.dot(self.lambda_q1.float(), self.lambda_k1.float()))
-        lambda_2 = torch.exp(torch.dot(self.lambda_q2.float(), self.lambda_k2.float()))
-        lambda_full = lambda_1 - lambda_2 + self.lambda_init  # () fp32
+        lambda_full = v1_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2, self.lambda_init)
         if self.lambda_floor is None:
             return lambda_full
         return self.lambda_floor + nn.functional.softplus(lambda_full - self.lambda_floor, beta=100.0)
@@ -155,8 +158,8 @@ class DiffLambdaV2(nn.Module):
 
 
 def _output_from_map(weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Eager mode: the output computed from the differential map (B, H, N, L) the layer returns, as Llama's eager
-    attention computes its output from the weights it returns, so `output_attentions` maps are on the gradient path."""
+    """Eager: the output from the differential map (B, H, N, L) the layer returns, as Llama's eager attention from its
+    weights, so `output_attentions` maps are on the gradient path."""
     value = repeat_kv(value, weights.shape[1] // value.shape[1])  # (B, H, L, dv)
     return torch.matmul(weights.to(value.dtype), value).transpose(1, 2)  # (B, N, H, dv)
 
@@ -258,7 +261,7 @@ class DiffAttentionV2(DiffAttention):
             weights = attn_weights.view(input_shape[0], -1, 2, *attn_weights.shape[2:])  # (B, H, 2, N, L)
             attn_weights = weights[:, :, 0] - lam.transpose(1, 2).unsqueeze(-1).to(weights.dtype) * weights[:, :, 1]
         dropped = self.training and self.attention_dropout
-        from_map = attention_backend(self.config._attn_implementation).output_from_map
+        from_map = attention_capabilities(self.config._attn_implementation)[1].output_from_map
         if attn_weights is not None and from_map and not dropped:
             # Eager returns maps: compute the output from them (as Llama does), so they are on the gradient path.
             # With dropout, eager drops between its maps and its output, so the backend's output is kept.
@@ -311,37 +314,39 @@ def differential_attention_function(implementation: str, device: torch.device | 
     return ALL_ATTENTION_FUNCTIONS.get(f"{key}:{device.type}" if device else key) or ALL_ATTENTION_FUNCTIONS.get(key)
 
 
-# What a backend can do beyond sdpa's calls (docs/design.md): transformers' own; flash kernels by their names below.
-AttentionBackend = namedtuple("AttentionBackend", "split_calls returns_maps output_from_map after_paged_update")
-TRANSFORMERS_ATTENTION_BACKENDS = {
-    "eager": AttentionBackend(False, True, True, None),
-    "paged|eager": AttentionBackend(False, True, False, "eager"),
+# What an attention function can do beyond sdpa's calls (docs/design.md): its `differential_capabilities`, else
+# transformers' own below, else flash kernels' by `is_flash_attention_requested`, else sdpa's. No name is tested here.
+AttentionCapabilities = namedtuple("AttentionCapabilities", "split_calls returns_maps output_from_map after_paged")
+TRANSFORMERS_FUNCTION_CAPABILITIES = {
+    eager_attention_forward: AttentionCapabilities(False, True, True, None),
+    eager_paged_attention_forward: AttentionCapabilities(False, True, False, eager_attention_forward),
 }
 
 
-def attention_backend(implementation: str) -> AttentionBackend:
-    """What the backend `implementation` (`config._attn_implementation`) can do, as `AttentionBackend`."""
+def attention_capabilities(implementation: str) -> tuple[Callable, AttentionCapabilities]:
+    """The function `AttentionInterface` holds for `implementation` (eager's if none) and what it can do."""
+    function = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+    known = getattr(function, "differential_capabilities", None) or TRANSFORMERS_FUNCTION_CAPABILITIES.get(function)
     flash = is_flash_attention_requested(requested_attention_implementation=implementation)
-    return TRANSFORMERS_ATTENTION_BACKENDS.get(implementation) or AttentionBackend(flash, False, False, None)
+    return function, known or AttentionCapabilities(flash, False, False, None)
 
 
 def v1_attention_forward(
     module: nn.Module,
     attention_interface: Callable,
+    capabilities: AttentionCapabilities,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     lam: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    split_value: bool = False,
-    output_from_map: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(A1 - λ A2) V (B, N, H, 2d) through a backend's plain calls, and the map A1 - λ A2 where it returns maps.
     query (B, 2H, N, d) = [q1 | q2], key (B, 2H_kv, L, d) = [k1 | k2], value (B, 2H_kv, L, d) = v's halves (uncached:
-    v_proj's (B, L, H_kv, 2, d)), λ () fp32. One call for both maps with V 2d wide, or with `split_value` one per map
-    and V half (flash kernels; decoding reads the cache's halves in place). `output_from_map` (eager): the output
-    from the map, as Llama's."""
+    v_proj's (B, L, H_kv, 2, d)), λ () fp32. One call for both maps with V 2d wide, or one per map and V half where
+    the function needs `split_calls` (flash kernels), or decoding one token without maps (it reads the cache's halves
+    in place). `output_from_map` (eager): the output from the map, as Llama's."""
     halves = value.transpose(1, 2) if value.dim() == 5 else value.unflatten(1, (2, -1)).permute(0, 2, 3, 1, 4)
     B, H_kv, L, _, d = halves.shape  # (B, H_kv, L, 2, d): a view; the paged cache packs all sequences in one row
 
@@ -350,7 +355,9 @@ def v1_attention_forward(
             module, query, key, value, attention_mask, dropout=0.0, scaling=module.scaling, **kwargs
         )
 
-    if split_value:  # unbind, not indexing: its backward is one stack, each index's a zero-filled copy
+    if capabilities.split_calls or (
+        query.shape[2] == 1 and not capabilities.returns_maps
+    ):  # unbind, not indexing: its backward is one stack, each index's a zero-filled copy
         queries, keys = query.unflatten(1, (2, -1)).unbind(1), key.unflatten(1, (2, -1)).unbind(1)  # per map
         values = halves.unbind(3)  # (B, H_kv, L, d) per half
         outputs = [  # per map c: (B, N, H, 2d)
@@ -367,7 +374,7 @@ def v1_attention_forward(
     if maps is not None:
         first_map, second_map = maps.unflatten(1, (2, -1)).unbind(1)  # (B, H, N, L) each
         attn_weights = first_map - lam.to(maps.dtype) * second_map  # (B, H, N, L)
-        if output_from_map:
+        if capabilities.output_from_map:
             return _output_from_map(attn_weights, halves.flatten(-2)), attn_weights  # (B, N, H, 2d)
     return torch.addcmul(first, second, lam, value=-1), attn_weights  # (B, N, H, 2d): a () λ keeps its dtype
 
@@ -421,7 +428,7 @@ class DiffAttentionV1(DiffAttention):
         key = rotary_component_major(key, cos, sin)  # (B, 2H_kv, N, d): [k1 | k2]
 
         implementation = self.config._attn_implementation
-        backend = attention_backend(implementation)
+        attention_interface, capabilities = attention_capabilities(implementation)
         # Relies on: continuous batching passing its `PagedAttentionCache` as kwarg `cache` to the paged functions,
         # which update it on every call; V1 calls twice or more, so it writes once here. Guarded by
         # test_continuous_batching_matches_generate (tests/model/test_generation.py, tests/cli/test_serving.py).
@@ -431,24 +438,16 @@ class DiffAttentionV1(DiffAttention):
             value = v1_component_major(value)  # (B, 2H_kv, N, d): what caches hold and differential functions take
         if paged_cache is not None:
             key, value = paged_cache.update(key, value, self.layer_idx, kwargs)  # kwargs: updated in place
-            implementation = backend.after_paged_update or implementation
+            attention_interface = capabilities.after_paged or attention_interface
         elif past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         lam = self.generation_lambda(past_key_values, N)  # () fp32
-        result = None
-        if differential is not None:
-            result = differential(
-                self, query, key, value, attention_mask, scaling=self.scaling, differential_lambda=lam, **kwargs
-            )
-        if result is not None:  # (B, N, H, 2d): the differential output in one call
-            attn_output, attn_weights = result
-        else:
-            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-            split_calls, returns_maps, _, _ = attention_backend(implementation)
-            split_value, from_map = split_calls or (N == 1 and not returns_maps), backend.output_from_map
-            attn_output, attn_weights = v1_attention_forward(
-                self, attention_interface, query, key, value, lam, attention_mask, split_value, from_map, **kwargs
-            )  # (B, N, H, 2d), (B, H, N, L) or None
+        args = (self, query, key, value, attention_mask)
+        result = differential(*args, scaling=self.scaling, differential_lambda=lam, **kwargs) if differential else None
+        if result is None:  # the backend's plain calls, else (B, N, H, 2d): the differential output in one call
+            plain = (attention_interface, capabilities)
+            result = v1_attention_forward(self, *plain, query, key, value, lam, attention_mask, **kwargs)
+        attn_output, attn_weights = result  # (B, N, H, 2d), (B, H, N, L) or None
 
         attn_output = self.subln(attn_output, 1.0 - self.lambda_init)  # (B, N, H, 2d): RMSNorm·(1 - λ_init)
         attn_output = self.o_proj(attn_output.reshape(B, N, -1))

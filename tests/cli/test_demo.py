@@ -8,7 +8,7 @@ import re
 import pytest
 
 from diff_transformer import cli
-from diff_transformer.demo import DEFAULT_PROMPT, DEMO_EVAL_TOKENS, DEMO_MARK, run_demo, shipped_assets
+from diff_transformer.cli.demo import DEFAULT_PROMPT, DEMO_EVAL_TOKENS, DEMO_MARK, run_demo, shipped_assets
 from diff_transformer.outputs.records import wrote_this
 from tests.helpers import REPOSITORY
 

@@ -688,7 +688,7 @@ def test_lora_runs_show_no_upstream_deprecation_warning(journey, tmp_path, monke
 
 
 def test_convert_verify_is_timed_and_reports_held_out_perplexity(tmp_path):
-    from diff_transformer.demo import heldout_perplexity
+    from diff_transformer.cli.demo import heldout_perplexity
 
     status, out, err = run_cli("convert", TINY_LLAMA, tmp_path / "diff", "--verify", terminal=True)
     assert status == 0, err

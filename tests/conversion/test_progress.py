@@ -12,7 +12,7 @@ import time
 import pytest
 
 from diff_transformer import progress
-from diff_transformer.demo import shipped_assets
+from diff_transformer.cli.demo import shipped_assets
 
 
 class _Log(io.StringIO):

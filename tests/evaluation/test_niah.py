@@ -334,7 +334,7 @@ def test_six_models_and_a_60_mb_haystack_stay_within_the_runs_memory(tmp_path):
     which a fast tokenizer meets in about 1 GiB), one model's grid is held at a time: the run stays within what one
     model on the shipped text takes, plus the text held twice (bytes and str, 2 x 64 MiB) and that tokenizer bound.
     Measured on a loaded 2-core machine: 848 MB against 492 MB for one model on the shipped text."""
-    from diff_transformer.demo import shipped_assets
+    from diff_transformer.cli.demo import shipped_assets
 
     with shipped_assets() as (model, heldout):
         paragraph = heldout.read_text(encoding="utf-8")[:100_000]

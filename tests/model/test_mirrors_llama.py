@@ -95,7 +95,7 @@ INTENDED = {
         "+ weights = ...",
         "+ attn_weights = ...",
         "+ dropped = self.training and self.attention_dropout",
-        "+ from_map = attention_backend(self.config._attn_implementation).output_from_map",
+        "+ from_map = attention_capabilities(self.config._attn_implementation)[1].output_from_map",
         "+ if attn_weights is not None and from_map and (not dropped):",
         "+ attn_output = _output_from_map(attn_weights, value_states)",
         "+ else:",

@@ -572,10 +572,10 @@ def test_flash_style_backend_gets_equal_head_dims(diff_version, monkeypatch):
         calls.append(value.shape)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
+    # the stand-in says what it can do as any registered function may: it needs split calls, as flash kernels do
+    flash_like.differential_capabilities = modeling.AttentionCapabilities(True, False, False, None)
     # registered for this test only: a name left in transformers' global mapping is seen by every later test
     monkeypatch.setitem(AttentionInterface._global_mapping, "equal_head_dims_cpu", flash_like)
-    flash_kernels = modeling.AttentionBackend(True, False, False, None)  # the stand-in is treated as flash kernels are
-    monkeypatch.setitem(modeling.TRANSFORMERS_ATTENTION_BACKENDS, "equal_head_dims_cpu", flash_kernels)
     eager = tiny_model(diff_version)
     flash = tiny_model(diff_version, attn_implementation="sdpa")
     flash.set_attn_implementation("equal_head_dims_cpu")

@@ -1,5 +1,6 @@
-"""The package root's one table of public names (`PUBLIC_NAMES`): what `import diff_transformer` binds, exports and
-spells out for static readers, and the Auto classes it registers (`AUTO_CLASSES`)."""
+"""The package root's public names: each module of `PUBLIC_MODULES` lists its own in `__all__` (the one table), and
+`import diff_transformer` binds, exports and spells out for static readers exactly those; the Auto classes it
+registers (`AUTO_CLASSES`)."""
 
 import ast
 import importlib
@@ -10,29 +11,26 @@ import transformers
 import diff_transformer
 
 
-def _type_checking_imports() -> dict[str, tuple[str, ...]]:
-    """The `if TYPE_CHECKING:` block of the package's `__init__.py`, as {module: names} in its order."""
+def _type_checking_imports() -> list[str]:
+    """The modules the `if TYPE_CHECKING:` block of the package's `__init__.py` star-imports, in its order."""
     tree = ast.parse(Path(diff_transformer.__file__).read_text())
     block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", None) == "TYPE_CHECKING")
-    found: dict[str, list[str]] = {}
-    for node in block.body:
-        assert all(alias.asname == alias.name for alias in node.names), "a re-export is spelled `X as X`"
-        found.setdefault("." * node.level + node.module, []).extend(alias.name for alias in node.names)
-    return {module: tuple(names) for module, names in found.items()}
+    assert all([alias.name for alias in node.names] == ["*"] for node in block.body), "a star import per module"
+    return ["." * node.level + node.module for node in block.body]
 
 
 def test_static_imports_spell_out_the_table():
-    table = diff_transformer.PUBLIC_NAMES
-    assert {m: sorted(n) for m, n in _type_checking_imports().items()} == {m: sorted(n) for m, n in table.items()}
+    assert _type_checking_imports() == list(diff_transformer.PUBLIC_MODULES)
 
 
 def test_every_public_name_is_bound_to_its_modules_object():
-    assert diff_transformer.__all__ == [n for names in diff_transformer.PUBLIC_NAMES.values() for n in names]
+    modules = [importlib.import_module(module, "diff_transformer") for module in diff_transformer.PUBLIC_MODULES]
+    assert diff_transformer.__all__ == [name for module in modules for name in module.__all__]
     assert len(set(diff_transformer.__all__)) == len(diff_transformer.__all__)
-    for module, names in diff_transformer.PUBLIC_NAMES.items():
-        defining = importlib.import_module(module, "diff_transformer")
-        for name in names:
-            assert getattr(diff_transformer, name) is getattr(defining, name), name
+    assert "DiffForCausalLM" in diff_transformer.__all__ and "DiffConfig" in diff_transformer.__all__
+    for module in modules:
+        for name in module.__all__:
+            assert getattr(diff_transformer, name) is getattr(module, name), name
 
 
 def test_auto_classes_resolve_diff_to_the_tables_classes():

@@ -865,7 +865,7 @@ def test_merge_overwrite_of_a_foreign_model_is_refused_naming_its_files(finished
 
 
 def test_demo_overwrite_keeps_only_the_users_files(tmp_path, capsys):
-    from diff_transformer.demo import DEMO_MARK, SCRATCH_MARK
+    from diff_transformer.cli.demo import DEMO_MARK, SCRATCH_MARK
 
     out = tmp_path / "scratch"
     assert cli.main(["demo", "--scratch", "--output", str(out)]) == 0

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ..modeling_diff import gda_pairs, v1_component_major
+from ..modeling_diff import gda_pairs, v1_component_major, v1_lambda
 
 
 SUPPORTED_MODEL_TYPES = ("diff", "diffllama", "llama")
@@ -278,11 +278,8 @@ def _layer_lambda(kind: str, module, hidden_states) -> torch.Tensor | None:
     if kind == "diff-v2":
         return module.diff_lambda(hidden_states).detach().float().transpose(1, 2)
     if kind == "diffllama":
-        return (
-            torch.exp(torch.sum(module.lambda_q1.float() * module.lambda_k1.float()))
-            - torch.exp(torch.sum(module.lambda_q2.float() * module.lambda_k2.float()))
-            + module.lambda_init
-        ).detach()
+        lam = v1_lambda(module.lambda_q1, module.lambda_k1, module.lambda_q2, module.lambda_k2, module.lambda_init)
+        return lam.detach()  # DiffLlama's λ is the paper's, as V1's
     return None
 
 

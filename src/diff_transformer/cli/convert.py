@@ -178,8 +178,8 @@ def _calibrated_start(conversion: dict) -> str:
 def _verify(args, out) -> dict:
     """`verify_conversion` with the built-in held-out text (the demo's), announced first and timed: it loads both
     models whole, which takes a while for a real checkpoint."""
+    from diff_transformer.cli.demo import shipped_assets
     from diff_transformer.conversion import verify_conversion
-    from diff_transformer.demo import shipped_assets
 
     print(f"verifying {out} against {args.src}: loading both models, comparing logits and perplexity ...", flush=True)
     start = time.perf_counter()

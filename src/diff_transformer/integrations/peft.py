@@ -158,3 +158,6 @@ def install_peft_hooks(model_class: type = DiffPreTrainedModel) -> None:
 
     __init__._registers_peft_defaults = True
     model_class.__init__ = __init__
+
+
+__all__ = ["register_peft_defaults"]
