@@ -14,12 +14,16 @@ from ..families import family_of, is_motif
 from . import CheckpointError
 from .configs import check_model_config, check_model_type, read_json, refuse_special_files
 from .names import resolve_model
-from .weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, find_shards, read_headers
+from .weights import PICKLE_SUFFIXES, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, find_shards, read_headers
 
 
 def _weight_shapes(directory: Path) -> dict[str, tuple[int, ...]] | None:
-    """Tensor name -> shape from the safetensors headers, or None when the checkpoint has no safetensors weights."""
+    """Tensor name -> shape from the safetensors headers, or None when the checkpoint has no safetensors weights.
+    Refuses a checkpoint whose only weights are pickles (`find_shards`' line): transformers would unpickle them, and
+    torch's refusal of an unsafe one advises `weights_only=False`."""
     if not ((directory / SAFETENSORS_INDEX).is_file() or (directory / SAFETENSORS_SINGLE).is_file()):
+        if any(p.is_file() and p.name.endswith(PICKLE_SUFFIXES) for p in directory.iterdir()):
+            find_shards(directory)  # raises unless other model*.safetensors files hold the weights
         return None
     return {name: info.shape for name, info in read_headers(directory, find_shards(directory)).items()}
 
@@ -279,6 +283,9 @@ def from_pretrained(location: str, shown: str, **kwargs):
 
     import diff_transformer  # noqa: F401  (registers the Auto classes)
 
+    # Safetensors only, wherever the weights come from (a Hub repo with only pytorch_model.bin is refused, not
+    # unpickled): the local check (`_weight_shapes`) names the fix before this for a directory.
+    kwargs.setdefault("use_safetensors", True)
     try:
         return AutoModelForCausalLM.from_pretrained(location, **kwargs)
     except Exception as exc:
