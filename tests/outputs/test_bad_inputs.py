@@ -99,6 +99,46 @@ def test_second_train_into_the_same_output_is_refused(refused, workdir, tmp_path
     assert not out.exists()  # the lock's directory, created for it, goes with it
 
 
+@pytest.mark.slow  # a training run in a fresh process, killed, then one more run: ~1 min on a busy machine
+def test_a_train_killed_before_its_first_checkpoint_does_not_lock_its_output(workdir, tmp_path, capsys):
+    """Issue 56 item 5: a train SIGKILLed before its first checkpoint left a run record (and its lock file) that made
+    every later run refuse the directory. The rerun, without --overwrite, trains into it; a file of the user's put
+    there meanwhile is still refused (the killed run's bookkeeping proves nothing of it)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from diff_transformer.outputs.files import RUN_RECORD
+
+    out = tmp_path / "run"
+    argv = [str(a) for a in _train_argv(workdir, out, "--max-steps", "100000", "--save-steps", "100000")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "diff_transformer", *argv], env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / RUN_RECORD).exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # the record exists once training has begun (Trainer's on_train_begin)
+        assert process.poll() is None, process.stderr.read()
+        assert (out / RUN_RECORD).exists(), "the run never began"
+        time.sleep(1)  # a few steps in, still far from a checkpoint
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=60)
+        process.stderr.close()
+    assert not any(p.name.startswith("checkpoint-") for p in out.iterdir()), sorted(out.iterdir())
+    left = sorted(p.name for p in out.iterdir())
+    assert RUN_RECORD in left, left
+
+    (out / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert cli.main([*argv[:-4], "--max-steps", "1"]) == 2  # the user's file: refused by name, kept
+    assert "notes.txt" in capsys.readouterr().err
+    (out / "notes.txt").unlink()
+    assert cli.main([*argv[:-4], "--max-steps", "1"]) == 0, capsys.readouterr().err
+    assert (out / "model.safetensors").is_file()
+
+
 def test_resume_into_another_run_needs_overwrite_and_keeps_users_directories(refused, workdir, tmp_path, capsys):
     import shutil
 
