@@ -15,6 +15,7 @@ from diff_transformer import cli
 from diff_transformer.outputs.records import write_manifest, wrote_this
 from tests.helpers import REPOSITORY
 from tests.helpers.checkpoints import tree_digest
+from tests.helpers.training import train_argv
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -82,18 +83,12 @@ def workdir(tmp_path_factory):
     return root
 
 
-def _train_argv(workdir, output, *extra):
-    from tests.helpers.training import QUIET
-
-    return ["train", workdir / "v2", "--data", workdir / "text.txt", "--output", output, *QUIET, *extra]
-
-
 def test_second_train_into_the_same_output_is_refused(refused, workdir, tmp_path, capsys):
     from diff_transformer.outputs.staging import OutputLock
 
     out = tmp_path / "run"
     with OutputLock(out, name="--output"):  # a first run, still alive
-        argv = _train_argv(workdir, out, "--max-steps", "1")
+        argv = train_argv(workdir, out, "--max-steps", "1")
         refused(argv, f"--output {out} is being written by another run", notes=True)
         assert sorted(p.name for p in out.iterdir()) == [".diff-transformer.lock"]  # the first run's lock only
     assert not out.exists()  # the lock's directory, created for it, goes with it
@@ -112,7 +107,7 @@ def test_a_train_killed_before_its_first_checkpoint_does_not_lock_its_output(wor
     from diff_transformer.outputs.files import RUN_RECORD
 
     out = tmp_path / "run"
-    argv = [str(a) for a in _train_argv(workdir, out, "--max-steps", "100000", "--save-steps", "100000")]
+    argv = [str(a) for a in train_argv(workdir, out, "--max-steps", "100000", "--save-steps", "100000")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen([sys.executable, "-m", "diff_transformer", *argv], env=env, stderr=subprocess.PIPE)
     try:
@@ -143,20 +138,20 @@ def test_resume_into_another_run_needs_overwrite_and_keeps_users_directories(ref
     import shutil
 
     run_x, run_y = tmp_path / "rX", tmp_path / "rY"
-    assert cli.main([str(a) for a in _train_argv(workdir, run_x, "--max-steps", "2", "--save-steps", "1")]) == 0
+    assert cli.main([str(a) for a in train_argv(workdir, run_x, "--max-steps", "2", "--save-steps", "1")]) == 0
     run_y.mkdir()
     shutil.copytree(run_x / "checkpoint-1", run_y / "checkpoint-1")  # another run's checkpoint
     (run_x / "checkpoint-mynotes").mkdir()
     (run_x / "checkpoint-mynotes" / "notes.txt").write_text("mine")
     digest = tree_digest(run_x)
-    argv = _train_argv(workdir, run_x, "--max-steps", "3", "--save-steps", "1", "--resume", run_y / "checkpoint-1")
+    argv = train_argv(workdir, run_x, "--max-steps", "3", "--save-steps", "1", "--resume", run_y / "checkpoint-1")
     refused(argv, f"--output {run_x} holds another training run (checkpoint-1, checkpoint-2", "--overwrite")
     assert tree_digest(run_x) == digest
     assert cli.main([str(a) for a in [*argv, "--overwrite"]]) == 0
     assert sorted(p.name for p in run_x.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3", "checkpoint-mynotes"]
     assert (run_x / "checkpoint-mynotes" / "notes.txt").read_text() == "mine"
     # --overwrite starting over deletes Trainer's checkpoints only
-    assert cli.main([str(a) for a in _train_argv(workdir, run_x, "--max-steps", "1", "--overwrite")]) == 0
+    assert cli.main([str(a) for a in train_argv(workdir, run_x, "--max-steps", "1", "--overwrite")]) == 0
     assert sorted(p.name for p in run_x.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-mynotes"]
     assert (run_x / "checkpoint-mynotes" / "notes.txt").read_text() == "mine"
 
@@ -165,7 +160,7 @@ def test_checkpoint_rotation_deletes_only_the_runs_own_checkpoints(workdir, tmp_
     """--save-total-limit: Trainer's rotation would delete the oldest checkpoint-* directory whoever wrote it; only the
     checkpoints the run record proves are the run's (unchanged) rotate, a resumed run's included."""
     run = tmp_path / "run"
-    argv = _train_argv(workdir, run, "--max-steps", "3", "--save-steps", "1", "--eval-fraction", "0")
+    argv = train_argv(workdir, run, "--max-steps", "3", "--save-steps", "1", "--eval-fraction", "0")
     assert cli.main([str(a) for a in argv]) == 0
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     for name in ("checkpoint-0", "checkpoint-mynotes"):
@@ -203,7 +198,7 @@ def finished_runs(workdir):
     runs = {}
     for name, model, extra in (("v1", "v1", []), ("v2", "v2", []), ("lora", "v2", ["--lora", "--lora-r", "4"])):
         runs[name] = workdir / f"run-{name}"
-        argv = _train_argv(workdir, runs[name], "--max-steps", "1", "--eval-fraction", "0", *extra)
+        argv = train_argv(workdir, runs[name], "--max-steps", "1", "--eval-fraction", "0", *extra)
         argv[1] = workdir / model
         assert cli.main([str(a) for a in argv]) == 0
     return runs
@@ -235,7 +230,7 @@ def test_resume_refuses_a_corrupt_trainer_state(refused, workdir, finished_runs,
     out = tmp_path / "run"
     checkpoint = _corrupt_copy(finished_runs["v2"] / "checkpoint-1", out, state=state)
     before = tree_digest(out)
-    argv = _train_argv(workdir, out, "--max-steps", "3", "--eval-fraction", "0", "--resume")
+    argv = train_argv(workdir, out, "--max-steps", "3", "--eval-fraction", "0", "--resume")
     refused(argv, f"{checkpoint / 'trainer_state.json'} is corrupt", *words, "restore it", notes=True)
     assert tree_digest(out) == before
 
@@ -245,40 +240,39 @@ def test_resume_refuses_a_checkpoint_of_another_model_or_kind(refused, workdir, 
     v1, v2, lora = (finished_runs[name] / "checkpoint-1" for name in ("v1", "v2", "lora"))
     out = tmp_path / "out"
     refused(
-        _train_argv(workdir, out, *common, "--resume", v1),
+        train_argv(workdir, out, *common, "--resume", v1),
         f"--resume {v1} does not fit this model",
         "a Diff V1 checkpoint, a V2 model",
         "resume with the MODEL",
         notes=True,
     )
     refused(
-        _train_argv(workdir, out, *common, "--resume", lora),
+        train_argv(workdir, out, *common, "--resume", lora),
         "is a checkpoint of a LoRA adapter (adapter_config.json), but this run trains the full model",
         "--lora",
         notes=True,
     )
     refused(
-        _train_argv(workdir, out, *common, "--lora", "--lora-r", "4", "--resume", v2),
+        train_argv(workdir, out, *common, "--lora", "--lora-r", "4", "--resume", v2),
         "is a checkpoint of a full-model run",
         "without --lora",
         notes=True,
     )
     refused(
-        _train_argv(workdir, out, *common, "--lora", "--lora-r", "8", "--resume", lora),
+        train_argv(workdir, out, *common, "--lora", "--lora-r", "8", "--resume", lora),
         "lora_A.weight is [4, 32] there, [8, 32] in this model",
         notes=True,
     )
     assert not out.exists()
     corrupt = _corrupt_copy(lora, tmp_path / "corrupt", adapter_config="[1, 2]")
     refused(
-        _train_argv(workdir, out, *common, "--lora", "--lora-r", "4", "--resume", corrupt),
+        train_argv(workdir, out, *common, "--lora", "--lora-r", "4", "--resume", corrupt),
         f"{corrupt / 'adapter_config.json'} holds a JSON list, not an object",
         notes=True,
     )
     # the right kind and model still resumes
     assert (
-        cli.main([str(a) for a in _train_argv(workdir, out, *common, "--lora", "--lora-r", "4", "--resume", lora)])
-        == 0
+        cli.main([str(a) for a in train_argv(workdir, out, *common, "--lora", "--lora-r", "4", "--resume", lora)]) == 0
     )
 
 
@@ -315,13 +309,13 @@ def test_train_option_ranges(refused, workdir, tmp_path, capsys, extra, words):
     if "wandb" in extra:
         pytest.importorskip("importlib").util.find_spec("wandb") is None or pytest.skip("wandb is installed")
     out = tmp_path / "out"
-    refused([*_train_argv(workdir, out), *extra], *words, notes=True)
+    refused([*train_argv(workdir, out), *extra], *words, notes=True)
     assert not out.exists()
 
 
 def test_train_into_an_unwritable_output_is_one_line(refused, workdir, capsys):
     out = "/sys/diff-transformer-run"  # not creatable, even by root
-    refused(_train_argv(workdir, out), f"cannot write --output {out}", notes=True)
+    refused(train_argv(workdir, out), f"cannot write --output {out}", notes=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -643,7 +637,7 @@ def test_a_non_utf8_output_path_is_one_line(refused, workdir, finished_runs, tmp
         "convert": ["convert", tiny, out],
         "merge": ["merge", finished_runs["lora"], out],
         "demo": ["demo", "--scratch", "--output", out],
-        "train": _train_argv(workdir, out, "--max-steps", "1"),
+        "train": train_argv(workdir, out, "--max-steps", "1"),
     }[command]
     refused(argv, "is not valid UTF-8", "choose a path of UTF-8 characters", notes=True)
     assert not os.path.lexists(out)
@@ -813,7 +807,7 @@ def test_train_does_not_write_over_a_directory_of_the_users(refused, workdir, tm
     out = tmp_path / "notes"
     out.mkdir()
     (out / "README.md").write_text("my notes")  # the final save writes a model card README.md
-    argv = _train_argv(workdir, out, "--max-steps", "1")
+    argv = train_argv(workdir, out, "--max-steps", "1")
     refused(argv, "holds files that no training run wrote (README.md)", notes=True)
     assert (out / "README.md").read_text() == "my notes" and sorted(p.name for p in out.iterdir()) == ["README.md"]
 
@@ -826,7 +820,7 @@ def test_overwrite_never_follows_a_checkpoint_link(refused, workdir, tmp_path, c
     (run / "trainer_state.json").write_text("{}")
     (run / "checkpoint-3").symlink_to(elsewhere / "checkpoint-3")
     # A third step would save checkpoint-3 through the link: refused before anything (tests/outputs/test_links.py).
-    refused(_train_argv(workdir, run, "--max-steps", "1", "--overwrite"), "checkpoint-3, a symbolic link")
+    refused(train_argv(workdir, run, "--max-steps", "1", "--overwrite"), "checkpoint-3, a symbolic link")
     assert (elsewhere / "checkpoint-3" / "trainer_state.json").read_text() == "{}"
     assert sorted(p.name for p in (elsewhere / "checkpoint-3").iterdir()) == ["trainer_state.json"]
 
@@ -869,7 +863,7 @@ def test_a_full_disk_during_training_is_one_line(refused, workdir, tmp_path, cap
         raise OSError(errno.ENOSPC, "No space left on device", str(out / "model.safetensors"))
 
     monkeypatch.setattr(train_module.CausalLMTrainer, "save_model", full)
-    refused(_train_argv(workdir, out, "--max-steps", "1"), "No space left on device", "--resume", notes=True)
+    refused(train_argv(workdir, out, "--max-steps", "1"), "No space left on device", "--resume", notes=True)
 
 
 def test_a_fifo_in_the_model_directory_is_never_opened(tmp_path, capsys):
