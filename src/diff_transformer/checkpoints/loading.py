@@ -290,6 +290,16 @@ def from_pretrained(location: str, shown: str, **kwargs):
         return AutoModelForCausalLM.from_pretrained(location, **kwargs)
     except Exception as exc:
         message = " ".join(str(exc).split())[:300] or type(exc).__name__
+        # transformers' refusal ends "Please do not set `use_safetensors=True`", advice that does not apply here.
+        # Relies on its OSError's wording (5.23: "... cannot be loaded with `safetensors`"); guarded by
+        # tests/hub/test_hub.py::test_a_hub_repo_with_only_pickled_weights_is_refused_not_unpickled.
+        if kwargs["use_safetensors"] and isinstance(exc, OSError) and "loaded with `safetensors`" in message:
+            raise CheckpointError(
+                f"{shown} has no safetensors weights (this package loads safetensors only, refusing to unpickle "
+                "pytorch_model.bin or other pickles): convert them in a trusted environment (load the model there "
+                "with transformers and `save_pretrained(DIR)`, which writes model.safetensors) or use a revision "
+                "that ships *.safetensors."
+            ) from None
         raise CheckpointError(
             f"cannot load {shown} ({message}): check that it is a complete checkpoint, or re-download it."
         ) from None
