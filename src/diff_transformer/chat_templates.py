@@ -34,6 +34,11 @@ from .errors import UserError, one_line
 
 
 RENDER_SECONDS = 2.0
+# A forked render's (the CLI's) extra time per Mi characters it is given (`check_input`'s count), on top of
+# RENDER_SECONDS: a long conversation on a loaded machine is not killed for its length, a hostile template on a short
+# one still is at RENDER_SECONDS + FORK_KILL_MARGIN_S. A render of 1 Mi characters (500 turns of 2,000) took 0.07 s in
+# process, 0.17 s forked, at load 16 on 2 cores: the allowance is ~25x that.
+FORK_SECONDS_PER_MI_CHARS = 4.0
 RENDER_STEPS = 5_000_000
 RENDER_CHARS = 4 << 20  # 4 Mi characters: far more than any model's context holds as text
 MAX_INPUT_CHARS = 1 << 20  # 1 Mi characters given to one render: a quarter of RENDER_CHARS, room for the markup
@@ -207,13 +212,13 @@ WORKER_MEMORY_BYTES = 512 << 20
 ERRORS = ("ChatInputTooLargeError", "ChatTemplateBoundError", "ChatTemplateFailedError", "ChatRenderError")
 
 
-def text_of(answer: dict | None) -> str:
+def text_of(answer: dict | None, limit_s: float = RENDER_SECONDS) -> str:
     """The text of a render's ANSWER (`answer_of`'s, across a pipe), or its refusal raised; None: the render
     process overran its time or died (its memory). Shared by the forked renders (the CLI's) and serve's render
     workers (`serving.render_pool`)."""
     if answer is None:
         raise ChatTemplateBoundError(
-            f"rendering it took over {RENDER_SECONDS:g} s or more memory than "
+            f"rendering it took over {limit_s:.3g} s or more memory than "
             f"{WORKER_MEMORY_BYTES >> 20} MiB (the limits; a chat template renders in milliseconds)"
         )
     if "text" in answer:
@@ -258,7 +263,15 @@ def _cap_memory() -> None:
 
 # serve's worker-process renderer (`serving.render_pool.RenderPool.render`), `in_process`, or None: a forked child
 _ISOLATED = None
-FORK_KILL_S = RENDER_SECONDS + 1.0  # a forked render's wall-clock kill: its own time bound answers first in Python
+FORK_KILL_MARGIN_S = 1.0  # past a forked render's own time bound: that bound answers first whenever Python runs
+FORK_KILL_S = RENDER_SECONDS + FORK_KILL_MARGIN_S  # the kill of a forked render of a short conversation
+_render_seconds = RENDER_SECONDS  # the time bound of `generate`: a forked child's own, for its size (`fork_seconds`)
+
+
+def fork_seconds(size: int) -> float:
+    """The time bound of a forked render given SIZE characters (`check_input`'s count): RENDER_SECONDS plus
+    FORK_SECONDS_PER_MI_CHARS per Mi characters; the child is killed FORK_KILL_MARGIN_S after it."""
+    return RENDER_SECONDS + FORK_SECONDS_PER_MI_CHARS * size / (1 << 20)
 
 
 def isolate(renderer) -> None:
@@ -293,14 +306,19 @@ def render_in_fork(source: str, args: tuple, kwargs: dict):
     both): it caps its address space (`RLIMIT_AS`: what it maps now plus `WORKER_MEMORY_BYTES`, so a
     builder past it fails with MemoryError), arms an alarm (its default action ends it), renders with the template
     this process compiled (the compile cache is inherited), and writes its answer as JSON to a pipe; this process
-    waits at most `FORK_KILL_S`, then kills it. The same answer format and errors as the workers' (`answer_of`,
+    waits at most `fork_seconds(size)` + `FORK_KILL_MARGIN_S` (the child's own time bound is `fork_seconds(size)`:
+    both grow with the conversation, so a long one on a loaded machine is not killed for its length), then kills it.
+    The same answer format and errors as the workers' (`answer_of`,
     `text_of`). Nothing is unpickled; the child ends with os._exit (no atexit handler, no buffer of ours flushed)."""
     import selectors
     import signal
 
     from transformers.utils import chat_template_utils
 
+    global _render_seconds
     template = chat_template_utils._compile_jinja_template(source)
+    limit_s = fork_seconds(check_input(args, kwargs))
+    kill_s = limit_s + FORK_KILL_MARGIN_S
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: nothing here may return into the caller's code
@@ -308,7 +326,8 @@ def render_in_fork(source: str, args: tuple, kwargs: dict):
         try:
             os.close(read_end)
             signal.signal(signal.SIGALRM, signal.SIG_DFL)
-            signal.alarm(math.ceil(FORK_KILL_S) + 1)  # a backstop: the parent kills at FORK_KILL_S
+            signal.alarm(math.ceil(kill_s) + 1)  # a backstop: the parent kills at kill_s
+            _render_seconds = limit_s  # this child's own bound (a global of the child only)
             _cap_memory()
             answer = answer_of(lambda: "".join(template.generate(*args, **kwargs)))
             data = json.dumps(answer, ensure_ascii=False).encode("utf-8", "surrogatepass")
@@ -319,7 +338,7 @@ def render_in_fork(source: str, args: tuple, kwargs: dict):
         finally:
             os._exit(status)
     os.close(write_end)
-    chunks, deadline, answer = [], time.monotonic() + FORK_KILL_S, None
+    chunks, deadline, answer = [], time.monotonic() + kill_s, None
     try:
         with selectors.DefaultSelector() as selector:
             selector.register(read_end, selectors.EVENT_READ)
@@ -338,7 +357,7 @@ def render_in_fork(source: str, args: tuple, kwargs: dict):
         except ProcessLookupError:
             pass
         os.waitpid(pid, 0)
-    return text_of(answer)
+    return text_of(answer, limit_s)
 
 
 def _digest(source: str, kwargs) -> str:
@@ -355,10 +374,11 @@ _ITEM_CHARS = 16  # what one list item or dict entry counts for: a template's wo
 _MEDIA_KEYS = frozenset({"image", "image_url", "url", "audio", "input_audio", "video", "path", "base64"})
 
 
-def check_input(*values) -> None:
-    """`ChatInputTooLargeError` when what a render is given is over `MAX_INPUT_CHARS`: the characters of its strings,
-    and `_ITEM_CHARS` for each list item or dict entry (a template's steps and time grow with the number of messages).
-    Walked without recursion, and only until the limit is passed, so a deep or huge request costs no more than that."""
+def check_input(*values) -> int:
+    """The size of what a render is given, or `ChatInputTooLargeError` when it is over `MAX_INPUT_CHARS`: the
+    characters of its strings, and `_ITEM_CHARS` for each list item or dict entry (a template's steps and time grow
+    with the number of messages). Walked without recursion, and only until the limit is passed, so a deep or huge
+    request costs no more than that."""
     size, stack = 0, list(values)
     while stack:
         value = stack.pop()
@@ -375,6 +395,7 @@ def check_input(*values) -> None:
             stack.extend(value)
         if size > MAX_INPUT_CHARS:
             raise ChatInputTooLargeError(size)
+    return size
 
 
 def _deadline_tracer(limit_s: float, steps: int):
@@ -461,7 +482,7 @@ def _bounded_template_class():
         def generate(self, *args, **kwargs):
             check_input(args, kwargs)
             previous = sys.gettrace()
-            tracer = _deadline_tracer(RENDER_SECONDS, RENDER_STEPS)
+            tracer = _deadline_tracer(_render_seconds, RENDER_STEPS)
             sys.settrace(tracer)
             try:
                 size = 0
@@ -554,6 +575,8 @@ __all__ = [
     "MAX_INPUT_CHARS",
     "RENDER_CHARS",
     "RENDER_SECONDS",
+    "FORK_SECONDS_PER_MI_CHARS",
+    "fork_seconds",
     "RENDER_STEPS",
     "ChatInputTooLargeError",
     "ChatRenderError",

@@ -70,6 +70,38 @@ def test_a_render_building_gigabytes_in_one_call_is_stopped_in_its_child(name):
     assert render_chat(plain, CHATS[0], add_generation_prompt=True)
 
 
+def test_the_kill_grows_with_the_conversation_and_still_stops_a_hostile_template(monkeypatch):
+    """Issue 56: a forked render was killed at a fixed 3 s, so a long legitimate conversation on a loaded machine
+    could be killed for its length. Its bound is now RENDER_SECONDS plus FORK_SECONDS_PER_MI_CHARS per Mi characters
+    given, the kill FORK_KILL_MARGIN_S later. A loaded machine is stood in for by a child that gets no CPU for 4 s
+    before it renders (past the fixed 3 s): a conversation of ~1 Mi characters renders (the same text as in process),
+    a short one is killed at its 3 s, and a hostile template with the long conversation is still stopped."""
+    long = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " + "w" * 1990} for i in range(500)]
+    size = chat_templates.check_input(long)
+    assert size > 0.98 * chat_templates.MAX_INPUT_CHARS
+    assert chat_templates.fork_seconds(0) == chat_templates.RENDER_SECONDS == FORK_KILL_S - 1
+    allowance = chat_templates.FORK_SECONDS_PER_MI_CHARS * size / (1 << 20)
+    assert chat_templates.fork_seconds(size) == pytest.approx(chat_templates.RENDER_SECONDS + allowance)
+    tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA)
+    with chat_templates.isolation(chat_templates.in_process):
+        expected = render_chat(tokenizer, long, add_generation_prompt=True)
+    stall = FORK_KILL_S + 1.0
+    assert chat_templates.fork_seconds(size) + chat_templates.FORK_KILL_MARGIN_S > stall + 2  # room to render
+    cap = chat_templates._cap_memory
+    monkeypatch.setattr(chat_templates, "_cap_memory", lambda: (time.sleep(stall), cap()))  # runs in the child
+    assert render_chat(tokenizer, long, add_generation_prompt=True) == expected
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateBoundError, match="took over 2 s"):
+        render_chat(tokenizer, CHATS[0], add_generation_prompt=True)
+    assert FORK_KILL_S - 0.1 < time.monotonic() - start < stall
+    monkeypatch.setattr(chat_templates, "_cap_memory", cap)
+    tokenizer.chat_template = HOSTILE["nested-list"] + "{% for m in messages %}{{ m.content }}{% endfor %}"
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateBoundError):
+        render_chat(tokenizer, long, add_generation_prompt=True)
+    assert time.monotonic() - start < chat_templates.fork_seconds(size) + chat_templates.FORK_KILL_MARGIN_S + 10
+
+
 @pytest.mark.slow
 def test_generate_chat_with_each_hostile_template_exits_with_one_line(tmp_path):
     """The CLI end to end (~20 s per run: torch's imports): exit 2, one `error:` line naming the bound, in bounded

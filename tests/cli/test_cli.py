@@ -432,6 +432,28 @@ def test_quiet_silences_warnings_and_bars_show_only_on_a_terminal(tmp_path):
     assert status == 0 and quiet_stdout == stdout and stderr == "", stderr
 
 
+def test_quiet_hides_the_bitsandbytes_kernel_notice():
+    """Issue 56 item 5: under --quiet, `train --load-in-4bit` (anything importing peft, hence bitsandbytes) printed
+    bitsandbytes' "... Please make sure you already `pip install kernels`": its own Python logger, which neither
+    transformers' verbosity nor the warnings filter reach. A fresh interpreter imports bitsandbytes inside the CLI's
+    --quiet settings; the notice is logged only on CPUs with AVX512-BF16 and without `kernels` (checked, else skip)."""
+    pytest.importorskip("bitsandbytes")
+    script = (
+        "import importlib.util, sys\n"
+        "from diff_transformer.cli.options import output_settings\n"
+        "with output_settings(quiet=True):\n"
+        "    from bitsandbytes.backends.cpu import ops\n"
+        "fires = ops.has_avx512bf16() and importlib.util.find_spec('kernels') is None\n"
+        "print('fires' if fires else 'silent')\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    if result.stdout.strip() != "fires":
+        pytest.skip("bitsandbytes logs no kernel notice on this CPU")
+    assert "pip install kernels" not in result.stderr and "kernels-community" not in result.stderr, result.stderr
+
+
 def test_every_option_s_help_shows_its_default():
     """Issue 32: help hid defaults (train's batch size, epochs, LoRA r/alpha). Every option of every command says its
     default: the help formatter appends it, and options whose default is None say what happens without them."""

@@ -3,6 +3,7 @@ character at the MAX_TEXT_BYTES cut dropped. Before, a file of 4 MiB or more was
 (5 MiB of random bytes accepted, 3 MiB of Latin-1 refused)."""
 
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -60,3 +61,22 @@ def test_files_over_the_cut_are_refused_as_files_under_it(tmp_path):
     text = "a" * (MAX_TEXT_BYTES - 1) + "€" * 10
     (tmp_path / "long.txt").write_text(text, encoding="utf-8")
     assert read_calibration_text(tmp_path / "long.txt") == "a" * (MAX_TEXT_BYTES - 1)
+
+
+def test_long_text_tokenizes_without_the_indexing_errors_warning(tmp_path, caplog):
+    """Issue 56 item 5: `convert --diff-version 1 --calibration-data` printed the tokenizer's "... will result in
+    indexing errors" for a text longer than the model's context, which the calibration cuts into blocks of at most
+    the context: advice that does not apply. The same tokenizer, asked directly, still warns (the control)."""
+    from transformers import AutoTokenizer
+
+    import diff_transformer
+
+    tiny_llama = Path(diff_transformer.__file__).parent / "assets" / "tiny-llama"
+    text = tmp_path / "long.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 400)  # ~4,000 tokens, the context 512
+    caplog.clear()
+    plan = calibrate.plan_calibration(tiny_llama, 2048, 512, calibration_data=text, num_blocks=2, block_size=64)
+    assert plan.blocks.shape == (2, 64)
+    assert not any("indexing errors" in message for message in caplog.messages), caplog.messages
+    AutoTokenizer.from_pretrained(tiny_llama)(text.read_text(), add_special_tokens=False)
+    assert any("will result in indexing errors" in m for m in caplog.messages)  # the control: this tokenizer warns

@@ -273,3 +273,36 @@ def test_the_quickstart_runs_in_the_environment_the_page_made(page):
     for words in pips:  # torch first, pinned; everything else within the constraints
         pinned = words[words.index("constraints.txt") - 1] == "-c" if "constraints.txt" in words else False
         assert "torch==2.13.0" in words or pinned, words
+
+
+def test_the_server_s_limits_table_states_the_code_s_values():
+    """Issue 56 item 6: docs/serving.md holds the server's limits in one table (body size, queue, loaded models,
+    render bounds); each row is held to the constant the server uses, so the table cannot drift from the code."""
+    from diff_transformer import chat_templates
+    from diff_transformer.serving import patches, render_pool, requests, server
+
+    text = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+    table = text.split("### The server's limits", 1)[1].split("\n\n", 2)[1]
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    assert f"| {patches.MAX_REQUEST_BYTES >> 20} MiB |" in rows["request body"]
+    assert (
+        f"| {patches.MAX_QUEUED_REQUESTS} |"
+        in rows["requests in the server (POST, from arrival to the answer's last byte)"]
+    )
+    assert f"1 to {server.RETRY_AFTER_MAX_S} s" in rows["Retry-After"]
+    settings = patches.ServeSettings()
+    assert f"| {patches.MAX_LOADED_MODELS}, at least the MODELs named |" in rows["loaded models"]
+    assert f"at most {settings.model_wait_s:g} s, then `503`" in rows["loaded models"]
+    render = rows["chat template render"]
+    assert f"{chat_templates.RENDER_SECONDS:g} s, {chat_templates.RENDER_STEPS:,} Python steps" in render
+    assert f"{chat_templates.RENDER_CHARS >> 20} Mi characters built" in render
+    assert f"{chat_templates.MAX_INPUT_CHARS >> 20} Mi characters given" in render
+    workers = rows["render processes"]
+    assert (
+        f"{patches.RENDER_WORKERS} workers" in workers
+        and f"+ {chat_templates.WORKER_MEMORY_BYTES >> 20} MiB" in workers
+    )
+    assert f"killed {render_pool.KILL_MARGIN_S:g} s past the {chat_templates.RENDER_SECONDS:g} s bound" in workers
+    assert f"{requests.MAX_STOP_STRINGS} strings of 1 to {requests.MAX_STOP_CHARS} characters" in rows["`stop`"]
+    assert f"{requests.MAX_LOGIT_BIAS:,} entries" in rows["`logit_bias`"]
+    assert f"{patches.GRACEFUL_SHUTDOWN_S} s" in rows["shutdown (SIGTERM)"]

@@ -15,6 +15,7 @@ from diff_transformer import cli
 from diff_transformer.outputs.records import write_manifest, wrote_this
 from tests.helpers import REPOSITORY
 from tests.helpers.checkpoints import tree_digest
+from tests.helpers.training import train_argv
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -82,41 +83,75 @@ def workdir(tmp_path_factory):
     return root
 
 
-def _train_argv(workdir, output, *extra):
-    from tests.helpers.training import QUIET
-
-    return ["train", workdir / "v2", "--data", workdir / "text.txt", "--output", output, *QUIET, *extra]
-
-
 def test_second_train_into_the_same_output_is_refused(refused, workdir, tmp_path, capsys):
     from diff_transformer.outputs.staging import OutputLock
 
     out = tmp_path / "run"
     with OutputLock(out, name="--output"):  # a first run, still alive
-        argv = _train_argv(workdir, out, "--max-steps", "1")
+        argv = train_argv(workdir, out, "--max-steps", "1")
         refused(argv, f"--output {out} is being written by another run", notes=True)
         assert sorted(p.name for p in out.iterdir()) == [".diff-transformer.lock"]  # the first run's lock only
     assert not out.exists()  # the lock's directory, created for it, goes with it
+
+
+@pytest.mark.slow  # a training run in a fresh process, killed, then one more run: ~1 min on a busy machine
+def test_a_train_killed_before_its_first_checkpoint_does_not_lock_its_output(workdir, tmp_path, capsys):
+    """Issue 56 item 5: a train SIGKILLed before its first checkpoint left a run record (and its lock file) that made
+    every later run refuse the directory. The rerun, without --overwrite, trains into it; a file of the user's put
+    there meanwhile is still refused (the killed run's bookkeeping proves nothing of it)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from diff_transformer.outputs.files import RUN_RECORD
+
+    out = tmp_path / "run"
+    argv = [str(a) for a in train_argv(workdir, out, "--max-steps", "100000", "--save-steps", "100000")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "diff_transformer", *argv], env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / RUN_RECORD).exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # the record exists once training has begun (Trainer's on_train_begin)
+        assert process.poll() is None, process.stderr.read()
+        assert (out / RUN_RECORD).exists(), "the run never began"
+        time.sleep(1)  # a few steps in, still far from a checkpoint
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=60)
+        process.stderr.close()
+    assert not any(p.name.startswith("checkpoint-") for p in out.iterdir()), sorted(out.iterdir())
+    left = sorted(p.name for p in out.iterdir())
+    assert RUN_RECORD in left, left
+
+    (out / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert cli.main([*argv[:-4], "--max-steps", "1"]) == 2  # the user's file: refused by name, kept
+    assert "notes.txt" in capsys.readouterr().err
+    (out / "notes.txt").unlink()
+    assert cli.main([*argv[:-4], "--max-steps", "1"]) == 0, capsys.readouterr().err
+    assert (out / "model.safetensors").is_file()
 
 
 def test_resume_into_another_run_needs_overwrite_and_keeps_users_directories(refused, workdir, tmp_path, capsys):
     import shutil
 
     run_x, run_y = tmp_path / "rX", tmp_path / "rY"
-    assert cli.main([str(a) for a in _train_argv(workdir, run_x, "--max-steps", "2", "--save-steps", "1")]) == 0
+    assert cli.main([str(a) for a in train_argv(workdir, run_x, "--max-steps", "2", "--save-steps", "1")]) == 0
     run_y.mkdir()
     shutil.copytree(run_x / "checkpoint-1", run_y / "checkpoint-1")  # another run's checkpoint
     (run_x / "checkpoint-mynotes").mkdir()
     (run_x / "checkpoint-mynotes" / "notes.txt").write_text("mine")
     digest = tree_digest(run_x)
-    argv = _train_argv(workdir, run_x, "--max-steps", "3", "--save-steps", "1", "--resume", run_y / "checkpoint-1")
+    argv = train_argv(workdir, run_x, "--max-steps", "3", "--save-steps", "1", "--resume", run_y / "checkpoint-1")
     refused(argv, f"--output {run_x} holds another training run (checkpoint-1, checkpoint-2", "--overwrite")
     assert tree_digest(run_x) == digest
     assert cli.main([str(a) for a in [*argv, "--overwrite"]]) == 0
     assert sorted(p.name for p in run_x.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3", "checkpoint-mynotes"]
     assert (run_x / "checkpoint-mynotes" / "notes.txt").read_text() == "mine"
     # --overwrite starting over deletes Trainer's checkpoints only
-    assert cli.main([str(a) for a in _train_argv(workdir, run_x, "--max-steps", "1", "--overwrite")]) == 0
+    assert cli.main([str(a) for a in train_argv(workdir, run_x, "--max-steps", "1", "--overwrite")]) == 0
     assert sorted(p.name for p in run_x.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-mynotes"]
     assert (run_x / "checkpoint-mynotes" / "notes.txt").read_text() == "mine"
 
@@ -125,7 +160,7 @@ def test_checkpoint_rotation_deletes_only_the_runs_own_checkpoints(workdir, tmp_
     """--save-total-limit: Trainer's rotation would delete the oldest checkpoint-* directory whoever wrote it; only the
     checkpoints the run record proves are the run's (unchanged) rotate, a resumed run's included."""
     run = tmp_path / "run"
-    argv = _train_argv(workdir, run, "--max-steps", "3", "--save-steps", "1", "--eval-fraction", "0")
+    argv = train_argv(workdir, run, "--max-steps", "3", "--save-steps", "1", "--eval-fraction", "0")
     assert cli.main([str(a) for a in argv]) == 0
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     for name in ("checkpoint-0", "checkpoint-mynotes"):
@@ -163,7 +198,7 @@ def finished_runs(workdir):
     runs = {}
     for name, model, extra in (("v1", "v1", []), ("v2", "v2", []), ("lora", "v2", ["--lora", "--lora-r", "4"])):
         runs[name] = workdir / f"run-{name}"
-        argv = _train_argv(workdir, runs[name], "--max-steps", "1", "--eval-fraction", "0", *extra)
+        argv = train_argv(workdir, runs[name], "--max-steps", "1", "--eval-fraction", "0", *extra)
         argv[1] = workdir / model
         assert cli.main([str(a) for a in argv]) == 0
     return runs
@@ -195,7 +230,7 @@ def test_resume_refuses_a_corrupt_trainer_state(refused, workdir, finished_runs,
     out = tmp_path / "run"
     checkpoint = _corrupt_copy(finished_runs["v2"] / "checkpoint-1", out, state=state)
     before = tree_digest(out)
-    argv = _train_argv(workdir, out, "--max-steps", "3", "--eval-fraction", "0", "--resume")
+    argv = train_argv(workdir, out, "--max-steps", "3", "--eval-fraction", "0", "--resume")
     refused(argv, f"{checkpoint / 'trainer_state.json'} is corrupt", *words, "restore it", notes=True)
     assert tree_digest(out) == before
 
@@ -205,40 +240,39 @@ def test_resume_refuses_a_checkpoint_of_another_model_or_kind(refused, workdir, 
     v1, v2, lora = (finished_runs[name] / "checkpoint-1" for name in ("v1", "v2", "lora"))
     out = tmp_path / "out"
     refused(
-        _train_argv(workdir, out, *common, "--resume", v1),
+        train_argv(workdir, out, *common, "--resume", v1),
         f"--resume {v1} does not fit this model",
         "a Diff V1 checkpoint, a V2 model",
         "resume with the MODEL",
         notes=True,
     )
     refused(
-        _train_argv(workdir, out, *common, "--resume", lora),
+        train_argv(workdir, out, *common, "--resume", lora),
         "is a checkpoint of a LoRA adapter (adapter_config.json), but this run trains the full model",
         "--lora",
         notes=True,
     )
     refused(
-        _train_argv(workdir, out, *common, "--lora", "--lora-r", "4", "--resume", v2),
+        train_argv(workdir, out, *common, "--lora", "--lora-r", "4", "--resume", v2),
         "is a checkpoint of a full-model run",
         "without --lora",
         notes=True,
     )
     refused(
-        _train_argv(workdir, out, *common, "--lora", "--lora-r", "8", "--resume", lora),
+        train_argv(workdir, out, *common, "--lora", "--lora-r", "8", "--resume", lora),
         "lora_A.weight is [4, 32] there, [8, 32] in this model",
         notes=True,
     )
     assert not out.exists()
     corrupt = _corrupt_copy(lora, tmp_path / "corrupt", adapter_config="[1, 2]")
     refused(
-        _train_argv(workdir, out, *common, "--lora", "--lora-r", "4", "--resume", corrupt),
+        train_argv(workdir, out, *common, "--lora", "--lora-r", "4", "--resume", corrupt),
         f"{corrupt / 'adapter_config.json'} holds a JSON list, not an object",
         notes=True,
     )
     # the right kind and model still resumes
     assert (
-        cli.main([str(a) for a in _train_argv(workdir, out, *common, "--lora", "--lora-r", "4", "--resume", lora)])
-        == 0
+        cli.main([str(a) for a in train_argv(workdir, out, *common, "--lora", "--lora-r", "4", "--resume", lora)]) == 0
     )
 
 
@@ -275,13 +309,13 @@ def test_train_option_ranges(refused, workdir, tmp_path, capsys, extra, words):
     if "wandb" in extra:
         pytest.importorskip("importlib").util.find_spec("wandb") is None or pytest.skip("wandb is installed")
     out = tmp_path / "out"
-    refused([*_train_argv(workdir, out), *extra], *words, notes=True)
+    refused([*train_argv(workdir, out), *extra], *words, notes=True)
     assert not out.exists()
 
 
 def test_train_into_an_unwritable_output_is_one_line(refused, workdir, capsys):
     out = "/sys/diff-transformer-run"  # not creatable, even by root
-    refused(_train_argv(workdir, out), f"cannot write --output {out}", notes=True)
+    refused(train_argv(workdir, out), f"cannot write --output {out}", notes=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -400,6 +434,42 @@ def test_generate_inspect_train_refuse_bad_configs_before_loading(refused, tmp_p
     text = tmp_path / "t.txt"
     text.write_text("hello world " * 50)
     refused(["train", model, "--data", text, "--output", tmp_path / "run", "--report-to", "none"], *words, notes=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["diff", "t.txt"]
+
+
+class _Touch:
+    """Unpickling this creates a file: the proof that a loader unpickled the weights."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def test_every_loading_command_refuses_pickle_only_weights_without_unpickling(refused, tmp_path, capsys):
+    """Issue 56: a checkpoint whose weights are only pytorch_model.bin is one line of ours naming the problem and the
+    fix, for every command that loads a model; nothing is unpickled (torch's refusal of such a pickle advised
+    `weights_only=False`)."""
+    from safetensors.torch import load_file
+
+    model = _diff_checkpoint(tmp_path)
+    marker = tmp_path / "unpickled"
+    state = dict(load_file(model / "model.safetensors"), extra=_Touch(marker))
+    torch.save(state, model / "pytorch_model.bin")
+    (model / "model.safetensors").unlink()
+    text = tmp_path / "t.txt"
+    text.write_text("hello world " * 50)
+    words = ["pytorch_model.bin", "refusing to unpickle", "safetensors only", "save_pretrained", "trusted"]
+    for argv in (
+        ["generate", model, "5 6 7"],
+        ["inspect", model, "5 6 7", "--out", tmp_path / "f.png"],
+        ["niah", model, "--out", tmp_path / "niah", "--lengths", "256", "--depths", "0.5", "--no-figure"],
+        ["train", model, "--data", text, "--output", tmp_path / "run", "--report-to", "none"],
+    ):
+        line = refused(argv, *words)
+        assert "weights_only" not in line, line
+    assert not marker.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["diff", "t.txt"]
 
 
@@ -567,7 +637,7 @@ def test_a_non_utf8_output_path_is_one_line(refused, workdir, finished_runs, tmp
         "convert": ["convert", tiny, out],
         "merge": ["merge", finished_runs["lora"], out],
         "demo": ["demo", "--scratch", "--output", out],
-        "train": _train_argv(workdir, out, "--max-steps", "1"),
+        "train": train_argv(workdir, out, "--max-steps", "1"),
     }[command]
     refused(argv, "is not valid UTF-8", "choose a path of UTF-8 characters", notes=True)
     assert not os.path.lexists(out)
@@ -737,7 +807,7 @@ def test_train_does_not_write_over_a_directory_of_the_users(refused, workdir, tm
     out = tmp_path / "notes"
     out.mkdir()
     (out / "README.md").write_text("my notes")  # the final save writes a model card README.md
-    argv = _train_argv(workdir, out, "--max-steps", "1")
+    argv = train_argv(workdir, out, "--max-steps", "1")
     refused(argv, "holds files that no training run wrote (README.md)", notes=True)
     assert (out / "README.md").read_text() == "my notes" and sorted(p.name for p in out.iterdir()) == ["README.md"]
 
@@ -750,7 +820,7 @@ def test_overwrite_never_follows_a_checkpoint_link(refused, workdir, tmp_path, c
     (run / "trainer_state.json").write_text("{}")
     (run / "checkpoint-3").symlink_to(elsewhere / "checkpoint-3")
     # A third step would save checkpoint-3 through the link: refused before anything (tests/outputs/test_links.py).
-    refused(_train_argv(workdir, run, "--max-steps", "1", "--overwrite"), "checkpoint-3, a symbolic link")
+    refused(train_argv(workdir, run, "--max-steps", "1", "--overwrite"), "checkpoint-3, a symbolic link")
     assert (elsewhere / "checkpoint-3" / "trainer_state.json").read_text() == "{}"
     assert sorted(p.name for p in (elsewhere / "checkpoint-3").iterdir()) == ["trainer_state.json"]
 
@@ -793,7 +863,7 @@ def test_a_full_disk_during_training_is_one_line(refused, workdir, tmp_path, cap
         raise OSError(errno.ENOSPC, "No space left on device", str(out / "model.safetensors"))
 
     monkeypatch.setattr(train_module.CausalLMTrainer, "save_model", full)
-    refused(_train_argv(workdir, out, "--max-steps", "1"), "No space left on device", "--resume", notes=True)
+    refused(train_argv(workdir, out, "--max-steps", "1"), "No space left on device", "--resume", notes=True)
 
 
 def test_a_fifo_in_the_model_directory_is_never_opened(tmp_path, capsys):

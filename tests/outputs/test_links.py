@@ -15,8 +15,7 @@ from diff_transformer.conversion import convert_llama_to_diff
 from diff_transformer.outputs.files import write_new_file
 from diff_transformer.outputs.records import record_entry
 from diff_transformer.outputs.staging import OutputLock
-from tests.helpers.checkpoints import HELDOUT, make_llama, save_trainable_checkpoint
-from tests.helpers.training import QUIET
+from tests.helpers.training import train_argv, train_work
 
 
 VICTIM = b"the user's file, outside OUT\n"
@@ -98,18 +97,8 @@ MERGE_FILES = [
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    """A tiny Diff V2 checkpoint, a text file, a tiny Llama (for convert) and a one-step LoRA run on the Diff model
-    (for merge)."""
-    root = tmp_path_factory.mktemp("links")
-    save_trainable_checkpoint(root / "v2", 2)
-    (root / "text.txt").write_text(HELDOUT[:2500], encoding="utf-8")
-    make_llama(root / "llama")
-    assert cli.main([str(a) for a in _train(root, root / "lora", "--max-steps", "1", "--lora", "--lora-r", "4")]) == 0
-    return root
-
-
-def _train(work, output, *extra):
-    return ["train", work / "v2", "--data", work / "text.txt", "--output", output, *QUIET, *extra]
+    """`tests.helpers.training.train_work`: a tiny Diff V2 checkpoint and its text, a tiny Llama, a LoRA run."""
+    return train_work(tmp_path_factory.mktemp("links"))
 
 
 def _written(directory: Path) -> set[str]:
@@ -155,7 +144,7 @@ def test_train_refuses_a_link_at_any_name_it_writes(refused, work, tmp_path, cap
     (out / "notes.txt").write_text("the user's")
     link = _plant(out, name, kind, target)
     what = "a symbolic link" if kind == "symlink" else "hard links"
-    refused(_train(work, out, "--max-steps", "2", "--save-steps", "1", "--overwrite"), name, what, "Remove it")
+    refused(train_argv(work, out, "--max-steps", "2", "--save-steps", "1", "--overwrite"), name, what, "Remove it")
     _untouched(target, victim)
     assert os.path.lexists(link) and (out / "notes.txt").read_text() == "the user's"  # refused, nothing removed
 
@@ -163,13 +152,13 @@ def test_train_refuses_a_link_at_any_name_it_writes(refused, work, tmp_path, cap
 def test_train_refuses_an_output_that_is_a_link(refused, work, tmp_path, capsys):
     (tmp_path / "real").mkdir()
     (tmp_path / "out").symlink_to(tmp_path / "real")
-    refused(_train(work, tmp_path / "out", "--max-steps", "1"), "is a symbolic link", "the directory it points to")
+    refused(train_argv(work, tmp_path / "out", "--max-steps", "1"), "is a symbolic link", "the directory it points to")
     assert list((tmp_path / "real").iterdir()) == []
 
 
 def test_the_train_names_cover_what_a_run_writes(work, tmp_path):
     out = tmp_path / "run"
-    argv = _train(work, out, "--max-steps", "2", "--save-steps", "1", "--eval-fraction", "0.2")
+    argv = train_argv(work, out, "--max-steps", "2", "--save-steps", "1", "--eval-fraction", "0.2")
     argv[argv.index("--report-to") + 1] = "tensorboard"
     assert cli.main([str(a) for a in argv]) == 0
     written = _written(out) | _written(work / "lora")

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from diff_transformer import cli
-from tests.helpers.checkpoints import HELDOUT, make_llama, save_trainable_checkpoint
-from tests.helpers.training import QUIET
+from tests.helpers.training import train_argv, train_work
 
 
 TINY = Path(cli.__file__).resolve().parent.parent / "assets" / "tiny-llama"
@@ -22,23 +21,14 @@ PAST = 1_000_000_000  # a modification time (2001) that no run of the test sets 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    """A tiny Diff V2 checkpoint and a text to train it on, a tiny Llama (convert) and a one-step LoRA run (merge)."""
-    root = tmp_path_factory.mktemp("ownership")
-    save_trainable_checkpoint(root / "v2", 2)
-    (root / "text.txt").write_text(HELDOUT[:2500], encoding="utf-8")
-    make_llama(root / "llama")
-    assert cli.main([str(a) for a in _train(root, root / "lora", "--max-steps", "1", "--lora", "--lora-r", "4")]) == 0
-    return root
-
-
-def _train(work, output, *extra):
-    return ["train", work / "v2", "--data", work / "text.txt", "--output", output, *QUIET, *extra]
+    """`tests.helpers.training.train_work`: a tiny Diff V2 checkpoint and its text, a tiny Llama, a LoRA run."""
+    return train_work(tmp_path_factory.mktemp("ownership"))
 
 
 COMMANDS = {
     "convert": lambda w, out: ["convert", w / "llama", out, "--quiet"],
     "merge": lambda w, out: ["merge", w / "lora", out],
-    "train": lambda w, out: _train(w, out, "--max-steps", "1", "--eval-fraction", "0"),
+    "train": lambda w, out: train_argv(w, out, "--max-steps", "1", "--eval-fraction", "0"),
     "niah": lambda w, out: ["niah", TINY, "--out", out, "--lengths", "150", "--depths", "0", "--needles", "1"],
     "demo --scratch": lambda w, out: ["demo", "--scratch", "--output", out],
     "demo": lambda w, out: ["demo", "--output", out],

@@ -14,12 +14,16 @@ from ..families import family_of, is_motif
 from . import CheckpointError
 from .configs import check_model_config, check_model_type, read_json, refuse_special_files
 from .names import resolve_model
-from .weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, find_shards, read_headers
+from .weights import PICKLE_SUFFIXES, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, find_shards, read_headers
 
 
 def _weight_shapes(directory: Path) -> dict[str, tuple[int, ...]] | None:
-    """Tensor name -> shape from the safetensors headers, or None when the checkpoint has no safetensors weights."""
+    """Tensor name -> shape from the safetensors headers, or None when the checkpoint has no safetensors weights.
+    Refuses a checkpoint whose only weights are pickles (`find_shards`' line): transformers would unpickle them, and
+    torch's refusal of an unsafe one advises `weights_only=False`."""
     if not ((directory / SAFETENSORS_INDEX).is_file() or (directory / SAFETENSORS_SINGLE).is_file()):
+        if any(p.is_file() and p.name.endswith(PICKLE_SUFFIXES) for p in directory.iterdir()):
+            find_shards(directory)  # raises unless other model*.safetensors files hold the weights
         return None
     return {name: info.shape for name, info in read_headers(directory, find_shards(directory)).items()}
 
@@ -279,10 +283,23 @@ def from_pretrained(location: str, shown: str, **kwargs):
 
     import diff_transformer  # noqa: F401  (registers the Auto classes)
 
+    # Safetensors only, wherever the weights come from (a Hub repo with only pytorch_model.bin is refused, not
+    # unpickled): the local check (`_weight_shapes`) names the fix before this for a directory.
+    kwargs.setdefault("use_safetensors", True)
     try:
         return AutoModelForCausalLM.from_pretrained(location, **kwargs)
     except Exception as exc:
         message = " ".join(str(exc).split())[:300] or type(exc).__name__
+        # transformers' refusal ends "Please do not set `use_safetensors=True`", advice that does not apply here.
+        # Relies on its OSError's wording (5.23: "... cannot be loaded with `safetensors`"); guarded by
+        # tests/hub/test_hub.py::test_a_hub_repo_with_only_pickled_weights_is_refused_not_unpickled.
+        if kwargs["use_safetensors"] and isinstance(exc, OSError) and "loaded with `safetensors`" in message:
+            raise CheckpointError(
+                f"{shown} has no safetensors weights (this package loads safetensors only, refusing to unpickle "
+                "pytorch_model.bin or other pickles): convert them in a trusted environment (load the model there "
+                "with transformers and `save_pretrained(DIR)`, which writes model.safetensors) or use a revision "
+                "that ships *.safetensors."
+            ) from None
         raise CheckpointError(
             f"cannot load {shown} ({message}): check that it is a complete checkpoint, or re-download it."
         ) from None

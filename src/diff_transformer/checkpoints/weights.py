@@ -14,7 +14,7 @@ from . import CheckpointError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
-_PICKLE_SUFFIXES = (".bin", ".pth", ".pt", ".ckpt", ".pkl")
+PICKLE_SUFFIXES = (".bin", ".pth", ".pt", ".ckpt", ".pkl")
 
 
 @dataclass(frozen=True)
@@ -44,14 +44,14 @@ def find_shards(path: Path) -> list[Path]:
     candidates = sorted(p for p in path.glob("model*.safetensors") if p.is_file())
     if candidates:
         return candidates
-    pickles = sorted(p.name for p in path.iterdir() if p.is_file() and p.name.endswith(_PICKLE_SUFFIXES))
+    pickles = sorted(p.name for p in path.iterdir() if p.is_file() and p.name.endswith(PICKLE_SUFFIXES))
     if pickles:
         raise CheckpointError(
             f"{path} holds only pickle weights "
             f"({', '.join(pickles[:3])}{', ...' if len(pickles) > 3 else ''}); refusing to "
-            "unpickle them: convert to safetensors in a trusted environment "
-            "(`save_pretrained(..., safe_serialization=True)`) "
-            "or use a revision that ships *.safetensors."
+            "unpickle them (this package loads safetensors only): convert them in a trusted environment (load the "
+            "model there with transformers and `save_pretrained(DIR)`, which writes model.safetensors) or use a "
+            "revision that ships *.safetensors."
         )
     raise CheckpointError(
         f"no model weights (*.safetensors) in {path}: download the full checkpoint, "
@@ -116,4 +116,12 @@ def read_headers(path: Path, shards: list[Path]) -> dict[str, TensorInfo]:
     return tensors
 
 
-__all__ = ["SAFETENSORS_INDEX", "SAFETENSORS_SINGLE", "TensorInfo", "find_shards", "read_headers", "read_index"]
+__all__ = [
+    "PICKLE_SUFFIXES",
+    "SAFETENSORS_INDEX",
+    "SAFETENSORS_SINGLE",
+    "TensorInfo",
+    "find_shards",
+    "read_headers",
+    "read_index",
+]

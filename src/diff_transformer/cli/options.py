@@ -83,8 +83,11 @@ def output_settings(quiet: bool = False):
             hf_logging.disable_progress_bar()
             disable_progress_bars()
         if quiet:
+            from ..checkpoints.adapters import hide_bitsandbytes_kernel_notice
+
             hf_logging.set_verbosity_error()
             warnings.simplefilter("ignore")
+            hide_bitsandbytes_kernel_notice()  # bitsandbytes' own logger: neither of the above reaches it
         try:
             yield progress
         finally:

@@ -188,8 +188,14 @@ def plan_calibration(
             f"--calibration-data needs SRC's tokenizer, but {source_path} has none that loads: add its tokenizer "
             "files, or convert without --calibration-data."
         )
+    # verbose=False: the text is cut into blocks of at most the context below, never run through the model whole, so
+    # the tokenizer's "longer than the specified maximum ... will result in indexing errors" does not apply (it is
+    # logged only when verbose; tests/conversion/test_calibration_text.py::test_long_text_tokenizes_without_the_
+    # indexing_errors_warning guards it).
     ids = (
-        tokenizer(text or BUILTIN_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+        tokenizer(text or BUILTIN_TEXT.read_text(encoding="utf-8"), add_special_tokens=False, verbose=False)[
+            "input_ids"
+        ]
         if (tokenizer is not None)
         else []
     )
