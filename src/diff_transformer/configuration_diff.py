@@ -21,7 +21,6 @@ _MAP_FIRST_INFERENCE = "map_first_inference"
 # `hidden_act` of Motif's PolyNorm activation (a module with weights, not an ACT2FN entry: modeling_diff.DiffPolyNorm).
 POLY_NORM = "poly_norm"
 
-
 AUTO_MAP = {"AutoConfig": "configuration_diff.DiffConfig", "AutoModel": "modeling_diff.DiffModel"} | {
     f"AutoModelFor{task}": f"modeling_diff.DiffFor{task}"
     for task in ("CausalLM", "SequenceClassification", "TokenClassification", "QuestionAnswering")
@@ -36,7 +35,6 @@ _TP_PLAN_BY_VERSION = {
 }
 # `use_qk_norm`: one d-sized weight acts on every rank's local heads (as in Qwen3's plan).
 _TP_PLAN_QK_NORM = {f"layers.*.self_attn.{name}": "replicated_with_grad_allreduce" for name in ("q_norm", "k_norm")}
-
 
 FP32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, without importing torch here
 # lambda_init_depth_offset's range (V1, depth schedule): V1 scales layer 0's output, in the model's dtype, by
