@@ -21,7 +21,6 @@ _MAP_FIRST_INFERENCE = "map_first_inference"
 # `hidden_act` of Motif's PolyNorm activation (a module with weights, not an ACT2FN entry: modeling_diff.DiffPolyNorm).
 POLY_NORM = "poly_norm"
 
-
 AUTO_MAP = {"AutoConfig": "configuration_diff.DiffConfig", "AutoModel": "modeling_diff.DiffModel"} | {
     f"AutoModelFor{task}": f"modeling_diff.DiffFor{task}"
     for task in ("CausalLM", "SequenceClassification", "TokenClassification", "QuestionAnswering")
@@ -37,11 +36,10 @@ _TP_PLAN_BY_VERSION = {
 # `use_qk_norm`: one d-sized weight acts on every rank's local heads (as in Qwen3's plan).
 _TP_PLAN_QK_NORM = {f"layers.*.self_attn.{name}": "replicated_with_grad_allreduce" for name in ("q_norm", "k_norm")}
 
-
 FP32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, without importing torch here
-# lambda_init_depth_offset's range (V1, depth schedule): the least offset for which 1 - λ_init of layer 0 stays below
-# float16's largest number, 0.2 + 0.6 exp(-0.3 offset) <= 65504; at most 10^6 above (any offset past a few dozen gives
-# λ_init = 0.8 already, and a huge int would overflow the float arithmetic).
+# lambda_init_depth_offset's range (V1, depth schedule): V1 scales layer 0's output, in the model's dtype, by
+# 1 - λ_init = 0.2 + 0.6 exp(-0.3 offset), finite in float16 (<= 65504) only for offset >= -38 (-39 gives 72,343); at
+# most 10^6 (any offset past a few dozen gives λ_init = 0.8 already; a huge int would overflow the float arithmetic).
 LAMBDA_OFFSET_RANGE = (-38, 10**6)
 _EPS_WHY = "in float32, where it is added, a smaller eps is 0: NaN for an all-zero input of RMSNorm"
 
@@ -81,6 +79,14 @@ def _check_range(name: str, value, low, high, bounds: str, why: str, fix: str) -
     op = ">" if bounds[0] == "(" else ">="
     where = f"lie in {bounds[0]}{lo}, {hi}{bounds[1]}" if high < math.inf else f"be a finite number {op} {lo}"
     raise ValueError(f"{name}={shown} must {where} ({why}): {fix}.")
+
+
+def _refuse(*rules) -> None:
+    """A one-line ValueError with the message of the first rule `(broken, message)` whose `broken()` is true (lazy:
+    a later rule may divide by a size an earlier one checked)."""
+    for broken, message in rules:
+        if broken():
+            raise ValueError(message)
 
 
 # Mirrors transformers.models.llama.configuration_llama.LlamaConfig
@@ -175,18 +181,15 @@ class DiffConfig(PreTrainedConfig):
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
-        # Checkpoints saved while V1 was the default may omit `diff_version` (transformers 4 left out defaults).
-        if "diff_version" not in config_dict:
-            config_dict = {**config_dict, "diff_version": 1}
+        # Checkpoints saved while V1 was the default may omit `diff_version` (transformers 4 left out defaults), and
         # `map_first_inference` was a field until it became the backend "diff_map_first": a config naming it loads.
-        asked = [config_dict.get(_MAP_FIRST_INFERENCE), kwargs.pop(_MAP_FIRST_INFERENCE, None)]
-        config_dict = {key: value for key, value in config_dict.items() if key != _MAP_FIRST_INFERENCE}
-        if any(asked):
+        if any([config_dict.get(_MAP_FIRST_INFERENCE), kwargs.pop(_MAP_FIRST_INFERENCE, None)]):
             logger.warning(
                 f"{_MAP_FIRST_INFERENCE}=True is no longer a config field and is ignored: V2's map-first CPU path is "
                 "now the attention backend 'diff_map_first' (from_pretrained(..., attn_implementation="
                 "'diff_map_first') with the diff_transformer package installed)."
             )
+        config_dict = {"diff_version": 1, **{k: v for k, v in config_dict.items() if k != _MAP_FIRST_INFERENCE}}
         return super().from_dict(config_dict, **kwargs)
 
     def __post_init__(self, **kwargs):
@@ -201,70 +204,52 @@ class DiffConfig(PreTrainedConfig):
             self.head_dim = self.hidden_size // (2 * self.num_attention_heads)
         self.validate_values()
         super().__post_init__(**kwargs)
-        self.base_model_tp_plan = {**type(self).base_model_tp_plan, **_TP_PLAN_BY_VERSION[self.diff_version]}
-        if self.use_qk_norm:
-            self.base_model_tp_plan.update(_TP_PLAN_QK_NORM)
-        if self.hidden_act == POLY_NORM:  # PolyNorm normalises over the whole intermediate width: the MLP stays whole
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                self.base_model_tp_plan.pop(f"layers.*.mlp.{name}")
+        plan = {**type(self).base_model_tp_plan, **_TP_PLAN_BY_VERSION[self.diff_version]}
+        plan |= _TP_PLAN_QK_NORM if self.use_qk_norm else {}
+        # PolyNorm normalises over the whole intermediate width: the MLP stays whole.
+        self.base_model_tp_plan = {k: v for k, v in plan.items() if self.hidden_act != POLY_NORM or ".mlp." not in k}
         # Saved models carry their code: every Auto class points at it (trust_remote_code=True without the package).
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
 
     def validate_architecture(self):
-        """Part of `@strict`-powered validation (as in `LlamaConfig`): version and head geometry."""
-        if self.diff_version not in (1, 2):
-            raise ValueError(
-                f"diff_version={self.diff_version!r} is not supported: use 1 (ICLR 2025 paper) or 2 (Diff "
-                "Transformer V2)."
-            )
+        """Part of `@strict`-powered validation (as in `LlamaConfig`): version and head geometry. `@strict` itself
+        refuses a value of the wrong type (a float or bool for an int field) before this runs."""
+        heads, kv, noise = self.num_attention_heads, self.num_key_value_heads, self.num_noise_heads
+        version = self.diff_version
         sizes = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers")
         for name in (*sizes, "vocab_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be a positive integer: set it to a size > 0.")
-        heads, kv_heads, noise = self.num_attention_heads, self.num_key_value_heads, self.num_noise_heads
-        if heads % kv_heads != 0:
-            raise ValueError(
-                f"num_attention_heads={heads} is not divisible by num_key_value_heads={kv_heads}: every differential "
-                "head needs one key/value group. Pick a num_key_value_heads that divides num_attention_heads."
-            )
-        if self.head_dim is None and self.hidden_size < 2 * heads:
-            raise ValueError(
-                f"hidden_size={self.hidden_size} cannot be split into 2 x num_attention_heads={heads} sub-heads: "
-                "lower num_attention_heads or set head_dim explicitly."
-            )
-        if noise is not None and self.diff_version != 1:
-            raise ValueError(
-                f"num_noise_heads={noise} (grouped differential attention) needs diff_version=1: set diff_version=1 "
-                "or num_noise_heads=None."
-            )
-        if noise is not None and (
-            isinstance(noise, bool) or not isinstance(noise, int) or noise <= 0 or heads % noise
-        ):
-            raise ValueError(
-                f"num_noise_heads={noise!r} must be a positive integer dividing num_attention_heads={heads} (each "
-                "noise query serves num_attention_heads / num_noise_heads signal heads): pick a divisor, or None for "
-                "one noise query per head."
-            )
-        if noise is not None and noise % kv_heads:
-            raise ValueError(
-                f"num_noise_heads={noise} must be a multiple of num_key_value_heads={kv_heads}: a noise query attends "
-                "the one key/value group of the signal heads it serves. Raise num_noise_heads or lower "
-                "num_key_value_heads."
-            )
+        _refuse(
+            (lambda: version not in (1, 2),
+             f"diff_version={version!r} is not supported: use 1 (ICLR 2025 paper) or 2 (Diff Transformer V2)."),
+            (lambda: heads % kv, f"num_attention_heads={heads} is not divisible by num_key_value_heads={kv}: every "
+             "differential head needs one key/value group. Pick a num_key_value_heads that divides "
+             "num_attention_heads."),
+            (lambda: self.head_dim is None and self.hidden_size < 2 * heads, f"hidden_size={self.hidden_size} cannot "
+             f"be split into 2 x num_attention_heads={heads} sub-heads: lower num_attention_heads or set head_dim "
+             "explicitly."),
+            (lambda: noise is not None and version != 1, f"num_noise_heads={noise} (grouped differential attention) "
+             "needs diff_version=1: set diff_version=1 or num_noise_heads=None."),
+            (lambda: noise is not None and (noise <= 0 or heads % noise), f"num_noise_heads={noise!r} must be a "
+             f"positive integer dividing num_attention_heads={heads} (each noise query serves num_attention_heads / "
+             "num_noise_heads signal heads): pick a divisor, or None for one noise query per head."),
+            (lambda: noise is not None and noise % kv, f"num_noise_heads={noise} must be a multiple of "
+             f"num_key_value_heads={kv}: a noise query attends the one key/value group of the signal heads it "
+             "serves. Raise num_noise_heads or lower num_key_value_heads."),
+        )  # fmt: skip
 
     def validate_values(self):
         """Part of `@strict`-powered validation: values that would otherwise give NaN logits or fail deep in torch."""
-        if self.head_dim <= 0 or self.head_dim % 2 != 0:
-            raise ValueError(
-                f"head_dim={self.head_dim} must be a positive even number (rotary embeddings rotate pairs of "
-                "dimensions): set head_dim explicitly or change hidden_size / num_attention_heads."
-            )
-        if self.hidden_act not in ACT2FN and self.hidden_act != POLY_NORM:
-            raise ValueError(
-                f"hidden_act={self.hidden_act!r} is not an activation transformers knows: use a key of "
-                f"transformers.activations.ACT2FN, e.g. 'silu' (Llama's), 'gelu' or 'relu', or {POLY_NORM!r} "
-                "(Motif's PolyNorm)."
-            )
+        head_dim, act, dropout, v1 = self.head_dim, self.hidden_act, self.attention_dropout, self.diff_version == 1
+        _refuse(
+            (lambda: head_dim <= 0 or head_dim % 2, f"head_dim={head_dim} must be a positive even number (rotary "
+             "embeddings rotate pairs of dimensions): set head_dim explicitly or change hidden_size / "
+             "num_attention_heads."),
+            (lambda: act not in ACT2FN and act != POLY_NORM, f"hidden_act={act!r} is not an activation transformers "
+             "knows: use a key of transformers.activations.ACT2FN, e.g. 'silu' (Llama's), 'gelu' or 'relu', or "
+             f"{POLY_NORM!r} (Motif's PolyNorm)."),
+        )  # fmt: skip
         rope = self.rope_parameters if isinstance(self.rope_parameters, dict) else {}
         values = {**{f"rope_parameters.{key}": value for key, value in rope.items()}, **vars(self)}
         for name, limits in _RANGES.items():
@@ -273,24 +258,18 @@ class DiffConfig(PreTrainedConfig):
         for key in ("short_factor", "long_factor"):  # LongRoPE divides each frequency by one
             for value in rope.get(key) or []:
                 _check_range(f"rope_parameters.{key}", value, 0.0, math.inf, "()", "a list of factors", "fix the list")
-        if not rope.get("high_freq_factor", 1) > rope.get("low_freq_factor", 0):
-            raise ValueError(
-                f"rope_parameters.high_freq_factor={rope['high_freq_factor']!r} must exceed low_freq_factor="
-                f"{rope['low_freq_factor']!r} (Llama 3's smoothing divides by their difference): use e.g. 4.0 and 1.0."
-            )
-        if self.attention_dropout and self.diff_version == 1:
+        low, high = rope.get("low_freq_factor", 0), rope.get("high_freq_factor", 1)
+        _refuse(
+            (lambda: not high > low, f"rope_parameters.high_freq_factor={high!r} must exceed low_freq_factor={low!r} "
+             "(Llama 3's smoothing divides by their difference): use e.g. 4.0 and 1.0."),
             # The V1 pair shares one softmax per map; independent dropout masks would break the noise cancellation.
-            raise ValueError(
-                f"attention_dropout={self.attention_dropout} is not supported with diff_version=1: set it to 0.0 "
-                "or use diff_version=2."
-            )
-        offset, schedule = self.lambda_init_depth_offset, self.diff_version == 1 and self.lambda_init is None
-        # V1 scales each layer's output by 1 - λ_init = 0.2 + 0.6 exp(-0.3 (layer_idx + offset)), largest at layer 0,
-        # in the model's dtype: finite in float16, the narrowest (65504), only for offset >= -38 (-39 gives 72,343).
-        bounds = LAMBDA_OFFSET_RANGE if schedule else (-math.inf, math.inf)
-        why = "below, layer 0's output scale 1 - λ_init overflows float16" if schedule else "an integer"
-        if isinstance(offset, bool) or not isinstance(offset, int) or not bounds[0] <= offset <= bounds[1]:
-            _check_range("lambda_init_depth_offset", offset, *bounds, "[]", why, "use 0 (the paper's) or -1 (Motif's)")
+            (lambda: dropout and v1, f"attention_dropout={dropout} is not supported with diff_version=1: set it to "
+             "0.0 or use diff_version=2."),
+        )  # fmt: skip
+        if v1 and self.lambda_init is None:  # the depth schedule: see LAMBDA_OFFSET_RANGE
+            why = "below, layer 0's output scale 1 - λ_init overflows float16"
+            offset, fix = self.lambda_init_depth_offset, "use 0 (the paper's) or -1 (Motif's)"
+            _check_range("lambda_init_depth_offset", offset, *LAMBDA_OFFSET_RANGE, "[]", why, fix)
 
     def lambda_init_for_layer(self, layer_idx: int) -> float:
         """V1's λ_init of a (0-based) layer: the configured constant, or the paper's depth schedule (shifted by
