@@ -527,6 +527,8 @@ TRAIN = ["train", "no-such-model", "--data", "d", "--output", "o"]
         ([*TRAIN, "--load-in-4bit"], ["--load-in-4bit needs --lora"]),
         ([*TRAIN, "--lora", "--lora-dropout", "1"], ["--lora-dropout"]),
         (["demo", "--seed", "-1"], ["--seed -1"]),
+        (["serve", "no-such-model", "--max-queued-requests", "0"], ["--max-queued-requests '0'"]),
+        (["serve", "no-such-model", "--max-new-tokens-limit=x"], ["--max-new-tokens-limit 'x'"]),
     ],
 )
 def test_a_mistyped_option_value_is_refused_before_torch_loads(argv, words):
