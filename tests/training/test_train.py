@@ -824,7 +824,9 @@ def test_lambda_warmup_is_refused_where_it_cannot_end_or_has_no_lambda(refused, 
         "exceeds --max-steps 3",
         notes=True,
     )
-    refused(["train", model, *common, "--lambda-warmup-steps", "-1"], "--lambda-warmup-steps must be >= 0", notes=True)
+    refused(
+        ["train", model, *common, "--lambda-warmup-steps", "-1"], "--lambda-warmup-steps -1 must be >= 0", notes=True
+    )
     # no --max-steps: the run's length is known once the data is; the ramp must still end within it
     refused(
         ["train", model, *common, "--epochs", "1", "--lambda-warmup-steps", "1000"],
