@@ -3,6 +3,7 @@ line (what, how far, seconds so far) at least every `interval()` seconds from a 
 or a niah grid run under CI, nohup or a scheduler never looks hung (a bar written into a file arrives as one line
 at the end, if at all). Disabled (--quiet): nothing at all."""
 
+import contextlib
 import os
 import sys
 import threading
@@ -12,6 +13,12 @@ import time
 INTERVAL_S = 30.0  # the longest a log waits for a line while a step runs (issue 57: "at least every 30 s")
 INTERVAL_ENV = "DIFF_TRANSFORMER_PROGRESS_INTERVAL"  # seconds; tests set a fraction of one
 
+# When the running command started or last printed a progress line (`command`); None outside a command. A step's
+# first line then comes `interval()` after that, not after the step began: the imports and loading before a first
+# step are silence in a log too (a V1 conversion's first line came 39 s after the command started, 9 s of it before
+# its first step).
+_last_line: list[float | None] = [None]
+
 
 def interval() -> float:
     """`INTERVAL_S`, or the positive number of seconds `$DIFF_TRANSFORMER_PROGRESS_INTERVAL` says."""
@@ -20,6 +27,16 @@ def interval() -> float:
     except ValueError:
         return INTERVAL_S
     return value if 0 < value < float("inf") else INTERVAL_S
+
+
+@contextlib.contextmanager
+def command():
+    """Around one command of the command line (`cli.main`): the silence a log hears counts from its start."""
+    _last_line[0] = time.monotonic()
+    try:
+        yield
+    finally:
+        _last_line[0] = None
 
 
 class Progress:
@@ -74,10 +91,15 @@ class Progress:
         with self._lock:
             print(self.line(), file=sys.stderr, flush=True)
             self.lines += 1
+            if _last_line[0] is not None:
+                _last_line[0] = time.monotonic()
 
     def _tick(self) -> None:
-        while not self._stop.wait(interval()):
+        last = _last_line[0]
+        wait = interval() if last is None else max(0.0, interval() - (time.monotonic() - last))
+        while not self._stop.wait(wait):
             self._say()
+            wait = interval()
 
     def update(self, n: int = 1, detail: str | None = None) -> None:
         self.done += n

@@ -487,6 +487,9 @@ def _heavy_imports_before_refusal(*argv):
     return result.returncode, errors, heavy
 
 
+TRAIN = ["train", "no-such-model", "--data", "d", "--output", "o"]
+
+
 @pytest.mark.parametrize(
     ("argv", "words"),
     [
@@ -495,12 +498,43 @@ def _heavy_imports_before_refusal(*argv):
         (["generate", "no-such-model", "5 6", "--top-p", "2"], ["--top-p 2"]),
         (["niah", "no-such-model", "--out", "x", "--attn-implementation", "sdpaa"], ["'sdpaa'"]),
         (["inspect", "no-such-model", "5 6", "--attn-implementation", "flash"], ["'flash'"]),
-        (["train", "no-such-model", "--data", "d", "--output", "o", "--attn-implementation", "sdpaa"], ["'sdpaa'"]),
+        ([*TRAIN, "--attn-implementation", "sdpaa"], ["'sdpaa'"]),
+        # niah: the grid and its bounds (`cli.niah._check_options`)
+        (["niah", "no-such-model", "--out", "x", "--lengths", "0"], ["--lengths must be positive"]),
+        (["niah", "no-such-model", "--out", "x", "--depths", "1.5"], ["--depths must be fractions"]),
+        (["niah", "no-such-model", "--out", "x", "--needles", "0"], ["--needles 0"]),
+        (["niah", "no-such-model", "--out", "x", "--batch-size", "0"], ["--batch-size 0"]),
+        (["niah", "no-such-model", "--out", "x", "--max-new-tokens", "0"], ["--max-new-tokens 0"]),
+        (["niah", "no-such-model", "--out", "x", "--lengths", "99999", "--needles", "999"], ["67,108,864 in one run"]),
+        # inspect: numbers and the option combinations (`cli.inspect._check_inspect_options`)
+        (["inspect", "no-such-model", "5 6", "--json", "m.json", "--dpi", "0"], ["--dpi 0"]),
+        (["inspect", "no-such-model", "5 6", "--json", "m.json", "--max-memory-gb", "nan"], ["--max-memory-gb nan"]),
+        (["inspect", "no-such-model", "5 6", "--json", "m.json", "--layer", "-1"], ["--layer -1"]),
+        (["inspect", "no-such-model", "5 6", "--json", "m.json", "--head", "-2"], ["--head -2"]),
+        (["inspect", "no-such-model", "5 6", "--json", "m.json", "--span", "3:1"], ["--span 3:1", "START:STOP"]),
+        (["inspect", "no-such-model", "5 6", "--grid", "g.png", "--metric", "noise"], ["needs --span"]),
+        (["inspect", "no-such-model", "5 6"], ["--out", "--json", "--grid"]),
+        # train: `training.args.check_option_values`
+        ([*TRAIN, "--max-steps", "0"], ["--max-steps 0"]),
+        ([*TRAIN, "--lr", "-1"], ["--lr -1"]),
+        ([*TRAIN, "--lr", "inf"], ["--lr inf"]),
+        ([*TRAIN, "--block-size", "1"], ["--block-size 1"]),
+        ([*TRAIN, "--save-steps", "0"], ["--save-steps 0"]),
+        ([*TRAIN, "--batch-size", "0"], ["--batch-size 0"]),
+        ([*TRAIN, "--eval-fraction", "1"], ["--eval-fraction 1"]),
+        ([*TRAIN, "--seed", "-1"], ["--seed -1"]),
+        ([*TRAIN, "--warmup-ratio", "2"], ["--warmup-ratio 2"]),
+        ([*TRAIN, "--load-in-4bit"], ["--load-in-4bit needs --lora"]),
+        ([*TRAIN, "--lora", "--lora-dropout", "1"], ["--lora-dropout"]),
+        (["demo", "--seed", "-1"], ["--seed -1"]),
+        (["serve", "no-such-model", "--max-queued-requests", "0"], ["--max-queued-requests '0'"]),
+        (["serve", "no-such-model", "--max-new-tokens-limit=x"], ["--max-new-tokens-limit 'x'"]),
     ],
 )
 def test_a_mistyped_option_value_is_refused_before_torch_loads(argv, words):
     """`--attn-implementation sdpaa` or `--max-new-tokens -3` took 19-23 s (torch and transformers imported, 4.4 s
-    CPU) before the one-line error; now neither is imported before it (the MODEL does not even exist)."""
+    CPU) before the one-line error; now neither is imported before it (the MODEL does not even exist). Each
+    command's checks of values that need no model are one function (its `early_check`), run by `cli.main` first."""
     status, errors, heavy = _heavy_imports_before_refusal(*argv)
     assert status == 2 and len(errors) == 1 and all(word in errors[0] for word in words), errors
     assert not heavy, heavy

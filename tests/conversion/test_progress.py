@@ -43,6 +43,26 @@ def test_a_step_inside_one_long_call_still_reports(monkeypatch):
     assert ticks[0] - start < 0.45 and all(b - a >= 0.04 for a, b in zip(ticks, ticks[1:])), log.arrivals
 
 
+def test_a_command_s_first_line_counts_its_silence_from_the_command_s_start(monkeypatch):
+    """The V1 conversion's first line came 39 s after the command started (9 s of imports and loading, then 30 s of
+    its first step): inside a command (`progress.command`, which `cli.main` opens) the first line of a step comes
+    one interval after the command's start or its last line, whichever is later, and no later."""
+    monkeypatch.setenv(progress.INTERVAL_ENV, "2")
+    log = _Log()
+    monkeypatch.setattr(sys, "stderr", log)
+    with progress.command():
+        started = time.monotonic()
+        time.sleep(1.9)  # the command's work before its first step: silent
+        with progress.Progress("sampling", total=3, unit="token"):
+            time.sleep(1.5)  # outside a command the first line would come at 2 s into the step: none
+        assert log.arrivals and log.arrivals[0] - started >= 1.99, log.arrivals  # a timer is late, never early
+        assert log.getvalue().splitlines()[-1].startswith("sampling: token 0/3, done"), log.getvalue()
+    assert progress._last_line == [None]  # outside a command again: a short step is silent
+    with progress.Progress("sampling", total=3, unit="token"):
+        time.sleep(0.1)
+    assert len(log.getvalue().splitlines()) == 2, log.getvalue()
+
+
 def test_disabled_progress_and_a_short_step_print_nothing(monkeypatch):
     log = _Log()
     monkeypatch.setattr(sys, "stderr", log)

@@ -2,6 +2,8 @@
 --diff-only-steps, exact resume, LoRA, CLI errors. Runs train in-process (cli.main / build_trainer) on a 2-layer
 model with the shipped tokenizer; a few steps each."""
 
+import contextlib
+import io
 import json
 import math
 import shutil
@@ -120,8 +122,23 @@ def v2_run(workdir):
         "1",
     ]
     argv += ["--save-steps", "6", "--eval-steps", "6", "--eval-on-start", "--report-to", "tensorboard"]
-    assert cli.main(argv) == 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert cli.main(argv) == 0
+    (workdir / "run-v2.stdout").write_text(printed.getvalue())  # what the run printed, for the tests that read it
     return argv, output
+
+
+def test_the_final_perplexity_names_what_it_scored(workdir, v2_run):
+    """Issue 57: every printed perplexity names its text and token count; train's last line says which blocks."""
+    metrics = json.loads((v2_run[1] / "eval_results.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(v2_run[1])
+    _, held = build_datasets(tokenizer, [workdir / "repeat.txt"], BLOCK, eval_fraction=0.25)
+    expected = (
+        f"perplexity {metrics['eval_perplexity']:.3f} on {len(held):,} blocks of {BLOCK} tokens held out of --data "
+        "(--eval-fraction 0.25)"
+    )
+    assert expected in (workdir / "run-v2.stdout").read_text()
 
 
 def test_loss_decreases_on_repeated_text(v2_run):
@@ -581,7 +598,7 @@ def test_cli_errors_name_the_problem(workdir, tmp_path, capsys):
         ([model, "--data", str(tmp_path / "bad.jsonl")], "no string field 'text'"),
         ([model, "--data", text, "--block-size", "65"], "exceeds the model's context (64"),
         ([model, "--data", text, "--block-size", "0"], "--block-size 0 must be at least 2"),
-        ([model, "--data", text, "--eval-steps", "0"], "--eval-steps must be at least 1"),
+        ([model, "--data", text, "--eval-steps", "0"], "--eval-steps 0 must be at least 1"),
         ([model, "--data", text, "--load-in-4bit"], "needs --lora"),
         ([model, "--data", text, "--lora", "--diff-only-steps", "2"], "do not combine"),
         ([model, "--data", text, "--resume"], "no checkpoint-N directory"),
@@ -807,7 +824,9 @@ def test_lambda_warmup_is_refused_where_it_cannot_end_or_has_no_lambda(refused, 
         "exceeds --max-steps 3",
         notes=True,
     )
-    refused(["train", model, *common, "--lambda-warmup-steps", "-1"], "--lambda-warmup-steps must be >= 0", notes=True)
+    refused(
+        ["train", model, *common, "--lambda-warmup-steps", "-1"], "--lambda-warmup-steps -1 must be >= 0", notes=True
+    )
     # no --max-steps: the run's length is known once the data is; the ramp must still end within it
     refused(
         ["train", model, *common, "--epochs", "1", "--lambda-warmup-steps", "1000"],

@@ -52,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from diff_transformer.progress import command
+
+    with command():  # a log's silence counts from here (progress.Progress)
+        return _main(argv)
+
+
+def _main(argv=None) -> int:
     _show_notes()
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)

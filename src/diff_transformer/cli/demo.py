@@ -432,17 +432,22 @@ def add_parser(commands) -> None:
     )
     demo.add_argument("--seed", type=int, default=0, help="seed of --scratch's random models")
     add_quiet_option(demo)
-    demo.set_defaults(func=run)
+    demo.set_defaults(func=run, early_check=_check_options)
 
 
 def run(args) -> int:
     """Offline main job: the shipped tiny Llama (real tokenizer, trained on Austen) -> Diff V2, verified,
     generating."""
-    check_seed(args.seed, "--seed")  # a seed past 2**64 would overflow deep inside torch
+    _check_options(args)
     if args.scratch:
         return scratch_demo(args.output, args.seed, overwrite=args.overwrite)
     kwargs = {"prompt": args.prompt} if args.prompt else {}
     return run_demo(args.output, overwrite=args.overwrite, **kwargs)
+
+
+def _check_options(args) -> None:
+    """Before torch loads (`cli.main`), and again in `run` for its callers."""
+    check_seed(args.seed, "--seed")  # a seed past 2**64 would overflow deep inside torch
 
 
 __all__ = [

@@ -49,7 +49,7 @@ def add_parser(commands) -> None:
     add_attn_option(inspect)
     add_base_option(inspect)
     add_quiet_option(inspect)
-    inspect.set_defaults(func=run)
+    inspect.set_defaults(func=run, early_check=_check_inspect_options)
 
 
 def run(args) -> int:
@@ -102,8 +102,6 @@ def _output_files(args) -> tuple[Path | None, Path | None, Path | None]:
     named = [path.resolve() for path in (out, json_out, grid_out) if path is not None]
     if len(set(named)) < len(named):
         raise UserError("--out, --json and --grid name the same file: give each a different name.")
-    if args.metric in ("answer", "noise") and args.grid and not args.span:
-        raise UserError(f"--metric {args.metric} needs --span START:STOP (the answer's token positions).")
     return out, json_out, grid_out
 
 
@@ -154,14 +152,18 @@ def _span(args, ids) -> tuple[int, int] | None:
     """--span START:STOP as token positions within TEXT, or None."""
     if not args.span:
         return None
+    return _span_bounds(args.span, ids.shape[1])
+
+
+def _span_bounds(text: str, tokens: int | None = None) -> tuple[int, int]:
+    """--span TEXT as (START, STOP), 0 <= START < STOP (<= TOKENS, TEXT's token count, once it is known)."""
     try:
-        span = tuple(int(part) for part in args.span.split(":"))
+        span = tuple(int(part) for part in text.split(":"))
     except ValueError:
         span = ()
-    if len(span) != 2 or not 0 <= span[0] < span[1] <= ids.shape[1]:
-        raise UserError(
-            f"--span {args.span} must be START:STOP with 0 <= START < STOP <= {ids.shape[1]} (the TEXT's token count)."
-        )
+    if len(span) != 2 or not 0 <= span[0] < span[1] <= (span[1] if tokens is None else tokens):
+        bound = "" if tokens is None else f" <= {tokens} (the TEXT's token count)"
+        raise UserError(f"--span {text} must be START:STOP with 0 <= START < STOP{bound}.")
     return span
 
 
@@ -213,12 +215,21 @@ def _write_outputs(args, paths, kind: str, tokens, span, entries, metrics) -> li
 
 
 def _check_inspect_options(args) -> None:
+    """The options that need no model: before torch loads (`cli.main`), and again in `run` for its callers. --layer,
+    --head and --span are checked against MODEL and TEXT later (`_checked_config`, `_span`)."""
     if not (args.out or args.json or args.grid):
         raise UserError("inspect writes --out (a figure), --json (the maps and metrics) or --grid: name at least one.")
     if not 1 <= args.dpi <= INSPECT_MAX_DPI:
         raise UserError(f"--dpi {args.dpi} must be between 1 and {INSPECT_MAX_DPI} (dots per inch of the figures).")
     if not (math.isfinite(args.max_memory_gb) and args.max_memory_gb > 0):
         raise UserError(f"--max-memory-gb {args.max_memory_gb} must be a number > 0.")
+    for option, value in (("--layer", args.layer), ("--head", args.head)):
+        if value < 0:
+            raise UserError(f"{option} {value} must be >= 0 (an index, from 0).")
+    if args.span:
+        _span_bounds(args.span)
+    if args.metric in ("answer", "noise") and args.grid and not args.span:
+        raise UserError(f"--metric {args.metric} needs --span START:STOP (the answer's token positions).")
 
 
 def _check_inspect_size(args, tokens: int, config, kind: str, all_layers: bool) -> None:

@@ -60,10 +60,11 @@ def add_parser(commands) -> None:
     add_device_options(niah, "run the models")
     add_attn_option(niah)
     add_quiet_option(niah)
-    niah.set_defaults(func=run)
+    niah.set_defaults(func=run, early_check=_check_options)
 
 
 def _check_options(args) -> None:
+    """The options that need no model: before torch loads (`cli.main`), and again in `run` for its callers."""
     from ..evaluation.niah import check_grid
 
     check_grid(args.lengths, args.depths, args.needles, models=len(args.models))

@@ -105,7 +105,12 @@ def add_parser(commands) -> None:
         "serve", add_help=False, help="OpenAI-compatible server (transformers serve) for Diff models"
     )
     serve.add_argument("-h", "--help", action=_Help, nargs=0, help=argparse.SUPPRESS)
-    serve.set_defaults(func=run)
+    serve.set_defaults(func=run, early_check=_check_options)
+
+
+def _check_options(args) -> None:
+    """Our counts, before transformers loads (`cli.main`); the MODELs and the rest are checked by `_own_options`."""
+    _counts_given(args.serve_args)
 
 
 def run(args) -> int:
@@ -147,34 +152,13 @@ def _own_options(argv: list[str]) -> tuple[list[str], dict, bool, tuple[str, ...
     from ..serving.models import check_model_directory, local_revision_problem
     from ..serving.patches import MAX_LOADED_MODELS, MAX_QUEUED_REQUESTS, MAX_REQUEST_BYTES
 
-    rest, quiet, index = [], False, 0
+    rest, given, quiet = _counts_given(argv)
     counts = {
         "limit": None,
         "max_queued_requests": MAX_QUEUED_REQUESTS,
         "max_loaded_models": MAX_LOADED_MODELS,
         "max_request_bytes": MAX_REQUEST_BYTES,
-    }
-    while index < len(argv):
-        arg = argv[index]
-        if arg == "--quiet":
-            quiet = True
-            index += 1
-            continue
-        if arg == "--transformers-help":
-            rest.append("--help")
-            index += 1
-            continue
-        option = arg.partition("=")[0]
-        if option in _COUNTS:
-            value = arg.partition("=")[2] if "=" in arg else (argv[index + 1] if index + 1 < len(argv) else "")
-            index += 1 if "=" in arg else 2
-            number = whole_number(value)
-            if number is None or number < 1:
-                raise UserError(f"{option} {value!r} must be a whole number >= 1.")
-            counts[_COUNTS[option]] = number
-            continue
-        rest.append(arg)
-        index += 1
+    } | given
     _check_device_options(rest)
     flags = _transformers_flags()
     positions = [
@@ -207,6 +191,34 @@ def _own_options(argv: list[str]) -> tuple[list[str], dict, bool, tuple[str, ...
     if quiet and not any(arg == "--log-level" or arg.startswith("--log-level=") for arg in rest):
         rest += ["--log-level", "error"]
     return rest, counts, quiet, served
+
+
+def _counts_given(argv: list[str]) -> tuple[list[str], dict, bool]:
+    """(ARGV less our counts and --quiet, the counts given, --quiet): each count a whole number >= 1, else one line.
+    Nothing heavy is imported, so `cli.main` runs it before transformers loads (serve's `early_check`)."""
+    rest, counts, quiet, index = [], {}, False, 0
+    while index < len(argv):
+        arg = argv[index]
+        if arg == "--quiet":
+            quiet = True
+            index += 1
+            continue
+        if arg == "--transformers-help":
+            rest.append("--help")
+            index += 1
+            continue
+        option = arg.partition("=")[0]
+        if option in _COUNTS:
+            value = arg.partition("=")[2] if "=" in arg else (argv[index + 1] if index + 1 < len(argv) else "")
+            index += 1 if "=" in arg else 2
+            number = whole_number(value)
+            if number is None or number < 1:
+                raise UserError(f"{option} {value!r} must be a whole number >= 1.")
+            counts[_COUNTS[option]] = number
+            continue
+        rest.append(arg)
+        index += 1
+    return rest, counts, quiet
 
 
 def _check_device_options(argv: list[str]) -> None:

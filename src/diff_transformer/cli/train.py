@@ -1,7 +1,7 @@
 """`diff-transformer train MODEL --data FILES --output DIR`: continued pretraining or LoRA fine-tuning on
 transformers' Trainer (`diff_transformer.training`). Only the options are defined here: Trainer loads when it runs."""
 
-from ..training.args import add_train_arguments
+from ..training.args import add_train_arguments, check_option_values
 
 
 def add_parser(commands) -> None:
@@ -9,7 +9,7 @@ def add_parser(commands) -> None:
         "train",
         help="continued pretraining (transformers' Trainer) on local .txt/.jsonl files, or chat fine-tuning",
     )
-    add_train_arguments(train).set_defaults(func=run)
+    add_train_arguments(train).set_defaults(func=run, early_check=check_option_values)
 
 
 def run(args) -> int:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from ..checkpoints.backends import add_attn_option
+from . import TrainingError
 
 
 SCHEDULERS = (
@@ -190,6 +192,66 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="QLoRA: load the base model in 4-bit NF4 (bitsandbytes; CUDA or CPU)",
     )
     return p
+
+
+_SEED_MAX = 2**32 - 1  # numpy's seed range (Trainer seeds numpy, random and torch alike)
+
+
+def check_option_values(args) -> None:
+    """The options whose values need no model, data or installed package: one line each (exit 2), called by the
+    command line before torch and transformers load (`cli.main`, as train's `early_check`) and again by
+    `checks.check_args`."""
+    if args.block_size is not None and args.block_size < 2:
+        raise TrainingError(f"--block-size {args.block_size} must be at least 2")
+    if args.warmup_steps is not None and args.warmup_ratio is not None:
+        raise TrainingError("give --warmup-steps or --warmup-ratio, not both")
+    if args.warmup_ratio is not None and not 0 <= args.warmup_ratio < 1:
+        raise TrainingError(f"--warmup-ratio {args.warmup_ratio} must be in [0, 1)")
+    for flag in ("batch_size", "grad_accum", "logging_steps", "save_steps"):
+        if getattr(args, flag) < 1:
+            raise TrainingError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise TrainingError(f"--max-steps {args.max_steps} must be at least 1")
+    if args.eval_steps is not None and args.eval_steps < 1:
+        raise TrainingError(
+            f"--eval-steps {args.eval_steps} must be at least 1 (--eval-fraction 0 turns evaluation off)"
+        )
+    for flag, value in (("lr", args.lr), ("weight_decay", args.weight_decay), ("max_grad_norm", args.max_grad_norm)):
+        if not (math.isfinite(value) and value >= 0):
+            raise TrainingError(f"--{flag.replace('_', '-')} {value} must be a finite number >= 0")
+    if not (math.isfinite(args.epochs) and args.epochs > 0):
+        raise TrainingError(f"--epochs {args.epochs} must be a finite number > 0")
+    if args.lora and not 0 <= args.lora_dropout < 1:
+        raise TrainingError(f"--lora-dropout {args.lora_dropout} must be in [0, 1)")
+    if args.diff_only_steps < 0:
+        raise TrainingError(f"--diff-only-steps {args.diff_only_steps} must be >= 0")
+    if args.lambda_warmup_steps < 0:
+        raise TrainingError(f"--lambda-warmup-steps {args.lambda_warmup_steps} must be >= 0")
+    if args.lambda_warmup_steps and args.max_steps is not None and args.lambda_warmup_steps > args.max_steps:
+        raise TrainingError(
+            f"--lambda-warmup-steps {args.lambda_warmup_steps} exceeds --max-steps {args.max_steps}: the ramp must "
+            "end before the run does, or the saved model is not the one trained; lower it"
+        )
+    if getattr(args, "chat_data", None):  # the chat template decides the bos token and the text
+        for flag, given in (("--no-bos", args.no_bos), ("--text-field", args.text_field != "text")):
+            if given:
+                raise TrainingError(f"{flag} applies to --data only: --chat-data renders with the chat template")
+    if args.diff_only_steps and args.lora:
+        raise TrainingError("--diff-only-steps and --lora do not combine (LoRA already trains only adapters and λ)")
+    if args.load_in_4bit and not args.lora:
+        raise TrainingError("--load-in-4bit needs --lora (4-bit weights cannot be trained directly)")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        raise TrainingError(f"--warmup-steps {args.warmup_steps} must be >= 0")
+    if not 0 <= args.seed <= _SEED_MAX:
+        raise TrainingError(f"--seed {args.seed} must be in [0, {_SEED_MAX}]")
+    if args.eval_batch_size is not None and args.eval_batch_size < 1:
+        raise TrainingError(f"--eval-batch-size {args.eval_batch_size} must be at least 1")
+    if args.save_total_limit is not None and args.save_total_limit < 1:
+        raise TrainingError(f"--save-total-limit {args.save_total_limit} must be at least 1 (omit it to keep all)")
+    if not (math.isfinite(args.eval_fraction) and 0 <= args.eval_fraction < 1):
+        raise TrainingError(f"--eval-fraction {args.eval_fraction} must be in [0, 1)")
+    if args.lora and (args.lora_r < 1 or args.lora_alpha < 1):
+        raise TrainingError(f"--lora-r {args.lora_r} and --lora-alpha {args.lora_alpha} must be at least 1")
 
 
 def parse_train_args(argv=None) -> argparse.Namespace:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from ..errors import installed, missing, require
 from ..outputs.files import check_target, refuse_links
 from ..outputs.staging import LOADER_READS, _matches, ours, refuse_users_entries, users_entries
 from . import TrainingError
+from .args import check_option_values
 from .resume import holds_run
 
 
@@ -88,7 +88,9 @@ def check_output(args, source: Source) -> Path:
 
 
 def check_args(args, config) -> int:
-    """Validate the options that do not need the data; returns the block size."""
+    """Validate the options that do not need the data; returns the block size. Those that need no model either were
+    checked before torch loaded (`args.check_option_values`) and are checked again here, for callers of `run`."""
+    check_option_values(args)
     context = getattr(config, "max_position_embeddings", None)
     block_size = (
         args.block_size if args.block_size is not None else min(DEFAULT_BLOCK_SIZE, context or DEFAULT_BLOCK_SIZE)
@@ -97,73 +99,18 @@ def check_args(args, config) -> int:
         raise TrainingError(f"--block-size {block_size} must be at least 2")
     if context is not None and block_size > context:
         raise TrainingError(f"--block-size {block_size} exceeds the model's context ({context} positions): lower it")
-    if args.warmup_steps is not None and args.warmup_ratio is not None:
-        raise TrainingError("give --warmup-steps or --warmup-ratio, not both")
-    if args.warmup_ratio is not None and not 0 <= args.warmup_ratio < 1:
-        raise TrainingError(f"--warmup-ratio {args.warmup_ratio} must be in [0, 1)")
-    for flag in ("batch_size", "grad_accum", "logging_steps", "save_steps"):
-        if getattr(args, flag) < 1:
-            raise TrainingError(f"--{flag.replace('_', '-')} must be at least 1")
-    if args.max_steps is not None and args.max_steps < 1:
-        raise TrainingError("--max-steps must be at least 1")
-    if args.eval_steps is not None and args.eval_steps < 1:
-        raise TrainingError("--eval-steps must be at least 1 (--eval-fraction 0 turns evaluation off)")
-    for flag, value in (("lr", args.lr), ("weight_decay", args.weight_decay), ("max_grad_norm", args.max_grad_norm)):
-        if not (math.isfinite(value) and value >= 0):
-            raise TrainingError(f"--{flag.replace('_', '-')} {value} must be a finite number >= 0")
-    if not (math.isfinite(args.epochs) and args.epochs > 0):
-        raise TrainingError(f"--epochs {args.epochs} must be a finite number > 0")
     if args.lora:
         require(["peft"], "train", "--lora")
     report_targets(args)
-    if args.lora and not 0 <= args.lora_dropout < 1:
-        raise TrainingError(f"--lora-dropout {args.lora_dropout} must be in [0, 1)")
-    if args.diff_only_steps < 0:
-        raise TrainingError("--diff-only-steps must be >= 0")
     if args.diff_only_steps and config.model_type != "diff":
         raise TrainingError("--diff-only-steps needs a Diff model")
-    if args.lambda_warmup_steps < 0:
-        raise TrainingError("--lambda-warmup-steps must be >= 0")
     if args.lambda_warmup_steps and config.model_type != "diff":
         raise TrainingError("--lambda-warmup-steps needs a Diff model (it ramps in differential attention's λ)")
-    if args.lambda_warmup_steps and args.max_steps is not None and args.lambda_warmup_steps > args.max_steps:
-        raise TrainingError(
-            f"--lambda-warmup-steps {args.lambda_warmup_steps} exceeds --max-steps {args.max_steps}: the ramp must "
-            "end before the run does, or the saved model is not the one trained; lower it"
-        )
-    if getattr(args, "chat_data", None):  # the chat template decides the bos token and the text
-        for flag, given in (("--no-bos", args.no_bos), ("--text-field", args.text_field != "text")):
-            if given:
-                raise TrainingError(f"{flag} applies to --data only: --chat-data renders with the chat template")
-    if args.diff_only_steps and args.lora:
-        raise TrainingError("--diff-only-steps and --lora do not combine (LoRA already trains only adapters and λ)")
-    _check_ranges(args)
     if args.report_to is not None:  # None: TensorBoard if installed (report_targets)
         _check_report_to(args.report_to)
     if args.load_in_4bit:
-        if not args.lora:
-            raise TrainingError("--load-in-4bit needs --lora (4-bit weights cannot be trained directly)")
         require(["bitsandbytes"], "qlora", "--load-in-4bit")
     return block_size
-
-
-_SEED_MAX = 2**32 - 1  # numpy's seed range (Trainer seeds numpy, random and torch alike)
-
-
-def _check_ranges(args) -> None:
-    """The numeric options check_args does not cover, each refused with its range before anything loads."""
-    if args.warmup_steps is not None and args.warmup_steps < 0:
-        raise TrainingError(f"--warmup-steps {args.warmup_steps} must be >= 0")
-    if not 0 <= args.seed <= _SEED_MAX:
-        raise TrainingError(f"--seed {args.seed} must be in [0, {_SEED_MAX}]")
-    if args.eval_batch_size is not None and args.eval_batch_size < 1:
-        raise TrainingError(f"--eval-batch-size {args.eval_batch_size} must be at least 1")
-    if args.save_total_limit is not None and args.save_total_limit < 1:
-        raise TrainingError(f"--save-total-limit {args.save_total_limit} must be at least 1 (omit it to keep all)")
-    if not (math.isfinite(args.eval_fraction) and 0 <= args.eval_fraction < 1):
-        raise TrainingError(f"--eval-fraction {args.eval_fraction} must be in [0, 1)")
-    if args.lora and (args.lora_r < 1 or args.lora_alpha < 1):
-        raise TrainingError(f"--lora-r {args.lora_r} and --lora-alpha {args.lora_alpha} must be at least 1")
 
 
 # --report-to name -> (module that makes it available, what to install)

@@ -406,10 +406,19 @@ def _run(args, checkpoint: Checkpoint) -> int:
         if start:
             line += f" (step {start + 1}" + ("" if done == 1 else f" to {result.global_step}") + ", resumed)"
         line += f", mean training loss of this run {result.training_loss:.4f}"
-        if metrics:
-            line += f"; held-out loss {metrics['eval_loss']:.4f}, perplexity {metrics['eval_perplexity']:.3f}"
+        if metrics:  # named by what it scored, as every printed perplexity is (issue 57)
+            line += f"; held-out loss {metrics['eval_loss']:.4f}, perplexity {metrics['eval_perplexity']:.3f} on "
+            line += _held_out_description(args, eval_data, unit, size)
         print(line + f"\nsaved to {args.output}", flush=True)
     return 0
+
+
+def _held_out_description(args, eval_data, unit: str, size: str) -> str:
+    """What the held-out loss scored: "6 blocks of 16 tokens held out of --data (--eval-fraction 0.25)"."""
+    data = "--chat-data" if args.chat_data else "--data"
+    where = "of --eval-data" if args.eval_data else f"held out of {data} (--eval-fraction {args.eval_fraction:g})"
+    answers = ", loss on the assistant tokens" if args.chat_data else ""
+    return f"{len(eval_data):,} {unit} {size} {where}{answers}"
 
 
 def _cut_note(train_data, eval_data, block_size: int) -> str:
