@@ -36,16 +36,6 @@ PUBLIC_NAMES = {
     ".integrations.peft": ("register_peft_defaults",),
 }
 
-# transformers' Auto class -> our class it resolves "diff" to (and whose source `save_pretrained` copies)
-AUTO_CLASSES = {
-    "AutoConfig": "DiffConfig",
-    "AutoModel": "DiffModel",
-    "AutoModelForCausalLM": "DiffForCausalLM",
-    "AutoModelForSequenceClassification": "DiffForSequenceClassification",
-    "AutoModelForTokenClassification": "DiffForTokenClassification",
-    "AutoModelForQuestionAnswering": "DiffForQuestionAnswering",
-}
-
 __all__ = [name for names in PUBLIC_NAMES.values() for name in names]
 
 if TYPE_CHECKING:  # `PUBLIC_NAMES` spelled out for type checkers and mkdocstrings, which read imports statically
@@ -73,24 +63,15 @@ def _load() -> None:
     if _loaded:
         return
     _loaded = True  # before the imports: a module that reads a name of ours while they run gets no second _load
-    import transformers
-
     from .integrations import install as _install_integrations
+    from .integrations.auto_classes import register_auto_classes
 
     public = {
         name: getattr(importlib.import_module(module, __name__), name)
         for module, names in PUBLIC_NAMES.items()
         for name in names
     }
-    config = public["DiffConfig"]
-    for auto_class, ours in AUTO_CLASSES.items():
-        if auto_class == "AutoConfig":
-            transformers.AutoConfig.register(config.model_type, config, exist_ok=True)
-        else:
-            getattr(transformers, auto_class).register(config, public[ours], exist_ok=True)
-        # `save_pretrained` copies the class's source file next to the weights and writes `auto_map`, so saved models
-        # also load with `trust_remote_code=True` where this package is not installed.
-        public[ours].register_for_auto_class(auto_class)
+    register_auto_classes()  # `integrations.auto_classes`: the table of Auto classes, shared with checkpoints/
 
     # What the package adds to the model classes and to transformers (see `integrations`): the "diff_triton" attention
     # backend (V1's fused kernel), the model card on save/push, PEFT's default target modules for "diff" (peft is not

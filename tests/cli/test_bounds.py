@@ -103,14 +103,15 @@ def test_each_hostile_field_is_refused_before_the_model_is_built(case, refused, 
     refused(["convert", model, tmp_path / "out"], HOSTILE[case][2])
 
 
-def test_the_package_s_loader_refuses_it_too(tmp_path, nothing_built):
-    from diff_transformer.checkpoints.loading import load_causal_lm
+def test_the_package_s_one_road_refuses_it_too(tmp_path, nothing_built):
+    """`checkpoints.open`, the road every command and serve take from a name to a model, refuses it when opened."""
+    from diff_transformer import checkpoints
 
     model = hostile_copy(tmp_path, "layers_1e7")
     with pytest.raises(
         CheckpointError, match="config.json says num_hidden_layers=10000000, but the weights hold 4 layers"
     ):
-        load_causal_lm(str(model))
+        checkpoints.open(str(model), tokenizer=False)
 
 
 def test_honest_checkpoints_pass(tmp_path):

@@ -43,7 +43,9 @@ class Checkpoint:
         (`text_config` gives the language model's)."""
         from transformers import AutoConfig
 
-        import diff_transformer  # noqa: F401  (registers the Auto classes: AutoConfig reads Diff configs)
+        from ..integrations.auto_classes import register_auto_classes
+
+        register_auto_classes()  # AutoConfig reads Diff configs
 
         try:
             return AutoConfig.from_pretrained(self.location)

@@ -67,7 +67,7 @@ def run(args) -> int:
     for name, text in (("PROMPT", args.prompt), ("--system", args.system)):
         if text is not None:  # argv undecodable as UTF-8 arrives with lone surrogates
             check_text(text, name)
-    device = resolve_device(args.device)
+    device, load = resolve_device(args.device), load_kwargs(args.dtype, args.attn_implementation)
     if args.compile:
         _check_compile(args, device)
     session = args.prompt is None  # an interactive chat: its template checked on a first message
@@ -88,7 +88,7 @@ def run(args) -> int:
     )
     if args.stream and tokenizer is None:
         raise UserError(f"--stream prints text, and MODEL {args.model} has no tokenizer: drop --stream.")
-    model = checkpoint.load(**load_kwargs(args.dtype, args.attn_implementation)).eval().to(device)
+    model = checkpoint.load(**load).eval().to(device)
     inputs = {name: value.to(device) for name, value in inputs.items()}
     options = {name: getattr(args, name) for name in ("temperature", "repetition_penalty", "top_p", "top_k")}
     compile_device = device if args.compile else None
