@@ -54,8 +54,8 @@ Metrics (sections; each metric interleaves its repetitions: for rep, for (model,
   Rate = batch x (steps - 1) / (end - first step), timed from the first logits (after prefill, one sync there) to
   the end of generate (one sync): the decode loop runs unsynchronised, as in real use.
 * ``decode_static``: compiled decoding (issue 48's ``decode_compiled``), as ``generate --compile`` runs it
-  (``diff_transformer.generation.compile_kwargs``): a StaticCache, with which ``generate`` compiles the decode step
-  with ``CompileConfig(fullgraph=True)`` (inductor, mode "reduce-overhead", i.e. CUDA graphs; a graph break fails
+  (``diff_transformer.generation.call.compile_kwargs``): a StaticCache, with which ``generate`` compiles the decode
+  step with ``CompileConfig(fullgraph=True)`` (inductor, mode "reduce-overhead", i.e. CUDA graphs; a graph break fails
   the (model, backend) with its reason instead of measuring a split graph). Llama is compiled the same way in the
   same run. One StaticCache per (model, backend, batch) is reused across calls, as a server would, so the compiled
   graph and its static addresses stay put.
@@ -116,7 +116,7 @@ from transformers.generation import CompileConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from diff_transformer import DiffConfig, DiffForCausalLM
-from diff_transformer.generation import compile_kwargs
+from diff_transformer.generation.call import compile_kwargs
 
 
 _HERE = Path(__file__).resolve().parent

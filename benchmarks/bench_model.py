@@ -63,7 +63,7 @@ recorded).
    glibc's *dynamic* mmap threshold lets freed blocks linger in the heap and the same forward's peak varied by
    up to +-100 MiB between runs; with it, repeated runs agree to 0.1 MiB.
 3b. Compiled decode tokens/s (``decode_compiled``): the same greedy ``generate`` as ``generate --compile`` runs it
-   (``diff_transformer.generation.compile_kwargs``): a static cache, and transformers compiling the decoding
+   (``diff_transformer.generation.call.compile_kwargs``): a static cache, and transformers compiling the decoding
    step with ``torch.compile(fullgraph=True)``, inductor's default mode (the prefill stays eager). Every model,
    Llama included, is compiled in the same run; the compile happens in the warm-up (its seconds, and whether the
    compiled greedy tokens equal the eager ones, are in the JSON: ``detail.decode_compiled``). Ratios are to the
@@ -117,7 +117,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from diff_transformer import DiffConfig, DiffForCausalLM
-from diff_transformer.generation import compile_kwargs
+from diff_transformer.generation.call import compile_kwargs
 
 
 hf_logging.set_verbosity_error()

@@ -18,8 +18,8 @@ import bench_common  # noqa: F401  (puts the checkout's src/ first on sys.path)
 # isort: split
 from transformers import AutoTokenizer
 
-from diff_transformer import chat_templates
-from diff_transformer.chat_templates import render_chat
+from diff_transformer.generation import chat_templates
+from diff_transformer.generation.chat_templates import render_chat
 from diff_transformer.serving.render_pool import RenderPool
 
 from bench_common import median

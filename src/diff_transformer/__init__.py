@@ -22,16 +22,6 @@ from ._version import __version__  # noqa: F401  (one place: setup.cfg and --ver
 # its names (the model files' own, shipped with checkpoints), and `_load` binds them here.
 PUBLIC_MODULES = (".configuration_diff", ".integrations.peft", ".layers", ".modeling_diff")
 
-# transformers' Auto class -> our class it resolves "diff" to (and whose source `save_pretrained` copies)
-AUTO_CLASSES = {
-    "AutoConfig": "DiffConfig",
-    "AutoModel": "DiffModel",
-    "AutoModelForCausalLM": "DiffForCausalLM",
-    "AutoModelForSequenceClassification": "DiffForSequenceClassification",
-    "AutoModelForTokenClassification": "DiffForTokenClassification",
-    "AutoModelForQuestionAnswering": "DiffForQuestionAnswering",
-}
-
 if TYPE_CHECKING:  # `PUBLIC_MODULES` for type checkers and mkdocstrings, which read a star import through `__all__`
     # (tests/model/test_package.py holds this block to the tuple)
     from .configuration_diff import *  # noqa: F403
@@ -47,21 +37,12 @@ def _load() -> None:
     if _loaded:
         return
     _loaded = True  # before the imports: a module that reads a name of ours while they run gets no second _load
-    import transformers
-
     from .integrations import install as _install_integrations
+    from .integrations.auto_classes import register_auto_classes
 
     modules = [importlib.import_module(module, __name__) for module in PUBLIC_MODULES]
     public = {name: getattr(module, name) for module in modules for name in module.__all__}
-    config = public["DiffConfig"]
-    for auto_class, ours in AUTO_CLASSES.items():
-        if auto_class == "AutoConfig":
-            transformers.AutoConfig.register(config.model_type, config, exist_ok=True)
-        else:
-            getattr(transformers, auto_class).register(config, public[ours], exist_ok=True)
-        # `save_pretrained` copies the class's source file next to the weights and writes `auto_map`, so saved models
-        # also load with `trust_remote_code=True` where this package is not installed.
-        public[ours].register_for_auto_class(auto_class)
+    register_auto_classes()  # `integrations.auto_classes`: the table of Auto classes, shared with checkpoints/
 
     # What the package adds to the model classes and to transformers (see `integrations`): the "diff_triton" attention
     # backend (V1's fused kernel), the model card on save/push, PEFT's default target modules for "diff" (peft is not

@@ -1,7 +1,7 @@
 """Issue "Trust 3": what a request can make us compute is bounded. A config.json that claims more model than the
 safetensors weights next to it hold (10^5 or 10^7 layers, a huge hidden size or vocabulary, heads that do not fit) is
 refused in one line by every entry point before anything is built from it (`check_config_against_weights`); chat
-templates render within bounds (`diff_transformer.chat_templates`)."""
+templates render within bounds (`diff_transformer.generation.chat_templates`)."""
 
 import json
 import re
@@ -103,14 +103,15 @@ def test_each_hostile_field_is_refused_before_the_model_is_built(case, refused, 
     refused(["convert", model, tmp_path / "out"], HOSTILE[case][2])
 
 
-def test_the_package_s_loader_refuses_it_too(tmp_path, nothing_built):
-    from diff_transformer.checkpoints.loading import load_causal_lm
+def test_the_package_s_one_road_refuses_it_too(tmp_path, nothing_built):
+    """`checkpoints.open`, the road every command and serve take from a name to a model, refuses it when opened."""
+    from diff_transformer import checkpoints
 
     model = hostile_copy(tmp_path, "layers_1e7")
     with pytest.raises(
         CheckpointError, match="config.json says num_hidden_layers=10000000, but the weights hold 4 layers"
     ):
-        load_causal_lm(str(model))
+        checkpoints.open(str(model), tokenizer=False)
 
 
 def test_honest_checkpoints_pass(tmp_path):
@@ -176,7 +177,7 @@ def with_template(root: Path, template: str, name: str = "hostile-template") -> 
 def test_a_chat_template_renders_within_bounds(case):
     from transformers import AutoTokenizer
 
-    from diff_transformer.chat_templates import ChatTemplateBoundError, bound_chat_templates
+    from diff_transformer.generation.chat_templates import ChatTemplateBoundError, bound_chat_templates
 
     bound_chat_templates()
     tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA)
@@ -192,7 +193,7 @@ def test_a_chat_template_renders_within_bounds(case):
 def test_ordinary_templates_render_as_before():
     from transformers import AutoTokenizer
 
-    from diff_transformer.chat_templates import bound_chat_templates
+    from diff_transformer.generation.chat_templates import bound_chat_templates
 
     bound_chat_templates()
     tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA)
@@ -326,7 +327,7 @@ def test_serve_renders_a_chat_template_once_off_the_event_loop():
     from transformers.cli.serving.model_manager import ModelManager
     from transformers.cli.serving.utils import GenerationState
 
-    from diff_transformer.chat_templates import bound_chat_templates
+    from diff_transformer.generation.chat_templates import bound_chat_templates
     from diff_transformer.serving import server
 
     bound_chat_templates()
@@ -340,7 +341,7 @@ def test_serve_renders_a_chat_template_once_off_the_event_loop():
         return generate(self, *args, **kwargs)
 
     body = {"model": str(TINY_LLAMA), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    from diff_transformer import chat_templates
+    from diff_transformer.generation import chat_templates
 
     try:
         Template.generate = counting
@@ -399,7 +400,11 @@ def test_serve_s_render_refuses_a_huge_request_as_the_request_s_size():
     on the template; media (a base64 image) is not counted."""
     from transformers import AutoTokenizer
 
-    from diff_transformer.chat_templates import MAX_INPUT_CHARS, ChatInputTooLargeError, bound_chat_templates
+    from diff_transformer.generation.chat_templates import (
+        MAX_INPUT_CHARS,
+        ChatInputTooLargeError,
+        bound_chat_templates,
+    )
 
     bound_chat_templates()
     tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA)

@@ -12,8 +12,8 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from diff_transformer import chat_templates
-from diff_transformer.chat_templates import (
+from diff_transformer.generation import chat_templates
+from diff_transformer.generation.chat_templates import (
     FORK_KILL_S,
     WORKER_MEMORY_BYTES,
     ChatRenderError,

@@ -386,7 +386,6 @@ def test_a_link_planted_in_out_is_never_written_through(inputs, adapter, tmp_pat
 
 
 def _metadata_targets():
-    from diff_transformer.checkpoints.configs import GENERATION_RANGES
     from diff_transformer.checkpoints.schema import (
         ADAPTER_FIELDS,
         BASE_RECORD_FIELDS,
@@ -394,6 +393,7 @@ def _metadata_targets():
         GENERATION_FIELDS,
         MOTIF_FIELDS,
     )
+    from diff_transformer.generation.config import GENERATION_RANGES
 
     targets = [("adapter_config.json", field) for field in ADAPTER_FIELDS]
     targets += [("base_model.json", field) for field in BASE_RECORD_FIELDS]

@@ -109,7 +109,7 @@ def test_compiled_decoding_equals_eager(diff_version, backend, overrides):
     """Compiled decoding as `generate --compile` asks for it (`compile_kwargs`: a static cache, transformers
     compiling the decoding step with fullgraph=True, so any graph break fails here): the greedy tokens of the eager
     dynamic-cache run. GDA (Motif's V1 shape) is V1's layout with shared noise queries."""
-    from diff_transformer.generation import compile_kwargs
+    from diff_transformer.generation.call import compile_kwargs
 
     # Each model here is another set of guards on transformers' one compiled wrapper: with the other compiling tests of
     # a session, dynamo's recompile limit (8) was reached and fullgraph=True fails hard on it. Start from no graphs.

@@ -1,6 +1,6 @@
 """The package root's public names: each module of `PUBLIC_MODULES` lists its own in `__all__` (the one table), and
 `import diff_transformer` binds, exports and spells out for static readers exactly those; the Auto classes it
-registers (`AUTO_CLASSES`)."""
+registers (`integrations.auto_classes.AUTO_CLASSES`)."""
 
 import ast
 import importlib
@@ -36,7 +36,9 @@ def test_every_public_name_is_bound_to_its_modules_object():
 def test_auto_classes_resolve_diff_to_the_tables_classes():
     config = diff_transformer.DiffConfig()
     assert type(transformers.AutoConfig.for_model("diff")) is diff_transformer.DiffConfig
-    for auto_class, ours in diff_transformer.AUTO_CLASSES.items():
+    from diff_transformer.integrations.auto_classes import AUTO_CLASSES
+
+    for auto_class, ours in AUTO_CLASSES.items():
         cls = getattr(diff_transformer, ours)
         assert cls._auto_class == auto_class
         if auto_class != "AutoConfig":

@@ -10,8 +10,8 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from diff_transformer import chat_templates
-from diff_transformer.chat_templates import ChatRenderError, ChatTemplateBoundError, render_chat
+from diff_transformer.generation import chat_templates
+from diff_transformer.generation.chat_templates import ChatRenderError, ChatTemplateBoundError, render_chat
 from diff_transformer.serving.render_pool import RenderPool
 from tests.serving import fixtures
 from tests.serving.fixtures import CHATS, TINY_LLAMA

@@ -279,7 +279,7 @@ def test_a_long_conversation_is_rendered_in_linear_work(n):
     """A 2,000-turn line took minutes: every assistant turn rendered (and tokenised) both its prefixes, n^2/2 message
     renders. Now the characters rendered are a constant multiple of the conversation's own rendering (about 9: ~3
     renders of 3-4 messages per message), whatever n; the prefix renders would have been n/2 times it."""
-    from diff_transformer import chat_templates
+    from diff_transformer.generation import chat_templates
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     counter = CountingRenders(tokenizer)

@@ -3,8 +3,9 @@ base), turned into something to load: resolved, checked, then loaded, each probl
 fix (`CheckpointError`).
 
 * `opening.py`: `open_checkpoint(MODEL, base)` (also `checkpoints.open`), the one road from a name to a model:
-  resolved, checked, its tokenizer found once; the `Checkpoint` it returns loads without resolving again. Every
-  command that loads a model starts there.
+  resolved, checked, its tokenizer found once; the `Checkpoint` it returns loads without resolving again (the
+  generation settings applied: `generation.config`). Every command that loads a model starts there, and serve checks
+  the models it is asked for through it.
 * `names.py`: a local directory or a Hub id (`org/name`, `hf://name`).
 * `configs.py`: config.json and generation_config.json, checked before anything is built from them.
 * `weights.py`: the safetensors files of a checkpoint and their headers (names, shapes, dtypes; no tensor data).

@@ -1,7 +1,8 @@
-"""Loading a model named on the command line (`load_causal_lm`), checked before transformers tries it so that every
-problem is one line naming the input and the fix: a local Diff checkpoint is compared with its config first, so a
-`diff_version` that disagrees with the weights (an edited config.json) is named as such, not as transformers' size
-mismatch, and a config claiming more layers than the weights hold is refused before anything is built.
+"""Loading a model named on the command line (`from_pretrained`, reached through `checkpoints.open`), checked before
+transformers tries it so that every problem is one line naming the input and the fix: a local Diff checkpoint is
+compared with its config first, so a `diff_version` that disagrees with the weights (an edited config.json) is named
+as such, not as transformers' size mismatch, and a config claiming more layers than the weights hold is refused before
+anything is built.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from pathlib import Path
 from ..families import family_of, is_motif
 from . import CheckpointError
 from .configs import check_model_config, check_model_type, read_json, refuse_special_files
-from .names import resolve_model
 from .weights import PICKLE_SUFFIXES, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, find_shards, read_headers
 
 
@@ -111,8 +111,8 @@ def check_config_against_weights(directory: Path, raw: dict, where: str, shapes:
     * whatever the names, the parameters the config implies are at most `IMPLIED_PARAMETERS_FACTOR` times the stored
       ones (plus `IMPLIED_PARAMETERS_SLACK`).
 
-    Used by every entry point: `check_diff_checkpoint` (generate, inspect, niah, train, merge, `load_causal_lm`),
-    convert's source check and serve's model check. A directory without safetensors weights is left to the loader."""
+    Used by every entry point: `check_diff_checkpoint` (`checkpoints.open`: generate, inspect, niah, train, merge,
+    serve), and convert's source check. A directory without safetensors weights is left to the loader."""
     if shapes is None:
         shapes = _weight_shapes(directory)
     if shapes is None or not isinstance(raw, dict):
@@ -281,7 +281,9 @@ def from_pretrained(location: str, shown: str, **kwargs):
     every failure one `CheckpointError` line naming SHOWN."""
     from transformers import AutoModelForCausalLM
 
-    import diff_transformer  # noqa: F401  (registers the Auto classes)
+    from ..integrations.auto_classes import register_auto_classes
+
+    register_auto_classes()
 
     # Safetensors only, wherever the weights come from (a Hub repo with only pytorch_model.bin is refused, not
     # unpickled): the local check (`_weight_shapes`) names the fix before this for a directory.
@@ -305,13 +307,4 @@ def from_pretrained(location: str, shown: str, **kwargs):
         ) from None
 
 
-def load_causal_lm(text, *, name: str = "MODEL", **kwargs):
-    """`AutoModelForCausalLM.from_pretrained` of a command-line MODEL (resolved, its config held against its weights),
-    every failure one `CheckpointError` line. Commands use `checkpoints.open`; this is for a model named once."""
-    location, local = resolve_model(text, name=name)
-    if local is not None:
-        check_diff_checkpoint(local, name=name)
-    return from_pretrained(location, f"{name} {str(text)!r}", **kwargs)
-
-
-__all__ = ["check_config_against_weights", "check_diff_checkpoint", "from_pretrained", "load_causal_lm"]
+__all__ = ["check_config_against_weights", "check_diff_checkpoint", "from_pretrained"]

@@ -53,8 +53,6 @@ def merge_adapter(
         placed = {} if device == "cpu" else {"device_map": {"": device}}
         torch_dtype = "auto" if dtype in (None, "auto") else getattr(torch, dtype)
         model = checkpoint.load(merge=True, dtype=torch_dtype, **placed)
-        from .finite import non_finite_tensors
-
         bad = [] if allow_non_finite else non_finite_tensors(model.state_dict())
         if bad:
             raise CheckpointError(
@@ -82,4 +80,22 @@ def merge_adapter(
     return out_path
 
 
-__all__ = ["merge_adapter"]
+def non_finite_tensors(state_dict) -> list[str]:
+    """The names of the floating-point tensors of STATE_DICT that hold NaN or inf (shared storage checked once): a
+    merge never writes such weights silently; they come from values that overflow (an adapter's `lora_alpha` in
+    W + (alpha / r)·B·A, float16 weights out of range)."""
+    import torch
+
+    found, seen = [], set()
+    for name, tensor in state_dict.items():
+        if not torch.is_floating_point(tensor) or tensor.device.type == "meta":
+            continue
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            if not bool(torch.isfinite(tensor).all()):
+                found.append(name)
+    return found
+
+
+__all__ = ["merge_adapter", "non_finite_tensors"]

@@ -1,9 +1,9 @@
 """One road from a name to a model. `open_checkpoint(MODEL, base)` (`checkpoints.open`) resolves what the user named
 (a local directory, a Hub id, a PEFT adapter and its base) once, holds every local config against its weights, checks
 generation_config.json and finds the tokenizer; the `Checkpoint` it returns reads the config once and loads the
-weights without resolving or checking anything again. Every command that loads a model (generate, inspect, niah, merge,
-train) starts here, so a problem with the name, the config or the tokenizer is one line before any weights load,
-whichever command met it."""
+weights (its generation settings applied) without resolving or checking anything again. Every command that loads a
+model (generate, inspect, niah, merge, train) starts here, so a problem with the name, the config or the tokenizer is
+one line before any weights load, whichever command met it."""
 
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ class Checkpoint:
         (`text_config` gives the language model's)."""
         from transformers import AutoConfig
 
-        import diff_transformer  # noqa: F401  (registers the Auto classes: AutoConfig reads Diff configs)
+        from ..integrations.auto_classes import register_auto_classes
+
+        register_auto_classes()  # AutoConfig reads Diff configs
 
         try:
             return AutoConfig.from_pretrained(self.location)
@@ -57,18 +59,26 @@ class Checkpoint:
         return self.config.get_text_config()
 
     def load(self, *, merge: bool = False, trainable: bool = False, prepare=None, **kwargs):
-        """The model; for an adapter, its base with the adapter on it (merged into the weights with `merge`,
-        trainable with `trainable`; `prepare(base)`, e.g. for 4-bit training, runs before the adapter goes on).
-        KWARGS go to `from_pretrained` (dtype, attn_implementation, device_map, quantization_config...)."""
+        """The model, its generation settings ready for `generate` (`generation.config.float_generation_fields`: the
+        `"repetition_penalty": 2` of a hand-written generation_config.json is the float 2.0 transformers' processors
+        take); for an adapter, its base with the adapter on it (merged into the weights with `merge`, trainable with
+        `trainable`; `prepare(base)`, e.g. for 4-bit training, runs before the adapter goes on). KWARGS go to
+        `from_pretrained` (dtype, attn_implementation, device_map, quantization_config...)."""
+        from ..generation.config import float_generation_fields
+
         if self.adapter is None:
-            return from_pretrained(self.location, f"MODEL {self.name!r}", **kwargs)
-        return adapters.put_adapter_on(
-            from_pretrained(self.location, f"base model {self.source.base!r}", **kwargs),
-            self.source,
-            merge=merge,
-            trainable=trainable,
-            prepare=prepare,
-        )
+            model = from_pretrained(self.location, f"MODEL {self.name!r}", **kwargs)
+        else:
+            model = adapters.put_adapter_on(
+                from_pretrained(self.location, f"base model {self.source.base!r}", **kwargs),
+                self.source,
+                merge=merge,
+                trainable=trainable,
+                prepare=prepare,
+            )
+        if getattr(model, "generation_config", None) is not None:
+            float_generation_fields(model.generation_config)
+        return model
 
 
 def open_checkpoint(name, base: str | None = None, *, tokenizer: bool = True, label: str = "MODEL") -> Checkpoint:

@@ -3,8 +3,9 @@ that a hand-edited or corrupt file is one line naming the file, the field and th
 the code (or a value silently cast: `bool("no")` is True). One table per file: Motif's config.json fields (the
 converter), an adapter's `base_model.json` (`adapters.record_base`) and the `adapter_config.json` fields this
 package and PEFT compute with, and the generation_config.json fields whose types transformers leaves unchecked
-(their ranges: `configs.GENERATION_RANGES`). A Diff config.json is checked by `DiffConfig` itself (typed, `@strict`,
-its `validate_*` methods), run records by `outputs.records._run_record` (anything unexpected proves nothing)."""
+(their ranges: `generation.config.GENERATION_RANGES`). A Diff config.json is checked by `DiffConfig` itself (typed,
+`@strict`, its `validate_*` methods), run records by `outputs.records._run_record` (anything unexpected proves
+nothing)."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ ADAPTER_FIELDS = {
 
 # generation_config.json: the fields whose type transformers does not check when it loads the file, and that fail
 # deep inside generate() (a TypeError or an overflow) or are silently misread (`"use_cache": "x"` is truthy); value
-# ranges are `configs.GENERATION_RANGES`'. Token ids are int64 in torch.
+# ranges are `generation.config.GENERATION_RANGES`'. Token ids are int64 in torch.
 _TOKEN_ID = _spec("int-or-list", 0, 2**63 - 1)
 GENERATION_FIELDS = {
     **dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"), _TOKEN_ID),

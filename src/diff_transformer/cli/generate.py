@@ -1,13 +1,15 @@
 """`diff-transformer generate MODEL PROMPT`: text (or a chat turn) from a saved model or LoRA adapter, every input
-checked before the weights load (what goes to transformers' `generate`: `diff_transformer.generation`)."""
+checked before the weights load. The model opens through `checkpoints` (resolved and checked, then loaded with its
+generation settings applied); the prompt and the call are `diff_transformer.generation`'s; this module parses and
+prints."""
 
 import math
 import sys
 import time
 
 from ..checkpoints.backends import add_attn_option
-from ..checkpoints.configs import MIN_TEMPERATURE
 from ..errors import UserError, check_seed
+from ..generation.config import MIN_TEMPERATURE
 from .options import add_base_option, add_device_options, add_quiet_option, load_kwargs, resolve_device
 
 
@@ -57,31 +59,36 @@ def add_parser(commands) -> None:
 
 
 def run(args) -> int:
-    from ..checkpoints.configs import float_generation_fields
     from ..checkpoints.opening import open_checkpoint
-    from ..generation import chat_session, generate_kwargs
+    from ..generation.call import chat_session, generate_kwargs, prompt_inputs
     from ..text_input import check_text
 
     _check_generate_options(args)
     for name, text in (("PROMPT", args.prompt), ("--system", args.system)):
         if text is not None:  # argv undecodable as UTF-8 arrives with lone surrogates
             check_text(text, name)
-    device = resolve_device(args.device)
+    device, load = resolve_device(args.device), load_kwargs(args.dtype, args.attn_implementation)
     if args.compile:
         _check_compile(args, device)
-    # Everything about the inputs is checked before the weights load.
-    checkpoint = open_checkpoint(args.model, args.base)
-    tokenizer = checkpoint.tokenizer
     session = args.prompt is None  # an interactive chat: its template checked on a first message
     if session and not args.chat:
         raise UserError("PROMPT is missing: pass one, or add --chat without PROMPT for an interactive chat.")
-    inputs, ids = _prompt_inputs(args, tokenizer, session)
-    text_config = _checked_text_config(args, checkpoint, ids)
+    # Everything about the inputs is checked before the weights load.
+    checkpoint = open_checkpoint(args.model, args.base)
+    tokenizer, text_config = checkpoint.tokenizer, checkpoint.text_config
+    inputs = prompt_inputs(
+        tokenizer,
+        text_config,
+        checkpoint.location,
+        name=args.model,
+        prompt=args.prompt,
+        system=args.system,
+        chat=args.chat,
+        max_new_tokens=args.max_new_tokens,
+    )
     if args.stream and tokenizer is None:
         raise UserError(f"--stream prints text, and MODEL {args.model} has no tokenizer: drop --stream.")
-    model = checkpoint.load(**load_kwargs(args.dtype, args.attn_implementation)).eval().to(device)
-    if getattr(model, "generation_config", None) is not None:
-        float_generation_fields(model.generation_config)  # "repetition_penalty": 2 is the float 2.0
+    model = checkpoint.load(**load).eval().to(device)
     inputs = {name: value.to(device) for name, value in inputs.items()}
     options = {name: getattr(args, name) for name in ("temperature", "repetition_penalty", "top_p", "top_k")}
     compile_device = device if args.compile else None
@@ -130,49 +137,6 @@ def _compile_note(args, device: str) -> str | None:
             flush=True,
         )
     return None if args.quiet else what
-
-
-def _prompt_inputs(args, tokenizer, session: bool):
-    """(the inputs of `generate`, the prompt's token ids): through the chat template (--chat; an interactive chat's
-    template is tried on a first message), the tokenizer, or PROMPT's own ids when the model has no tokenizer."""
-    import torch
-
-    from ..generation import chat_inputs
-
-    if args.chat:
-        inputs = chat_inputs(tokenizer, "Hello." if session else args.prompt, args.system, args.model)
-        ids = inputs["input_ids"][0].tolist()
-    elif tokenizer is not None:
-        inputs = tokenizer(args.prompt, return_tensors="pt")
-        ids = inputs["input_ids"][0].tolist()
-    else:
-        try:
-            ids = [int(t) for t in args.prompt.split()]
-        except ValueError:
-            raise UserError(
-                f"MODEL {args.model} has no tokenizer, so PROMPT must be space-separated token ids like '5 6 7', not "
-                f"{args.prompt!r}: pass token ids, or save a tokenizer with the model."
-            ) from None
-        inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
-    if not ids:
-        raise UserError("PROMPT is empty: pass some text (or token ids).")
-    return inputs, ids
-
-
-def _checked_text_config(args, checkpoint, ids: list[int]):
-    """MODEL's text config, with the prompt's ids and length (and --max-new-tokens) checked against it."""
-    from ..checkpoints.configs import check_generation_tokens
-
-    text_config = checkpoint.text_config
-    vocab = text_config.vocab_size
-    check_generation_tokens(checkpoint.location, f"MODEL {args.model}", vocab)
-    _check_generation_length(args, len(ids), text_config)
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise UserError(
-            f"token id {bad[0]} in PROMPT is out of range for MODEL {args.model}: use ids from 0 to {vocab - 1}."
-        )
-    return text_config
 
 
 def _answer(args, model, tokenizer, inputs: dict, kwargs: dict) -> int:
@@ -233,19 +197,4 @@ def _check_compile(args, device: str) -> None:
         raise UserError(
             "--compile: transformers compiles generate's decoding step on CUDA or the CPU, not on mps: add --device "
             "cpu, or drop --compile."
-        )
-
-
-def _check_generation_length(args, prompt_tokens: int, config) -> None:
-    """PROMPT + --max-new-tokens within the model's context: beyond it the positions were never trained, and the
-    cache (memory) grows with whatever number is asked."""
-    context = getattr(config, "max_position_embeddings", None)
-    if context is not None and prompt_tokens >= context:
-        raise UserError(
-            f"PROMPT has {prompt_tokens} tokens, MODEL {args.model}'s context {context} positions: shorten it."
-        )
-    if context is not None and prompt_tokens + args.max_new_tokens > context:
-        raise UserError(
-            f"PROMPT ({prompt_tokens} tokens) + --max-new-tokens {args.max_new_tokens} exceeds MODEL {args.model}'s "
-            f"context ({context} positions): lower --max-new-tokens to at most {context - prompt_tokens}."
         )

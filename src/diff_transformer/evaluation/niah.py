@@ -120,7 +120,7 @@ class PromptBuilder:
         return self._frames[key]
 
     def _frame(self, key: str) -> tuple[list[int], list[int]]:
-        from ..chat_templates import ChatRenderError, render_chat
+        from ..generation.chat_templates import ChatRenderError, render_chat
 
         question, answer = QUESTION.format(key=key), ANSWER_PREFIX.format(key=key)
         if self.chat:

@@ -1,6 +1,8 @@
 """What connects the Diff model to other libraries, kept out of the checkpoint's custom code (`configuration_diff.py`
 and `modeling_diff.py` import only torch, transformers and each other):
 
+* `auto_classes`: the Diff classes registered with transformers' Auto classes (`import diff_transformer` and
+  `checkpoints` run it);
 * `attention`, `cpu_attention`: the attention backends ("diff_triton", "diff_map_first" and the CPU paths of sdpa)
   registered with transformers;
 * `bitsandbytes`: CPU 4-bit layers keep their differentiable kernel after `eval()` (QLoRA on CPU keeps learning);

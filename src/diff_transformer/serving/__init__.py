@@ -35,7 +35,7 @@ What transformers' server does not bound, this package does (`server.bounded_gen
   claiming 10^5 layers kept transformers building for minutes), and a model directory with weights but no tokenizer
   is refused: one line at start-up (`serve MODEL`), else a 400 when a request names it
   (`models.check_model_directory`).
-* Chat templates render within bounds (`diff_transformer.chat_templates`: 2 s, 5,000,000 steps, 4 Mi characters), in a
+* Chat templates render within bounds (`generation.chat_templates`: 2 s, 5,000,000 steps, 4 Mi characters), in a
   worker thread (`server.render_off_the_loop`): transformers renders on the event loop, where a template with nested
   loops held up every request, /health included. One past its bound answers 400. The render itself runs in a worker
   process (`render_pool`: address space capped, killed past its time), as one C call building gigabytes held the

@@ -90,14 +90,15 @@ def check_loadable(model_id_and_revision: str) -> None:
 
 
 def check_model_directory(directory: Path, shown: str, status: int | None, *, tokenizer: bool = True) -> None:
-    """A model directory checked before transformers loads it: its config asks for no more model than its weights hold
-    (`check_diff_checkpoint`: a config.json claiming 10^5 layers took minutes to build), and it has a tokenizer (the
-    server answers text). An HTTP error with STATUS, or a `UserError` (start-up) when STATUS is None."""
+    """A model directory opened through the one road from a name to a model (`checkpoints.open`) before transformers
+    loads it: its config asks for no more model than its weights hold (a config.json claiming 10^5 layers took minutes
+    to build), its generation_config.json is in range, and it has a tokenizer (the server answers text). An HTTP error
+    with STATUS, or a `UserError` (start-up) when STATUS is None."""
+    from .. import checkpoints
     from ..checkpoints.adapters import has_tokenizer
-    from ..checkpoints.loading import check_diff_checkpoint
 
     try:
-        check_diff_checkpoint(directory, name=shown.split(" ", 1)[0])
+        checkpoints.open(directory, tokenizer=False, label=shown.split(" ", 1)[0])
         weights = any(directory.glob("*.safetensors"))  # none: transformers says what the directory lacks
         if tokenizer and weights and not has_tokenizer(directory):
             raise UserError(

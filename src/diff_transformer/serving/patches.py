@@ -164,7 +164,7 @@ def _uvicorn(settings: ServeSettings) -> None:
 
 
 def _chat_templates(settings: ServeSettings) -> None:
-    from ..chat_templates import bound_chat_templates, isolate
+    from ..generation.chat_templates import bound_chat_templates, isolate
     from .render_pool import RenderPool
 
     bound_chat_templates()

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 
-from ..chat_templates import _cap_memory, answer_of, text_of
+from ..generation.chat_templates import _cap_memory, answer_of, text_of
 
 
 KILL_MARGIN_S = 1.0  # past RENDER_SECONDS: the worker's own bound answers first whenever Python code runs
@@ -114,7 +114,7 @@ class RenderPool:
     def render(self, source: str, args: tuple, kwargs: dict):
         """The text of SOURCE rendered with ARGS/KWARGS in a worker; NotImplemented when they are not JSON (then
         the caller renders in its own process)."""
-        from ..chat_templates import RENDER_SECONDS
+        from ..generation.chat_templates import RENDER_SECONDS
 
         if args:
             return NotImplemented
@@ -144,7 +144,7 @@ def main() -> None:
     """The worker: one JSON request per line on stdin, one JSON answer per line on stdout."""
     from transformers.utils import chat_template_utils
 
-    from ..chat_templates import bound_chat_templates, in_process, isolate
+    from ..generation.chat_templates import bound_chat_templates, in_process, isolate
 
     bound_chat_templates()
     isolate(in_process)  # this process is the isolation: no child forked per render

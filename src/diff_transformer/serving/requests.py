@@ -147,7 +147,7 @@ def _check_generation_config(text) -> None:
         return
     from transformers import GenerationConfig
 
-    from ..checkpoints.configs import generation_value_problem
+    from ..generation.config import generation_value_problem
 
     try:
         settings = json.loads(text) if isinstance(text, str) else None

@@ -38,7 +38,7 @@ async def render_off_the_loop(handler, body: dict) -> None:
 
     from transformers.cli.serving.utils import Modality
 
-    from ..chat_templates import ChatRenderError, prerendered, render_capturing
+    from ..generation.chat_templates import ChatRenderError, prerendered, render_capturing
 
     if not isinstance(body.get("messages"), list):
         return  # transformers' validation answers
@@ -331,7 +331,7 @@ def _generation_limit(model, inputs: dict, gen_config, limit: int | None) -> Non
     settings outside their range (`num_beams: -3` in its generation_config) are an HTTP 400, not a 500 mid-run."""
     from fastapi import HTTPException
 
-    from ..checkpoints.configs import generation_value_problem
+    from ..generation.config import generation_value_problem
     from .requests import check_token_ids
 
     for field in ("num_beams", "num_return_sequences", "top_k", "top_p", "temperature", "repetition_penalty"):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ..chat_templates import ChatRenderError, ChatTemplateFailedError, in_process, isolation, render_chat
+from ..generation.chat_templates import ChatRenderError, ChatTemplateFailedError, in_process, isolation, render_chat
 from ..text_input import parse_json_line
 from . import TrainingError
 from .data import _read_text, held_out_indices, require_files

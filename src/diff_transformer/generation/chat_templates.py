@@ -30,7 +30,7 @@ import re
 import sys
 import time
 
-from .errors import UserError, one_line
+from ..errors import UserError, one_line
 
 
 RENDER_SECONDS = 2.0
