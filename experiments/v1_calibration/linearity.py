@@ -2,7 +2,7 @@
 on other domains"; issue 47): per layer of SOURCE, on 4 blocks of 256 tokens of the Python Language Reference, the
 relative error of the best per-head constant map from the source heads' outputs y1 = A1 v1 to the normalised heads
 y1 / rms([y1 | y2]), with the second value half y2 as the layout's small noise and as the steady channel of
-`calibrate._steady_second_half` (x along u = C⁻¹m) at k = 1, 3 and 10 times the first half's norm.
+`conversion.fit._steady_second_half` (x along u = C⁻¹m) at k = 1, 3 and 10 times the first half's norm.
 
     python experiments/v1_calibration/linearity.py SOURCE_DIR
 """

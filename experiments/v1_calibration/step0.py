@@ -13,6 +13,8 @@ so an interrupted run resumes). The texts, read at run time, never downloaded:
 Each is scored on BLOCKS blocks of 256 tokens (bos first), spread evenly over the text.
 
     python experiments/v1_calibration/step0.py --source DIR --layout expanded --calibration sampled --seed 0
+
+--ridges, --heldout and --prior source run the constrained fits of fits.py instead of the converter's plain one.
 """
 
 from __future__ import annotations
@@ -23,11 +25,16 @@ import json
 import math
 import platform
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fits import constrained_fits  # noqa: E402
 
 
 BLOCKS, BLOCK = 8, 256
@@ -71,7 +78,7 @@ def scores(path, evaluation) -> dict[str, float]:
     return {name: loss(model, blocks) for name, blocks in evaluation.items()}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", required=True)
     parser.add_argument("--layout", choices=("paired", "expanded"), default=None)
@@ -88,7 +95,7 @@ def main() -> None:
         help="expanded: the steady second value half, k x the first (the converter's default: 10; 0: none)",
     )
     parser.add_argument("--results", default="experiments/v1_calibration/results/step0.jsonl")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
     from transformers import AutoTokenizer
@@ -125,44 +132,42 @@ def main() -> None:
             handle.write(json.dumps({"config": source_key, "loss": source}) + "\n")
 
     original = calibrate.calibrate_v1_start
-    options = dict(ridges=ridges, heldout=args.heldout, shrink_to_source=args.prior == "source")
-    options["steady_value"] = args.steady_value  # 0: the plain start of rows recorded without the key
-    fitted = {}
 
-    def keep(*a, **k):
-        start = original(*a, **{**k, **options})  # this configuration's options over the converter's defaults
-        fitted["start"] = start
-        return start
+    def steady(*a, **k):  # this configuration's steady value over the converter's (0: rows recorded without the key)
+        return original(*a, **{**k, "steady_value": args.steady_value})
 
-    calibrate.calibrate_v1_start = keep
+    calibrate.calibrate_v1_start = steady
     sample = calibrate.sample_calibration_blocks
 
-    def cached(path, num_blocks, block_size, seed):  # the same blocks for every configuration of one seed
+    def cached(path, num_blocks, block_size, seed, *more, **options):  # the same blocks for every configuration
         cache = Path(tempfile.gettempdir()) / f"v1step0-{Path(path).name}-{num_blocks}x{block_size}-{seed}.pt"
         if not cache.exists():
-            torch.save(sample(path, num_blocks, block_size, seed), cache)
+            torch.save(sample(path, num_blocks, block_size, seed, *more, **options), cache)
         return torch.load(cache)
 
     calibrate.sample_calibration_blocks = cached
     data = {"sampled": None, "austen": calibrate.BUILTIN_TEXT}.get(args.calibration, args.calibration)
     out = Path(tempfile.mkdtemp(prefix="v1step0-")) / "out"
     began = time.perf_counter()
+    fits = constrained_fits(ridges, heldout=args.heldout, towards_source=args.prior == "source")
     try:
-        convert_llama_to_diff(
-            args.source,
-            out,
-            diff_version=1,
-            v1_layout=args.layout,
-            calibration_data=data,
-            calibration_blocks=args.blocks,
-            seed=args.seed,
-            progress=False,
-        )
+        with fits as chosen_ridges:
+            convert_llama_to_diff(
+                args.source,
+                out,
+                diff_version=1,
+                v1_layout=args.layout,
+                calibration_data=data,
+                calibration_blocks=args.blocks,
+                seed=args.seed,
+                progress=False,
+            )
         seconds = time.perf_counter() - began
         converted = scores(out, evaluation)
         conversion = json.loads((out / "config.json").read_text())["conversion"]
     finally:
         shutil.rmtree(out.parent, ignore_errors=True)
+        calibrate.calibrate_v1_start, calibrate.sample_calibration_blocks = original, sample
     row = {
         "config": key,
         "loss": converted,
@@ -172,7 +177,7 @@ def main() -> None:
         "layout": conversion.get("v1_layout"),
         "lambda_start": conversion.get("lambda_start"),
         "residual": conversion.get("subln_relative_residual"),
-        "chosen_ridges": list(fitted["start"].ridges),
+        "chosen_ridges": chosen_ridges,
         "convert_seconds": round(seconds, 1),
         "machine": f"{platform.machine()}, 1 torch thread, 2 shared cores",
         "python": platform.python_version(),

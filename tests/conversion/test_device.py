@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from diff_transformer.conversion import ConversionError, calibrate, convert_to_diff, verify_conversion
+from diff_transformer.conversion import ConversionError, calibrate, convert_to_diff, fit, verify_conversion
 from tests.conversion.test_v1_init import TINY_LLAMA
 from tests.helpers.checkpoints import make_llama, tree_digest
 from tests.helpers.motif import write_motif_checkpoint
@@ -75,7 +75,7 @@ def test_calibration_holds_one_layer_at_a_time_and_returns_what_is_written(tmp_p
     come back on the CPU in the dtype SRC stores (bfloat16 here), not as float32 copies of every layer."""
     src = make_llama(tmp_path / "src", dtype=torch.bfloat16, num_hidden_layers=3)
     alive, loaded = [], []
-    load = calibrate._load_layer
+    load = fit._load_layer
 
     def tracked(*args, **kwargs):
         gc.collect()
@@ -84,12 +84,12 @@ def test_calibration_holds_one_layer_at_a_time_and_returns_what_is_written(tmp_p
         loaded.append(weakref.ref(layer))
         return layer
 
-    monkeypatch.setattr(calibrate, "_load_layer", tracked)
+    monkeypatch.setattr(fit, "_load_layer", tracked)
     seen = {}
-    fit = calibrate.calibrate_v1_start
+    calibrate_v1_start = calibrate.calibrate_v1_start
 
     def keep(*args, **kwargs):
-        seen["start"] = fit(*args, **kwargs)
+        seen["start"] = calibrate_v1_start(*args, **kwargs)
         return seen["start"]
 
     monkeypatch.setattr(calibrate, "calibrate_v1_start", keep)

@@ -1,4 +1,4 @@
-"""The calibrated start of a Llama -> Diff V1 conversion (conversion/calibrate.py, `--v1-init`)."""
+"""The calibrated start of a Llama -> Diff V1 conversion (conversion/calibrate.py and fit.py, `--v1-init`)."""
 
 import json
 import math
@@ -10,11 +10,8 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from diff_transformer import DiffForCausalLM, cli
 from diff_transformer.conversion import ConversionError, convert_llama_to_diff, convert_to_diff
-from diff_transformer.conversion.calibrate import (
-    least_squares_projection,
-    plan_calibration,
-    scaled_source_projection,
-)
+from diff_transformer.conversion.calibrate import plan_calibration
+from diff_transformer.conversion.fit import least_squares_projection
 from diff_transformer.conversion.layout import llama_to_v1_query_permutation
 from diff_transformer.evaluation import heldout_perplexity
 from tests.helpers import REPOSITORY
@@ -52,33 +49,6 @@ def test_least_squares_projection_matches_a_hand_computed_example_and_lstsq():
     target = features @ weight.T + 0.01 * torch.randn(200, 3, generator=generator)
     expected = torch.linalg.lstsq(features.double(), target.double()).solution.T
     assert torch.allclose(least_squares_projection(features, target, ridge=0.0), expected, atol=1e-9)
-
-
-def test_ridge_towards_a_prior_and_one_gain_per_head_match_lstsq():
-    """The two constrained fits the calibration can use (issue 47): ridge towards a prior W0 is least squares on the
-    system augmented with √ρ(W − W0) = 0; one gain per head is least squares over the H per-head outputs F_h W_hᵀ."""
-    generator = torch.Generator().manual_seed(0)
-    features, prior = (
-        torch.randn(300, 6, generator=generator).double(),
-        torch.randn(4, 6, generator=generator).double(),
-    )
-    target = features @ torch.randn(4, 6, generator=generator).double().T
-    rho = 0.5 * float(features.square().sum(0).mean())  # ridge 0.5 × the mean squared feature
-    augmented = torch.cat((features, rho**0.5 * torch.eye(6, dtype=features.dtype)))
-    padded = torch.cat((target, rho**0.5 * prior.T))
-    expected = torch.linalg.lstsq(augmented, padded).solution.T
-    assert torch.allclose(least_squares_projection(features, target, 0.5, prior), expected, atol=1e-9)
-    assert torch.allclose(least_squares_projection(features, target, 1e12, prior), prior, atol=1e-9)
-    heads, source = 3, torch.randn(4, 6, generator=generator).double()  # 3 heads of width 2
-    target = sum(g * features[:, 2 * h : 2 * h + 2] @ source[:, 2 * h : 2 * h + 2].T for h, g in enumerate((2, -1, 3)))
-    target = target + 0.1 * torch.randn(300, 4, generator=generator).double()
-    per_head = torch.stack(
-        [(features[:, 2 * h : 2 * h + 2] @ source[:, 2 * h : 2 * h + 2].T).reshape(-1) for h in range(3)], 1
-    )
-    gains = torch.linalg.lstsq(per_head, target.reshape(-1, 1)).solution[:, 0]  # (3,)
-    assert torch.allclose(
-        scaled_source_projection(features, target, source, heads), source * gains.repeat_interleave(2), atol=1e-9
-    )
 
 
 GRIDS = {

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from diff_transformer import cli
-from diff_transformer.conversion import convert as convert_module
+from diff_transformer.conversion import calibrate as calibrate_module
 from tests.helpers.checkpoints import make_llama
 
 
@@ -61,12 +61,12 @@ def suggestions(line: str, current: dict) -> list[dict]:
 def test_every_v1_suggestion_the_converter_prints_converts(tmp_path, capsys, monkeypatch, heads):
     H, H_kv, hidden = heads
     # a few short calibration blocks: what is printed does not depend on how many (the walk runs ~20 conversions)
-    calibrate = convert_module._calibrate
+    calibrate = calibrate_module.calibrate_conversion
 
     def small(source, config, tensor_map, options):
         return calibrate(source, config, tensor_map, replace(options, calibration_blocks=2, calibration_block_size=32))
 
-    monkeypatch.setattr(convert_module, "_calibrate", small)
+    monkeypatch.setattr(calibrate_module, "calibrate_conversion", small)
     src = make_llama(tmp_path / "llama", hidden_size=hidden, num_attention_heads=H, num_key_value_heads=H_kv)
     text = tmp_path / "text.txt"
     text.write_text("Some calibration text of mine. " * 200, encoding="utf-8")

@@ -9,8 +9,8 @@
 All of them raise `ConversionError` (a `ValueError`) with a one-line message for problems with their inputs.
 """
 
+from ..configuration_diff import AUTO_MAP
 from .convert import (
-    AUTO_MAP,
     convert_diffllama_to_diff,
     convert_llama_to_diff,
     convert_motif_to_diff,

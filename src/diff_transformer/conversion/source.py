@@ -182,6 +182,18 @@ def open_source(
     return source
 
 
+def is_causal_lm(source_path: Path) -> bool:
+    """Whether SRC's config.json names only causal-LM architectures (none named: a causal LM): something the
+    calibration can sample text from and score a next-token loss with."""
+    import json
+
+    try:
+        config = json.loads((Path(source_path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return all(name.endswith("ForCausalLM") for name in config.get("architectures") or ["ForCausalLM"])
+
+
 def read_weights_headers(source: SourceCheckpoint) -> None:
     """Download the rest of a Hub snapshot if needed, then read every shard's header."""
     if source.repo_id is not None:
@@ -207,6 +219,7 @@ __all__ = [
     "SourceCheckpoint",
     "check_float_dtypes",
     "download_snapshot",
+    "is_causal_lm",
     "load_config",
     "open_source",
     "read_weights_headers",

@@ -262,7 +262,7 @@ def check_layout(config, layout: Layout) -> None:
 
 def load_config(model_or_config, diff_version: int | None = None):
     """The Diff config to plan: a Diff checkpoint's (directory or config.json), or the one `convert` would write for
-    a Llama-family source's config (`conversion.convert.planned_config`, V2 by default as there). Local files only."""
+    a Llama-family source's config (`conversion.plan.planned_config`, V2 by default as there). Local files only."""
     path = Path(model_or_config).expanduser()
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
@@ -288,6 +288,6 @@ def load_config(model_or_config, diff_version: int | None = None):
                 "a Llama-family config)."
             )
         return config
-    from ..conversion.convert import planned_config
+    from ..conversion.plan import planned_config
 
     return planned_config(data, diff_version, str(file))
