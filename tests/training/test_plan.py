@@ -136,6 +136,9 @@ def test_plan_command_prints_the_table_and_refuses_bad_input(capsys, refused, tm
     assert cli.main(["plan", str(TINY_LLAMA), "--diff-version", "2", "--nodes", "2", "--gpus-per-node", "2"]) == 0
     out = capsys.readouterr().out
     assert "Diff V2" in out and all(f"| {strategy} |" in out for strategy in ("ddp", "fsdp", "hsdp", "tp", "tp+fsdp"))
+    # a model under 1B parameters is counted in millions (the tiny Llama's V2 printed "0.00B" before)
+    parameters = hand_count(load_config(TINY_LLAMA / "config.json", 2))
+    assert out.startswith(f"Diff V2 ({parameters / 1e6:.2f}M parameters, ")
     # V1 pairs the tiny Llama's 6 heads over 2 KV heads into 3 over 1: 2-way tp cannot split them, said per strategy
     assert cli.main(["plan", str(TINY_LLAMA), "--diff-version", "1", "--nodes", "2", "--gpus-per-node", "2"]) == 0
     out = capsys.readouterr().out

@@ -107,7 +107,9 @@ def run(args) -> int:
 
 
 def describe(config, args, parameters) -> str:
-    count = f"{parameters / 1e9:.2f}B parameters, " if parameters else ""
+    # a tiny model (the shipped one: 2.1M) would print as 0.00B
+    scale, unit = (1e9, "B") if parameters and parameters >= 1e9 else (1e6, "M")
+    count = f"{parameters / scale:.2f}{unit} parameters, " if parameters else ""
     return (
         f"Diff V{config.diff_version} ({count}{config.num_hidden_layers} layers, hidden {config.hidden_size}, "
         f"{config.num_attention_heads} heads / {config.num_key_value_heads} KV heads) on {args.nodes} node(s) x "
