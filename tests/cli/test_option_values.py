@@ -496,6 +496,7 @@ TRAIN = ["train", "no-such-model", "--data", "d", "--output", "o"]
         (["generate", "no-such-model", "5 6", "--attn-implementation", "sdpaa"], ["'sdpaa'", "sdpa"]),
         (["generate", "no-such-model", "5 6", "--max-new-tokens", "-3"], ["--max-new-tokens -3"]),
         (["generate", "no-such-model", "5 6", "--top-p", "2"], ["--top-p 2"]),
+        (["generate", "no-such-model"], ["PROMPT is missing", "--chat"]),
         (["niah", "no-such-model", "--out", "x", "--attn-implementation", "sdpaa"], ["'sdpaa'"]),
         (["inspect", "no-such-model", "5 6", "--attn-implementation", "flash"], ["'flash'"]),
         ([*TRAIN, "--attn-implementation", "sdpaa"], ["'sdpaa'"]),

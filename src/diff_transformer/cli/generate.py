@@ -71,8 +71,6 @@ def run(args) -> int:
     if args.compile:
         _check_compile(args, device)
     session = args.prompt is None  # an interactive chat: its template checked on a first message
-    if session and not args.chat:
-        raise UserError("PROMPT is missing: pass one, or add --chat without PROMPT for an interactive chat.")
     # Everything about the inputs is checked before the weights load.
     checkpoint = open_checkpoint(args.model, args.base)
     tokenizer, text_config = checkpoint.tokenizer, checkpoint.text_config
@@ -159,6 +157,8 @@ def _answer(args, model, tokenizer, inputs: dict, kwargs: dict) -> int:
 
 def _check_generate_options(args) -> None:
     """The options of `generate`: one line each when out of range."""
+    if args.prompt is None and not args.chat:
+        raise UserError("PROMPT is missing: pass one, or add --chat without PROMPT for an interactive chat.")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} must be at least 1.")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
