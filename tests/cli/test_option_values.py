@@ -545,3 +545,19 @@ def test_the_backends_known_without_transformers_are_those_it_registers():
     from diff_transformer.checkpoints.backends import KNOWN_BACKENDS, attention_backends
 
     assert sorted(KNOWN_BACKENDS) == attention_backends()
+
+
+def test_an_unknown_option_after_a_command_shows_that_command_s_usage():
+    """`convert SRC OUT --diff-verison 1` printed the top-level usage (`diff-transformer [-h] [--version] ...`), which
+    does not list the option the user meant; the command's own usage does."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "diff_transformer", "convert", "src", "out", "--diff-verison", "1"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: diff-transformer convert "), result.stderr
+    assert "--diff-version" in result.stderr and "unrecognized arguments: --diff-verison 1" in result.stderr

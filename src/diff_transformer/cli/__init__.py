@@ -63,7 +63,9 @@ def _main(argv=None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "serve":  # every option after `serve` goes to transformers' server
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        # the command's own usage, not the top level's: the mistyped option belongs to the command
+        subparsers = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+        subparsers.choices[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
     args.serve_args = rest
     import diff_transformer
 
