@@ -285,6 +285,16 @@ def test_an_empty_model_name_is_refused_not_taken_for_the_current_directory(refu
     assert not {"maps.json", "niah", "run", "merged", "out"} & {p.name for p in tmp_path.iterdir()}
 
 
+def test_a_directory_without_config_json_is_named_as_such(refused, tmp_path, monkeypatch):
+    """A new user's walk: `generate emptydir hi` answered transformers' "Should have a `model_type` key in its
+    config.json" for a directory with no config.json at all; every loading command now says what convert says."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "emptydir").mkdir()
+    for argv in (["generate", "emptydir", "5 6"], ["inspect", "emptydir", "5 6", "--json", "maps.json"]):
+        refused(argv, "no config.json in emptydir", "save_pretrained")
+    assert not (tmp_path / "maps.json").exists()
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_a_diff_checkpoint_relabelled_llama_is_named_as_such(refused, tmp_path, version):
     """Issue 56: `model_type: llama` in a Diff config was reported as a head-count mismatch; the fix is the
