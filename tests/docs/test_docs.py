@@ -278,7 +278,7 @@ def test_the_quickstart_runs_in_the_environment_the_page_made(page):
 def test_the_server_s_limits_table_states_the_code_s_values():
     """Issue 56 item 6: docs/serving.md holds the server's limits in one table (body size, queue, loaded models,
     render bounds); each row is held to the constant the server uses, so the table cannot drift from the code."""
-    from diff_transformer import chat_templates
+    from diff_transformer.generation import chat_templates
     from diff_transformer.serving import patches, render_pool, requests, server
 
     text = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
