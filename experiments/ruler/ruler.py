@@ -1,15 +1,15 @@
 """RULER (lm-evaluation-harness's offline tasks) on a set of checkpoints: one result file per (model, task, length).
 
-lm-eval's RULER tasks generate their data at run time, sized with the tokenizer of the model under test
-(`pretrained=` in the model arguments, so a local checkpoint's own tokenizer: nothing is downloaded) to the lengths
-given as `metadata={"max_seq_lengths": [...]}` (plural: `max_seq_length` is ignored and the default 4096 is used).
-This driver runs one (model, task, length) at a time through `lm_eval.simple_evaluate`, greedy, batch size 1, and
-writes `RESULTS/<model>__<task>__<length>.json` (atomically) with lm-eval's score and every item: prompt hash, prompt
-length in tokens, reference, response and score. A file that exists is skipped, so rerunning the same command after a
-stop goes on where it stopped. `table` turns the files into the Markdown table of docs/evaluation.md (95% intervals:
-Wilson for 0/1 item scores; for the word-list tasks, whose item scores are fractions, the normal interval of the
-mean), and checks item by item that the models named `--same-as` (a function-preserving conversion) answered as
-their source did.
+lm-eval's RULER tasks generate their data at run time, sized with the tokenizer of the model under test (`pretrained=`
+in the model arguments, so a local checkpoint's own tokenizer: nothing is downloaded) to the lengths given as
+`metadata={"max_seq_lengths": [...]}` (plural: `max_seq_length` is ignored and the default 4096 is used). This driver
+runs one (model, task, length) at a time, each in a process of its own (`run` starts `unit`), through
+`lm_eval.simple_evaluate`, greedy, batch size 1, and writes `RESULTS/<model>__<task>__<length>.json` (atomically) with
+lm-eval's score and every item: prompt hash, prompt length in tokens, reference, response and score. A file that exists
+is skipped, so rerunning the same command after a stop goes on where it stopped. `table` turns the files into the
+Markdown table of docs/evaluation.md (95% intervals: Wilson for 0/1 item scores; for the word-list tasks, whose item
+scores are fractions, the normal interval of the mean), and checks item by item that the models named `--same-as` (a
+function-preserving conversion) answered as their source did.
 
     python experiments/ruler/ruler.py run --model source=.cpt-smollm2/smollm2 --model v2=.cpt-smollm2/ruler/v2 \\
         --lengths 1024 2048 --limit 25
@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -80,6 +81,10 @@ def evaluate(path, task, length, limit, threads):
 
 
 def run(args):
+    """Every (length, task, model) unit not done yet, each in a process of its own: lm-eval's RULER generators keep
+    state in their modules (ruler_cwe's module-level `random.Random(42)`, ruler_fwe's draws), so a second unit of the
+    same task in one process gets other prompts than the first, even with lm-eval's seeds (checked: the first three
+    prompt hashes of a second build differ for both tasks; a fresh process gives the same prompts for every model)."""
     models = dict(parse_model(m) for m in args.model)
     Path(args.results).mkdir(parents=True, exist_ok=True)
     failed = []
@@ -91,34 +96,41 @@ def run(args):
                     print(f"{target.name}: done earlier", flush=True)
                     continue
                 print(f"{target.name}: running", flush=True)
-                start = time.time()
-                try:
-                    score, items = evaluate(path, task, length, args.limit, args.threads)
-                except Exception as error:  # noqa: BLE001 - one failed unit must not stop the others
-                    print(f"{target.name}: FAILED: {type(error).__name__}: {error}", flush=True)
+                unit = [sys.executable, __file__, "unit", f"{name}={path}", task, str(length)]
+                unit += ["--limit", str(args.limit), "--threads", str(args.threads), "--results", str(args.results)]
+                if subprocess.run(unit).returncode != 0:
+                    print(f"{target.name}: FAILED (its output is above)", flush=True)
                     failed.append(target.name)
-                    continue
-                import lm_eval
-
-                record = {
-                    "model": name,
-                    "path": str(path),
-                    "task": task,
-                    "length": length,
-                    "limit": args.limit,
-                    "score": score,
-                    "items": items,
-                    "seconds": round(time.time() - start, 1),
-                    "threads": args.threads,
-                    "lm_eval": lm_eval.__version__,
-                }
-                partial = target.with_suffix(".partial")
-                partial.write_text(json.dumps(record, indent=1) + "\n")
-                os.replace(partial, target)
-                print(f"{target.name}: score {score:.3f} over {len(items)} items, {record['seconds']} s", flush=True)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
         return 1
+    return 0
+
+
+def run_unit(args):
+    """One (model, task, length): RESULTS/<model>__<task>__<length>.json, written atomically."""
+    name, path = parse_model(args.model)
+    target = result_path(args.results, name, args.task, args.length)
+    start = time.time()
+    score, items = evaluate(path, args.task, args.length, args.limit, args.threads)
+    import lm_eval
+
+    record = {
+        "model": name,
+        "path": str(path),
+        "task": args.task,
+        "length": args.length,
+        "limit": args.limit,
+        "score": score,
+        "items": items,
+        "seconds": round(time.time() - start, 1),
+        "threads": args.threads,
+        "lm_eval": lm_eval.__version__,
+    }
+    partial = target.with_suffix(".partial")
+    partial.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(partial, target)
+    print(f"{target.name}: score {score:.3f} over {len(items)} items, {record['seconds']} s", flush=True)
     return 0
 
 
@@ -225,6 +237,13 @@ def main(argv=None):
     run_parser.add_argument("--limit", type=int, default=25, help="items per task and length (default 25)")
     run_parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: shared machines)")
     run_parser.add_argument("--results", default=str(RESULTS))
+    unit_parser = commands.add_parser("unit", help="one (model, task, length) unit (what `run` starts per unit)")
+    unit_parser.add_argument("model", help="NAME=PATH")
+    unit_parser.add_argument("task", choices=OFFLINE_TASKS)
+    unit_parser.add_argument("length", type=int)
+    unit_parser.add_argument("--limit", type=int, default=25)
+    unit_parser.add_argument("--threads", type=int, default=1)
+    unit_parser.add_argument("--results", default=str(RESULTS))
     table_parser = commands.add_parser("table", help="the Markdown table of the results so far")
     table_parser.add_argument("--results", default=str(RESULTS))
     table_parser.add_argument("--models", nargs="+", default=list(LABELS))
@@ -238,6 +257,8 @@ def main(argv=None):
         if args.limit < 1 or args.threads < 1 or min(args.lengths) < 1:
             parser.error("--limit, --threads and --lengths must be positive")
         return run(args)
+    if args.command == "unit":
+        return run_unit(args)
     return make_table(args)
 
 

