@@ -38,11 +38,19 @@ if [ "$DOMAIN" = pydoc ]; then
     --domain "the Python Language Reference")
   TITLE="$TITLE, trained on the Python Language Reference"
 fi
-for model in v1cal llama v2; do
-  if [ -f "$HERE/results/${STEM}_$model.json" ]; then echo "$model: done earlier ($HERE/results/${STEM}_$model.json)"; continue; fi
+# MODELS="v1cal" rebuilds only the V1 (what experiments/ruler/smollm2.sh needs). A model whose results are committed
+# but whose trained checkpoint is not in WORKDIR (a fresh clone: WORKDIR is not in git) is trained again, its results
+# written to WORKDIR/rerun-results so the committed ones stay as they are.
+for model in ${MODELS:-v1cal llama v2}; do
+  RESULTS=() CHECKPOINT="$WORK/$model/run-$model-seed0/config.json"
+  if [ -f "$HERE/results/${STEM}_$model.json" ]; then
+    if [ -f "$CHECKPOINT" ]; then echo "$model: done earlier ($HERE/results/${STEM}_$model.json)"; continue; fi
+    echo "$model: results committed, its checkpoint is not in $WORK: training it again (results in $WORK/rerun-results)"
+    RESULTS=(--results "$WORK/rerun-results")
+  fi
   "$PY" "$HERE/continued_pretraining.py" --source "$WORK/smollm2" --models "$model" --seeds 0 --steps "$STEPS" \
     --batch-size "$BATCH" --block-size "$BLOCK" --lr 1e-4 --warmup-steps 15 --eval-every 50 --logging-steps 10 \
-    $CHECKPOINTING ${THREADS:+--threads "$THREADS"} --workdir "$WORK/$model" --resume --save-every 25 --stem "${STEM}_$model" --docs "$WORK/pages" "${DATA[@]}"
+    $CHECKPOINTING ${THREADS:+--threads "$THREADS"} --workdir "$WORK/$model" --resume --save-every 25 --stem "${STEM}_$model" --docs "$WORK/pages" "${RESULTS[@]}" "${DATA[@]}"
 done
 "$PY" "$HERE/continued_pretraining.py" --merge "$HERE"/results/"${STEM}"_{llama,v2,v1cal}.json --stem "$STEM" \
   --note "${NOTE:-$TITLE}"

@@ -27,6 +27,6 @@ PYDOC_V1="$WORK/pydoc/v1cal/run-v1cal-seed0"  # where DOMAIN=pydoc experiments/c
 if [ -f "$PYDOC_V1/config.json" ]; then
   MODELS+=(--model "v1-pydoc=$PYDOC_V1")
 else
-  echo "V1 after the pydoc continued pretraining: no checkpoint at $PYDOC_V1 (run experiments/continued_pretraining/smollm2.sh with DOMAIN=pydoc first); its column stays pending"
+  echo "V1 after the pydoc continued pretraining: no checkpoint at $PYDOC_V1 (MODELS=v1cal DOMAIN=pydoc THREADS=1 bash experiments/continued_pretraining/smollm2.sh makes it); its column stays pending"
 fi
 "$PY" "$HERE/ruler.py" run "${MODELS[@]}" --lengths ${LENGTHS:-1024 2048} --limit "${LIMIT:-25}" --threads "${THREADS:-1}"
