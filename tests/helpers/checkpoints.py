@@ -121,3 +121,23 @@ def save_trainable_checkpoint(path, version: int, **overrides) -> None:
     )
     DiffForCausalLM._from_config(config, attn_implementation="eager").save_pretrained(path)
     tokenizer.save_pretrained(path)
+
+
+class _TouchWhenUnpickled:
+    """Unpickling this creates a file: the proof that a loader unpickled the weights."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def make_pickle_only(folder: Path, marker: Path) -> None:
+    """FOLDER's model.safetensors replaced by a pytorch_model.bin holding the same tensors and one object whose
+    unpickling creates MARKER: a checkpoint a loader can only read by unpickling, and the proof if it did."""
+    from safetensors.torch import load_file
+
+    state = dict(load_file(folder / "model.safetensors"), extra=_TouchWhenUnpickled(marker))
+    torch.save(state, folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()

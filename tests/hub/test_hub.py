@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 import diff_transformer
 from diff_transformer.configuration_diff import AUTO_MAP
 from diff_transformer.conversion import convert_to_diff
+from tests.helpers.checkpoints import make_pickle_only
 from tests.helpers.hub_server import hub_env, running_hub
 from tests.helpers.processes import run_json
 from tests.helpers.tiny import tiny_model
@@ -398,29 +399,16 @@ def test_nothing_unpickles_and_only_safetensors_are_stored(hub, pushed, adapters
                 assert path.endswith(ALLOWED_SUFFIXES), f"{repo.repo_id}: {path}"
 
 
-class _Touch:
-    """Unpickling this creates a file: the proof that a loader unpickled the weights."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return (Path.touch, (Path(self.path),))
-
-
 def test_a_hub_repo_with_only_pickled_weights_is_refused_not_unpickled(hub, tmp_path, capsys):
     """Issue 56: a Hub model whose weights are only pytorch_model.bin is one line of ours (safetensors only, the fix)
     for a loading command; transformers' own refusal advised "do not set use_safetensors=True", and without it the
     pickle would have been unpickled (torch's refusal of an unsafe one advises weights_only=False)."""
-    from safetensors.torch import load_file
-
     from diff_transformer import cli
 
     folder = tmp_path / "pickled"
     tiny_model(2).save_pretrained(folder)
     marker = tmp_path / "unpickled"
-    torch.save(dict(load_file(folder / "model.safetensors"), extra=_Touch(marker)), folder / "pytorch_model.bin")
-    (folder / "model.safetensors").unlink()
+    make_pickle_only(folder, marker)
     repo = HfApi().create_repo("pickled-only").repo_id
     HfApi().upload_folder(repo_id=repo, folder_path=folder)
     capsys.readouterr()

@@ -14,7 +14,7 @@ import torch
 from diff_transformer import cli
 from diff_transformer.outputs.records import write_manifest, wrote_this
 from tests.helpers import REPOSITORY
-from tests.helpers.checkpoints import tree_digest
+from tests.helpers.checkpoints import make_pickle_only, tree_digest
 from tests.helpers.training import train_argv
 
 
@@ -437,27 +437,13 @@ def test_generate_inspect_train_refuse_bad_configs_before_loading(refused, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["diff", "t.txt"]
 
 
-class _Touch:
-    """Unpickling this creates a file: the proof that a loader unpickled the weights."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return (Path.touch, (Path(self.path),))
-
-
 def test_every_loading_command_refuses_pickle_only_weights_without_unpickling(refused, tmp_path, capsys):
     """Issue 56: a checkpoint whose weights are only pytorch_model.bin is one line of ours naming the problem and the
     fix, for every command that loads a model; nothing is unpickled (torch's refusal of such a pickle advised
     `weights_only=False`)."""
-    from safetensors.torch import load_file
-
     model = _diff_checkpoint(tmp_path)
     marker = tmp_path / "unpickled"
-    state = dict(load_file(model / "model.safetensors"), extra=_Touch(marker))
-    torch.save(state, model / "pytorch_model.bin")
-    (model / "model.safetensors").unlink()
+    make_pickle_only(model, marker)
     text = tmp_path / "t.txt"
     text.write_text("hello world " * 50)
     words = ["pytorch_model.bin", "refusing to unpickle", "safetensors only", "save_pretrained", "trusted"]
