@@ -220,11 +220,15 @@ def check_diff_checkpoint(directory: Path, *, name: str = "MODEL") -> None:
     """For a local checkpoint, before anything is built from its config: the config asks for no more model than the
     safetensors weights hold (`check_config_against_weights`, any model type); for a Diff checkpoint also that its
     config.json parses and its weights are those the config describes, a `diff_version` that disagrees with the
-    weights named with the fix."""
+    weights named with the fix. A directory without config.json is refused (`checkpoints.open` resolves an adapter to
+    its base before this)."""
     config_file = directory / "config.json"
     refuse_special_files(directory)
-    if not config_file.is_file():
-        return  # e.g. a PEFT adapter directory: transformers reports what is missing
+    if not config_file.is_file():  # transformers would ask for its `model_type` key
+        raise CheckpointError(
+            f"no config.json in {directory}: {name} must be a transformers checkpoint directory (config.json + "
+            "*.safetensors) or a Hub id; save the model with `save_pretrained` or download the full repository."
+        )
     raw = read_json(config_file)
     check_model_type(raw, f"{name} {directory}")
     shapes = _weight_shapes(directory)

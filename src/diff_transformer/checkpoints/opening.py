@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from . import CheckpointError, adapters
@@ -48,13 +47,6 @@ class Checkpoint:
 
         register_auto_classes()  # AutoConfig reads Diff configs
 
-        directory = Path(self.location)
-        if directory.is_dir() and not (directory / "config.json").is_file():  # transformers would ask for a model_type
-            raise CheckpointError(
-                f"no config.json in {directory}: MODEL {self.name} must be a transformers checkpoint directory "
-                "(config.json + *.safetensors) or a Hub id; save the model with `save_pretrained` or download the "
-                "full repository."
-            )
         try:
             return AutoConfig.from_pretrained(self.location)
         except Exception as exc:
