@@ -14,7 +14,7 @@ from pathlib import Path
 from ..families import family_of, is_motif
 from . import CheckpointError
 from .configs import check_model_config, check_model_type, read_json, refuse_special_files
-from .weights import PICKLE_SUFFIXES, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, find_shards, read_headers
+from .weights import PICKLE_REFUSAL, PICKLE_SUFFIXES, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, find_shards, read_headers
 
 
 def _weight_shapes(directory: Path) -> dict[str, tuple[int, ...]] | None:
@@ -300,12 +300,7 @@ def from_pretrained(location: str, shown: str, **kwargs):
         # Relies on its OSError's wording (5.23: "... cannot be loaded with `safetensors`"); guarded by
         # tests/hub/test_hub.py::test_a_hub_repo_with_only_pickled_weights_is_refused_not_unpickled.
         if kwargs["use_safetensors"] and isinstance(exc, OSError) and "loaded with `safetensors`" in message:
-            raise CheckpointError(
-                f"{shown} has no safetensors weights (this package loads safetensors only, refusing to unpickle "
-                "pytorch_model.bin or other pickles): convert them in a trusted environment (load the model there "
-                "with transformers and `save_pretrained(DIR)`, which writes model.safetensors) or use a revision "
-                "that ships *.safetensors."
-            ) from None
+            raise CheckpointError(f"{shown} has no safetensors weights, only pickles; {PICKLE_REFUSAL}") from None
         raise CheckpointError(
             f"cannot load {shown} ({message}): check that it is a complete checkpoint, or re-download it."
         ) from None

@@ -15,6 +15,12 @@ from . import CheckpointError
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pth", ".pt", ".ckpt", ".pkl")
+# What every refusal of pickled weights says (a local directory here, a Hub repo in `loading.from_pretrained`).
+PICKLE_REFUSAL = (
+    "refusing to unpickle them (this package loads safetensors only): convert them in a trusted environment (load the "
+    "model there with transformers and `save_pretrained(DIR)`, which writes model.safetensors) or use a revision that "
+    "ships *.safetensors."
+)
 
 
 @dataclass(frozen=True)
@@ -48,10 +54,7 @@ def find_shards(path: Path) -> list[Path]:
     if pickles:
         raise CheckpointError(
             f"{path} holds only pickle weights "
-            f"({', '.join(pickles[:3])}{', ...' if len(pickles) > 3 else ''}); refusing to "
-            "unpickle them (this package loads safetensors only): convert them in a trusted environment (load the "
-            "model there with transformers and `save_pretrained(DIR)`, which writes model.safetensors) or use a "
-            "revision that ships *.safetensors."
+            f"({', '.join(pickles[:3])}{', ...' if len(pickles) > 3 else ''}); {PICKLE_REFUSAL}"
         )
     raise CheckpointError(
         f"no model weights (*.safetensors) in {path}: download the full checkpoint, "
@@ -117,6 +120,7 @@ def read_headers(path: Path, shards: list[Path]) -> dict[str, TensorInfo]:
 
 
 __all__ = [
+    "PICKLE_REFUSAL",
     "PICKLE_SUFFIXES",
     "SAFETENSORS_INDEX",
     "SAFETENSORS_SINGLE",
