@@ -81,14 +81,6 @@ def _check_range(name: str, value, low, high, bounds: str, why: str, fix: str) -
     raise ValueError(f"{name}={shown} must {where} ({why}): {fix}.")
 
 
-def _refuse(*rules) -> None:
-    """A one-line ValueError with the message of the first rule `(broken, message)` whose `broken()` is true (lazy:
-    a later rule may divide by a size an earlier one checked)."""
-    for broken, message in rules:
-        if broken():
-            raise ValueError(message)
-
-
 # Mirrors transformers.models.llama.configuration_llama.LlamaConfig
 # diff with Llama: `num_attention_heads` counts differential heads and `head_dim` is a sub-head's (default
 # hidden_size // 2H); no `pretraining_tp`; the Diff fields; its own validation (`validate_values`) and λ plans
@@ -220,36 +212,54 @@ class DiffConfig(PreTrainedConfig):
         for name in (*sizes, "vocab_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be a positive integer: set it to a size > 0.")
-        _refuse(
-            (lambda: version not in (1, 2),
-             f"diff_version={version!r} is not supported: use 1 (ICLR 2025 paper) or 2 (Diff Transformer V2)."),
-            (lambda: heads % kv, f"num_attention_heads={heads} is not divisible by num_key_value_heads={kv}: every "
-             "differential head needs one key/value group. Pick a num_key_value_heads that divides "
-             "num_attention_heads."),
-            (lambda: self.head_dim is None and self.hidden_size < 2 * heads, f"hidden_size={self.hidden_size} cannot "
-             f"be split into 2 x num_attention_heads={heads} sub-heads: lower num_attention_heads or set head_dim "
-             "explicitly."),
-            (lambda: noise is not None and version != 1, f"num_noise_heads={noise} (grouped differential attention) "
-             "needs diff_version=1: set diff_version=1 or num_noise_heads=None."),
-            (lambda: noise is not None and (noise <= 0 or heads % noise), f"num_noise_heads={noise!r} must be a "
-             f"positive integer dividing num_attention_heads={heads} (each noise query serves num_attention_heads / "
-             "num_noise_heads signal heads): pick a divisor, or None for one noise query per head."),
-            (lambda: noise is not None and noise % kv, f"num_noise_heads={noise} must be a multiple of "
-             f"num_key_value_heads={kv}: a noise query attends the one key/value group of the signal heads it "
-             "serves. Raise num_noise_heads or lower num_key_value_heads."),
-        )  # fmt: skip
+        if version not in (1, 2):
+            raise ValueError(
+                f"diff_version={version!r} is not supported: use 1 (ICLR 2025 paper) or 2 (Diff Transformer V2)."
+            )
+        if heads % kv:
+            raise ValueError(
+                f"num_attention_heads={heads} is not divisible by num_key_value_heads={kv}: every differential head "
+                "needs one key/value group. Pick a num_key_value_heads that divides num_attention_heads."
+            )
+        if self.head_dim is None and self.hidden_size < 2 * heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} cannot be split into 2 x num_attention_heads={heads} sub-heads: "
+                "lower num_attention_heads or set head_dim explicitly."
+            )
+        if noise is None:
+            return
+        if version != 1:
+            raise ValueError(
+                f"num_noise_heads={noise} (grouped differential attention) needs diff_version=1: set diff_version=1 "
+                "or num_noise_heads=None."
+            )
+        if noise <= 0 or heads % noise:
+            raise ValueError(
+                f"num_noise_heads={noise!r} must be a positive integer dividing num_attention_heads={heads} (each "
+                "noise query serves num_attention_heads / num_noise_heads signal heads): pick a divisor, or None "
+                "for one noise query per head."
+            )
+        if noise % kv:
+            raise ValueError(
+                f"num_noise_heads={noise} must be a multiple of num_key_value_heads={kv}: a noise query attends the "
+                "one key/value group of the signal heads it serves. Raise num_noise_heads or lower "
+                "num_key_value_heads."
+            )
 
     def validate_values(self):
         """Part of `@strict`-powered validation: values that would otherwise give NaN logits or fail deep in torch."""
         head_dim, act, dropout, v1 = self.head_dim, self.hidden_act, self.attention_dropout, self.diff_version == 1
-        _refuse(
-            (lambda: head_dim <= 0 or head_dim % 2, f"head_dim={head_dim} must be a positive even number (rotary "
-             "embeddings rotate pairs of dimensions): set head_dim explicitly or change hidden_size / "
-             "num_attention_heads."),
-            (lambda: act not in ACT2FN and act != POLY_NORM, f"hidden_act={act!r} is not an activation transformers "
-             "knows: use a key of transformers.activations.ACT2FN, e.g. 'silu' (Llama's), 'gelu' or 'relu', or "
-             f"{POLY_NORM!r} (Motif's PolyNorm)."),
-        )  # fmt: skip
+        if head_dim <= 0 or head_dim % 2:
+            raise ValueError(
+                f"head_dim={head_dim} must be a positive even number (rotary embeddings rotate pairs of dimensions): "
+                "set head_dim explicitly or change hidden_size / num_attention_heads."
+            )
+        if act not in ACT2FN and act != POLY_NORM:
+            raise ValueError(
+                f"hidden_act={act!r} is not an activation transformers knows: use a key of "
+                f"transformers.activations.ACT2FN, e.g. 'silu' (Llama's), 'gelu' or 'relu', or {POLY_NORM!r} "
+                "(Motif's PolyNorm)."
+            )
         rope = self.rope_parameters if isinstance(self.rope_parameters, dict) else {}
         values = {**{f"rope_parameters.{key}": value for key, value in rope.items()}, **vars(self)}
         for name, limits in _RANGES.items():
@@ -259,13 +269,16 @@ class DiffConfig(PreTrainedConfig):
             for value in rope.get(key) or []:
                 _check_range(f"rope_parameters.{key}", value, 0.0, math.inf, "()", "a list of factors", "fix the list")
         low, high = rope.get("low_freq_factor", 0), rope.get("high_freq_factor", 1)
-        _refuse(
-            (lambda: not high > low, f"rope_parameters.high_freq_factor={high!r} must exceed low_freq_factor={low!r} "
-             "(Llama 3's smoothing divides by their difference): use e.g. 4.0 and 1.0."),
-            # The V1 pair shares one softmax per map; independent dropout masks would break the noise cancellation.
-            (lambda: dropout and v1, f"attention_dropout={dropout} is not supported with diff_version=1: set it to "
-             "0.0 or use diff_version=2."),
-        )  # fmt: skip
+        if not high > low:
+            raise ValueError(
+                f"rope_parameters.high_freq_factor={high!r} must exceed low_freq_factor={low!r} (Llama 3's smoothing "
+                "divides by their difference): use e.g. 4.0 and 1.0."
+            )
+        if dropout and v1:  # the V1 pair shares one softmax per map; independent dropout masks break the cancelling
+            raise ValueError(
+                f"attention_dropout={dropout} is not supported with diff_version=1: set it to 0.0 or use "
+                "diff_version=2."
+            )
         if v1 and self.lambda_init is None:  # the depth schedule: see LAMBDA_OFFSET_RANGE
             why = "below, layer 0's output scale 1 - λ_init overflows float16"
             offset, fix = self.lambda_init_depth_offset, "use 0 (the paper's) or -1 (Motif's)"
