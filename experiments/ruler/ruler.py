@@ -31,6 +31,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
+REPOSITORY = HERE.parents[1]
 OFFLINE_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe")
 BINARY_TASKS = {"niah_single_1", "niah_multikey_2", "niah_multikey_3"}  # one answer per item: scores are 0 or 1
 LABELS = {"source": "SmolLM2 (source)", "v2": "V2", "v1-step0": "V1, step 0", "v1-pydoc": "V1, after pydoc CPT"}
@@ -107,6 +108,12 @@ def run(args):
     return 0
 
 
+def _shown(path: Path) -> str:
+    """PATH relative to the repository when it is inside it (results name no machine's directories), else as given."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(REPOSITORY)) if resolved.is_relative_to(REPOSITORY) else str(path)
+
+
 def run_unit(args):
     """One (model, task, length): RESULTS/<model>__<task>__<length>.json, written atomically."""
     name, path = parse_model(args.model)
@@ -117,7 +124,7 @@ def run_unit(args):
 
     record = {
         "model": name,
-        "path": str(path),
+        "path": _shown(path),
         "task": args.task,
         "length": args.length,
         "limit": args.limit,
