@@ -653,23 +653,20 @@ def test_one_copy_per_local_model_and_at_most_max_loaded_models(models, tmp_path
     and loading past --max-loaded-models unloads the least recently used model."""
     import shutil
 
-    from transformers.cli.serving.model_manager import ModelManager
-
     from diff_transformer.serving import models as serving_models
     from diff_transformer.serving.patches import ServeSettings
 
     third = tmp_path / "v2-copy"
     shutil.copytree(models["v2"], third)
-    serving_models.expose_to_transformers_serve()
     manager = serving_models.diff_model_manager(ServeSettings(max_loaded_models=2))(device="cpu", model_timeout=-1)
     loads = []
-    original = ModelManager._load_model
+    original = type(manager)._load_model  # the class `diff_model_manager` made for this manager alone
 
     def counted(self, model_id_and_revision, *args, **kwargs):
         loads.append(model_id_and_revision)
         return original(self, model_id_and_revision, *args, **kwargs)
 
-    ModelManager._load_model = counted
+    type(manager)._load_model = counted
     try:
         v2, v1 = str(models["v2"]), str(models["v1"])
         for name in (v2, f"{v2}@main", v2):
@@ -692,7 +689,7 @@ def test_one_copy_per_local_model_and_at_most_max_loaded_models(models, tmp_path
         assert sorted(manager.loaded_models) == sorted([f"{third}@main", f"{v1}@main"])
         assert len(loads) == 4
     finally:
-        ModelManager._load_model = original
+        type(manager)._load_model = original
         manager.shutdown()
 
 

@@ -419,3 +419,45 @@ def test_a_hub_repo_with_only_pickled_weights_is_refused_not_unpickled(hub, tmp_
         assert words in err[0], err
     assert "use_safetensors" not in err[0] and "weights_only" not in err[0], err
     assert not marker.exists()
+
+
+def test_serve_loads_hub_models_through_the_road_at_their_revision_and_never_unpickles(
+    hub, revisions, tokenizer, ids, tmp_path, monkeypatch
+):
+    """`serve`'s model manager loads through `checkpoints.open(...).load()` like every command: a Hub repo whose only
+    weights are pickles is a 400 with the road's line (transformers' own loader unpickled its pytorch_model.bin with
+    torch's weights-only unpickler and answered with torch's `weights_only` advice), and a `@revision` (a commit, a
+    branch) loads that revision's weights."""
+    from diff_transformer.serving import models as serving_models
+    from diff_transformer.serving.patches import ServeSettings
+
+    manager = serving_models.diff_model_manager(ServeSettings(quiet=True))(device="cpu", model_timeout=-1)
+    try:
+        expected = {revision: logits(model, ids) for revision, model in revisions["models"].items()}
+        for revision in expected:
+            served = logits(manager._load_model(f"{revisions['repo']}@{revision}"), ids)
+            # The server's attention backend (sdpa) against the pushed model's (eager): fp32 rounding, ~1e-7 here;
+            # the three revisions' logits differ by ~0.8.
+            distances = {other: (served - value).abs().max().item() for other, value in expected.items()}
+            assert distances[revision] < 1e-5 and min(distances.values()) == distances[revision], distances
+            assert sorted(distances.values())[1] > 1e-2, distances
+
+        folder = tmp_path / "pickled"
+        tiny_model(2).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)  # the processor loads first: the refusal must come from the weights
+        marker = tmp_path / "unpickled"
+        make_pickle_only(folder, marker)
+        repo = HfApi().create_repo("served-pickled-only").repo_id
+        HfApi().upload_folder(repo_id=repo, folder_path=folder)
+        unpickled = []
+        monkeypatch.setattr(torch, "load", lambda *args, **kwargs: unpickled.append(args) or {})
+        with pytest.raises(Exception) as caught:
+            manager.acquire(f"{repo}@main")
+        assert caught.value.status_code == 400, caught.value
+        message = caught.value.detail["message"]
+        assert message.startswith(f"model {repo!r} has no safetensors weights, only pickles"), message
+        assert "refusing to unpickle" in message and "weights_only" not in message, message
+        assert not unpickled and not marker.exists()
+        assert not manager.loaded_models
+    finally:
+        manager.shutdown()

@@ -28,13 +28,10 @@ def test_builds_never_overlap_and_pinned_models_are_never_unloaded(models, capsy
     builds run at once, a model a request pinned stays loaded (a load of another waits for its release), and every
     model handed out is the whole model (its tied lm_head is its embedding). Each load and unload says so in one
     line on stderr (issue 57 item 2: a load is minutes of silence in a log otherwise), which --quiet silences."""
-    from transformers.cli.serving.model_manager import ModelManager
-
-    serving_models.expose_to_transformers_serve()
     manager = serving_models.diff_model_manager(ServeSettings(max_loaded_models=1))(device="cpu", model_timeout=-1)
     building, overlaps, order = [0], [], []
     guard = threading.Lock()
-    original = ModelManager._load_model
+    original = type(manager)._load_model  # the class `diff_model_manager` made for this manager alone
 
     def counted(self, key, *args, **kwargs):
         with guard:
@@ -48,7 +45,7 @@ def test_builds_never_overlap_and_pinned_models_are_never_unloaded(models, capsy
             with guard:
                 building[0] -= 1
 
-    ModelManager._load_model = counted
+    type(manager)._load_model = counted
     try:
         keys = [f"{models[name]}@main" for name in ("v2", "v1", "saved")]
         first, _, release_first = manager.acquire(keys[0])
@@ -95,7 +92,7 @@ def test_builds_never_overlap_and_pinned_models_are_never_unloaded(models, capsy
         quiet.shutdown()
         assert "diff-transformer serve" not in capsys.readouterr().err
     finally:
-        ModelManager._load_model = original
+        type(manager)._load_model = original
         manager.shutdown()
 
 

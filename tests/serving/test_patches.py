@@ -32,12 +32,6 @@ def source(function) -> str:
     return inspect.getsource(function)
 
 
-def test_model_classes_resolve_where_the_manager_looks():
-    """`expose_to_transformers_serve` sets the Diff classes on the module object the manager reads them from."""
-    assert inspect.ismodule(model_manager.transformers)
-    assert "getattr(transformers, config.architectures[0])" in source(model_manager.ModelManager._load_model)
-
-
 def test_model_manager_internals():
     """`DiffModelManager` subclasses transformers' manager and calls its loaders itself (under one lock)."""
     manager = model_manager.ModelManager
@@ -53,6 +47,12 @@ def test_model_manager_internals():
         "self", "model_id_and_revision", "progress_callback", "tqdm_class", "gguf_file"
     ]  # fmt: skip
     assert "self.loaded_models: dict[str, TimedModel] = {}" in source(manager.__init__)
+    for kept in ("device", "dtype", "trust_remote_code", "attn_implementation"):  # what our `_load_model` reads
+        assert f"self.{kept} = " in source(manager.__init__), kept
+    assert parameters(manager.get_quantization_config) == ["self"]
+    # Its own loader's options, which ours passes to `Checkpoint.load` (from_pretrained) the same way.
+    for option in ("revision", "attn_implementation", "dtype", "device_map", "trust_remote_code", "tqdm_class"):
+        assert f'"{option}": ' in source(manager._load_model), option
     timed = model_manager.TimedModel
     assert parameters(timed.__init__) == ["self", "model", "timeout_seconds", "processor", "on_unload"]
     assert "threading.Timer(self.timeout_seconds, self._timeout_reached)" in source(timed.reset_timer)
@@ -128,7 +128,6 @@ install(ServeSettings(max_loaded_models=2))
 first = utils.GenerateManager.generate_streaming
 install(ServeSettings(max_loaded_models=3, quiet=True, served=("a", "b", "c", "d")))
 targets = {
-    "model classes": hasattr(model_manager.transformers, "DiffForCausalLM"),
     "model manager": model_manager.ModelManager.__name__ == "DiffModelManager",
     "app": hasattr(server.build_server, "_diff_original"),
     "handlers": hasattr(chat_completion.ChatCompletionHandler.handle_request, "_diff_original"),

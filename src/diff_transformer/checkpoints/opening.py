@@ -24,6 +24,7 @@ class Checkpoint:
     name: str  # MODEL as the user wrote it, for messages
     source: adapters.Source
     tokenizer: Any = None
+    label: str = "MODEL"  # what messages call it: the option or argument it came from, "model" in a request
 
     @property
     def location(self) -> str:
@@ -67,7 +68,7 @@ class Checkpoint:
         from ..generation.config import float_generation_fields
 
         if self.adapter is None:
-            model = from_pretrained(self.location, f"MODEL {self.name!r}", **kwargs)
+            model = from_pretrained(self.location, f"{self.label} {self.name!r}", **kwargs)
         else:
             model = adapters.put_adapter_on(
                 from_pretrained(self.location, f"base model {self.source.base!r}", **kwargs),
@@ -96,7 +97,7 @@ def open_checkpoint(name, base: str | None = None, *, tokenizer: bool = True, la
         from transformers import AutoTokenizer
 
         found = adapters.load_tokenizer(AutoTokenizer, source.tokenizer, source.tokenizer_local, shown)
-    return Checkpoint(shown, source, found)
+    return Checkpoint(shown, source, found, label)
 
 
 __all__ = ["Checkpoint", "open_checkpoint"]

@@ -4,10 +4,11 @@ models, with what it lacks for them and for clients.
 transformers 5.23's server looks the model class up by name on the `transformers` package
 (`getattr(transformers, config.architectures[0])` in `transformers/cli/serving/model_manager.py`), so it only loads
 architectures that transformers ships: `transformers serve --trust-remote-code` fails on every custom-code
-checkpoint with "module transformers has no attribute DiffForCausalLM". `diff-transformer serve` (`cli/serve.py`, the
-command) imports diff_transformer (which registers the Auto classes), makes the Diff classes resolvable where the
-server looks (`models.expose_to_transformers_serve`), installs what follows (`patches.install`: every patch of
-transformers' server is a row of one table, `patches.PATCHES`, applied from one `ServeSettings`), and then runs
+checkpoint with "module transformers has no attribute DiffForCausalLM"; and it loads a Hub repo's pickled weights.
+`diff-transformer serve` (`cli/serve.py`, the command) imports diff_transformer (which registers the Auto classes),
+installs what follows (`patches.install`: every patch of transformers' server is a row of one table,
+`patches.PATCHES`, applied from one `ServeSettings`), among them a model manager that loads each model through the
+one road every command takes (`checkpoints.open(...).load()`: safetensors only, the Auto classes), and then runs
 transformers' `serve` command in this process with the same options (`diff-transformer serve --help`).
 
 What transformers' server does not bound, this package does (`server.bounded_generation`, the "uvicorn" patch):

@@ -1,6 +1,6 @@
 """The models `diff-transformer serve` answers for, as clients see them: `/v1/models`, a model that does not exist
 (404) or does not load (400) answered at once with one line, a pinned server's other names refused, a model loaded
-in a worker thread, and the Diff classes made resolvable where transformers' model manager looks them up."""
+in a worker thread, each model loaded through the one road from a name to a model (`checkpoints.open`)."""
 
 from pathlib import Path
 
@@ -220,6 +220,8 @@ def diff_model_manager(settings=None):
                 except Exception as exc:
                     if getattr(exc, "status_code", None):
                         raise
+                    if isinstance(exc, UserError):  # the road's line names the model and the fix
+                        raise model_http_error(400, str(exc)) from None
                     raise model_http_error(
                         400, f"model {display_name(model_id_and_revision)!r} cannot be loaded: {one_line(exc)[:300]}"
                     ) from None
@@ -232,6 +234,28 @@ def diff_model_manager(settings=None):
             if progress_callback is not None:
                 progress_callback({"status": "ready", "model": key, "cached": False})
             return model, processor, release
+
+        def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
+            """The model through the one road from a name to a model (`checkpoints.open(...).load()`, as every command
+            loads one) with the server's options: safetensors only (transformers' loader unpickled a Hub repo's
+            pytorch_model.bin), the generation fields as `generate` has them, a causal LM's class from the Auto
+            classes. A GGUF file loads as transformers loads it."""
+            if gguf_file is not None:
+                return ModelManager._load_model(self, model_id_and_revision, tqdm_class, progress_callback, gguf_file)
+            from .. import checkpoints
+
+            model_id, _, revision = model_id_and_revision.partition("@")
+            checkpoint = checkpoints.open(model_id, tokenizer=False, label="model")
+            options = {"revision": revision or None, "tqdm_class": tqdm_class, "device_map": self.device}
+            options |= {"dtype": self.dtype, "attn_implementation": self.attn_implementation}
+            if self.trust_remote_code and _model_type(checkpoint, revision) != "diff":
+                options["trust_remote_code"] = True  # a Diff model is the package's classes, as without the flag
+            quantization = self.get_quantization_config()
+            if quantization is not None:
+                options["quantization_config"] = quantization
+            if progress_callback is not None:
+                progress_callback({"status": "loading", "model": model_id_and_revision, "stage": "weights"})
+            return checkpoint.load(**options)
 
         def _say(self, line: str) -> None:
             """One line on stderr, flushed (a log file shows it when it happens), unless --quiet: a load takes from
@@ -323,6 +347,14 @@ def diff_model_manager(settings=None):
     return DiffModelManager
 
 
+def _model_type(checkpoint, revision: str) -> str | None:
+    """The `model_type` of CHECKPOINT's config.json at REVISION, read as a plain dict (no custom code runs)."""
+    from transformers import PretrainedConfig
+
+    raw, _ = PretrainedConfig.get_config_dict(checkpoint.location, revision=revision or None)
+    return raw.get("model_type")
+
+
 def _nothing() -> None:
     """The release of a model taken without a pin."""
 
@@ -388,15 +420,3 @@ def check_pinned(manager, body: dict) -> None:
         if requested is None:
             raise model_http_error(400, f"name the model: this server answers for {served}.", param="model")
         raise model_http_error(404, f"model {requested!r} is not served here: this server answers for {served}.")
-
-
-def expose_to_transformers_serve() -> None:
-    """Make `getattr(transformers, "DiffForCausalLM")` (and DiffModel) resolve for transformers' model manager."""
-    from transformers.cli.serving import model_manager
-
-    from ..modeling_diff import DiffForCausalLM, DiffModel
-
-    # The module object the model manager imported (transformers can swap `sys.modules["transformers"]` for a
-    # fresh lazy module while importing its submodules, so `import transformers` here could be a different one).
-    for cls in (DiffModel, DiffForCausalLM):
-        setattr(model_manager.transformers, cls.__name__, cls)

@@ -78,12 +78,6 @@ def replace(owner, name: str, make) -> None:
     setattr(owner, name, patched)
 
 
-def _model_classes(settings: ServeSettings) -> None:
-    from .models import expose_to_transformers_serve
-
-    expose_to_transformers_serve()
-
-
 def _model_manager(settings: ServeSettings) -> None:
     from transformers.cli.serving import model_manager
 
@@ -180,21 +174,16 @@ GUARD = "tests/serving/test_patches.py::"
 
 PATCHES = (
     Patch(
-        "model classes",
-        "transformers.cli.serving.model_manager.transformers.DiffForCausalLM (and DiffModel), added",
-        "the manager builds `getattr(transformers, config.architectures[0])`: no custom-code class resolves there",
-        "ModelManager._load_model looks the class up on the `transformers` module its module imported",
-        GUARD + "test_model_classes_resolve_where_the_manager_looks",
-        _model_classes,
-    ),
-    Patch(
         "model manager",
         "transformers.cli.serving.model_manager.ModelManager",
         "per-model locks (two models built at once corrupt each other), unload under a request's feet, no bound on "
-        "loaded models, 500s for a missing model, /v1/models without our models",
-        "Serve imports ModelManager from its module when it starts; ModelManager.__init__'s keywords, "
-        "_load_processor(id, gguf_file), _load_model(id, tqdm_class, progress_callback, gguf_file), loaded_models, "
-        "TimedModel(model, timeout_seconds, processor, on_unload) with _timeout_reached/reset_timer/delete_model",
+        "loaded models, 500s for a missing model, /v1/models without our models; models loaded by class name from "
+        "the transformers package (no custom-code class) and from pickles: here through `checkpoints.open`",
+        "Serve imports ModelManager from its module when it starts; ModelManager.__init__'s keywords and the "
+        "attributes it keeps them in (device, dtype, attn_implementation, trust_remote_code, "
+        "get_quantization_config()), _load_processor(id, gguf_file), _load_model(id, tqdm_class, progress_callback, "
+        "gguf_file), loaded_models, TimedModel(model, timeout_seconds, processor, on_unload) with "
+        "_timeout_reached/reset_timer/delete_model",
         GUARD + "test_model_manager_internals",
         _model_manager,
     ),
