@@ -96,6 +96,20 @@ def test_builds_never_overlap_and_pinned_models_are_never_unloaded(models, capsy
         manager.shutdown()
 
 
+def test_trust_remote_code_still_serves_a_diff_model_with_the_package_s_classes(models):
+    """`serve --trust-remote-code` (for another family's custom code) leaves a Diff checkpoint on the package's
+    classes, as transformers' loader did (it looked the class up by name): the copy of modeling_diff.py saved with
+    the weights is not what runs, in V1 and V2."""
+    from diff_transformer.modeling_diff import DiffForCausalLM
+
+    manager = serving_models.diff_model_manager(ServeSettings(quiet=True))(
+        device="cpu", model_timeout=-1, trust_remote_code=True
+    )
+    for name in ("v2", "v1"):
+        model = manager._load_model(f"{models[name]}@main")
+        assert type(model) is DiffForCausalLM and model.config.diff_version == int(name[1]), name
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """One server for the module, holding one model at a time."""
