@@ -98,8 +98,8 @@ def test_builds_never_overlap_and_pinned_models_are_never_unloaded(models, capsy
 
 def test_trust_remote_code_still_serves_a_diff_model_with_the_package_s_classes(models):
     """`serve --trust-remote-code` (for another family's custom code) leaves a Diff checkpoint on the package's
-    classes, as transformers' loader did (it looked the class up by name): the copy of modeling_diff.py saved with
-    the weights is not what runs, in V1 and V2."""
+    classes, as transformers' loader did (it looked the class up by name): the Auto classes prefer the registered
+    class to the copy of modeling_diff.py saved with the weights, in V1 and V2."""
     from diff_transformer.modeling_diff import DiffForCausalLM
 
     manager = serving_models.diff_model_manager(ServeSettings(quiet=True))(

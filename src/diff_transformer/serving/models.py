@@ -248,8 +248,7 @@ def diff_model_manager(settings=None):
             checkpoint = checkpoints.open(model_id, tokenizer=False, label="model")
             options = {"revision": revision or None, "tqdm_class": tqdm_class, "device_map": self.device}
             options |= {"dtype": self.dtype, "attn_implementation": self.attn_implementation}
-            if self.trust_remote_code and _model_type(checkpoint, revision) != "diff":
-                options["trust_remote_code"] = True  # a Diff model is the package's classes, as without the flag
+            options["trust_remote_code"] = self.trust_remote_code  # the Auto classes still pick the package's Diff
             quantization = self.get_quantization_config()
             if quantization is not None:
                 options["quantization_config"] = quantization
@@ -345,14 +344,6 @@ def diff_model_manager(settings=None):
                     timed.delete_model()
 
     return DiffModelManager
-
-
-def _model_type(checkpoint, revision: str) -> str | None:
-    """The `model_type` of CHECKPOINT's config.json at REVISION, read as a plain dict (no custom code runs)."""
-    from transformers import PretrainedConfig
-
-    raw, _ = PretrainedConfig.get_config_dict(checkpoint.location, revision=revision or None)
-    return raw.get("model_type")
 
 
 def _nothing() -> None:
