@@ -294,7 +294,7 @@ def test_an_adapter_config_that_is_no_object_is_one_line(refused, finished_runs,
     "extra, words",
     [
         (["--warmup-steps", "-5"], ["--warmup-steps -5", ">= 0"]),
-        (["--seed", "-1"], ["--seed -1", "[0, 4294967295]"]),
+        (["--seed", "-1"], ["--seed -1", "[0, 2**32)", "from 0 to 4294967295"]),
         (["--seed", str(2**32)], [f"--seed {2**32}"]),
         (["--save-total-limit", "0"], ["--save-total-limit 0"]),
         (["--eval-batch-size", "0"], ["--eval-batch-size 0"]),

@@ -6,6 +6,7 @@ import argparse
 import math
 
 from ..checkpoints.backends import add_attn_option
+from ..errors import check_seed
 from . import TrainingError
 
 
@@ -194,9 +195,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return p
 
 
-_SEED_MAX = 2**32 - 1  # numpy's seed range (Trainer seeds numpy, random and torch alike)
-
-
 def check_option_values(args) -> None:
     """The options whose values need no model, data or installed package: one line each (exit 2), called by the
     command line before torch and transformers load (`cli.main`, as train's `early_check`) and again by
@@ -242,8 +240,7 @@ def check_option_values(args) -> None:
         raise TrainingError("--load-in-4bit needs --lora (4-bit weights cannot be trained directly)")
     if args.warmup_steps is not None and args.warmup_steps < 0:
         raise TrainingError(f"--warmup-steps {args.warmup_steps} must be >= 0")
-    if not 0 <= args.seed <= _SEED_MAX:
-        raise TrainingError(f"--seed {args.seed} must be in [0, {_SEED_MAX}]")
+    check_seed(args.seed, "--seed", TrainingError)  # Trainer seeds numpy, random and torch alike
     if args.eval_batch_size is not None and args.eval_batch_size < 1:
         raise TrainingError(f"--eval-batch-size {args.eval_batch_size} must be at least 1")
     if args.save_total_limit is not None and args.save_total_limit < 1:
