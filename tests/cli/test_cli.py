@@ -345,13 +345,13 @@ def test_one_error_boundary_for_what_is_not_a_user_error(monkeypatch, capsys, fa
         raise failure
 
     monkeypatch.setattr(inspect_command, "run", fail)
-    assert cli.main(["inspect", "some-model", "hello", "--json", "maps.json"]) == code
+    assert cli.main(["inspect", "org/some-model", "hello", "--json", "maps.json"]) == code
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
     for word in words:
         assert word in err[0]
     with pytest.raises(type(failure)):
-        cli.main(["inspect", "some-model", "hello", "--json", "maps.json", "--traceback"])
+        cli.main(["inspect", "org/some-model", "hello", "--json", "maps.json", "--traceback"])
 
 
 def test_safetensors_errors_are_one_line(tmp_path, refused, monkeypatch):
@@ -371,7 +371,7 @@ def test_safetensors_errors_are_one_line(tmp_path, refused, monkeypatch):
             f.keys()
 
     monkeypatch.setattr(inspect_command, "run", read)
-    refused(["inspect", "m", "hi", "--json", "maps.json"], "a safetensors file is corrupt")
+    refused(["inspect", "org/m", "hi", "--json", "maps.json"], "a safetensors file is corrupt")
 
 
 def _run_command(argv, terminal=False):

@@ -541,6 +541,29 @@ def test_a_mistyped_option_value_is_refused_before_torch_loads(argv, words):
     assert not heavy, heavy
 
 
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["convert", "no-such-model", "o"], "error: SRC 'no-such-model' does not exist: check the path"),
+        (["generate", "no-such-model", "5 6"], "error: MODEL 'no-such-model' does not exist: check the path"),
+        (["inspect", "no-such-model", "5 6", "--json", "m.json"], "error: MODEL 'no-such-model' does not exist"),
+        (["merge", "no-such-model", "o"], "error: ADAPTER 'no-such-model' does not exist: check the path"),
+        (["niah", "no-such-model", "--out", "x"], "error: MODEL 'no-such-model' does not exist: check the path"),
+        (TRAIN, "error: MODEL 'no-such-model' does not exist: check the path"),
+        (["generate", "", "5 6"], "error: MODEL is empty (an unset shell variable?)"),
+        (["convert", "a/../b", "o"], "error: SRC 'a/../b' is neither an existing directory nor a valid Hub model id"),
+        (["train", "pyproject.toml", "--data", "d", "--output", "o"], "error: MODEL 'pyproject.toml' is a file"),
+    ],
+)
+def test_a_mistyped_model_path_is_refused_before_torch_loads(argv, line):
+    """A new user's walk: `convert nothere OUT` waited ~5 s (torch and transformers imported) for "SRC 'nothere' does
+    not exist". The name each command reads is resolved first (`cli.MODEL_ARGUMENTS`), with the line
+    `checkpoints.open` or the converter gives later."""
+    status, errors, heavy = _heavy_imports_before_refusal(*argv)
+    assert status == 2 and len(errors) == 1 and errors[0].startswith(line), errors
+    assert not heavy, heavy
+
+
 def test_the_backends_known_without_transformers_are_those_it_registers():
     from diff_transformer.checkpoints.backends import KNOWN_BACKENDS, attention_backends
 

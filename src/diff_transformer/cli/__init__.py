@@ -19,6 +19,16 @@ from diff_transformer.errors import UserError, as_one_line, library_failure, one
 
 
 COMMANDS = (demo, convert, generate, inspect, merge, train, serve, niah, plan)
+# The argument naming the model each command reads, and the name its messages give it: resolved before torch loads
+# (`checkpoints.names.resolve_model`, the first step of `checkpoints.open`), so a mistyped path is the same line, at once.
+MODEL_ARGUMENTS = {
+    "convert": ("src", "SRC"),
+    "generate": ("model", "MODEL"),
+    "inspect": ("model", "MODEL"),
+    "merge": ("adapter", "ADAPTER"),
+    "niah": ("models", "MODEL"),
+    "train": ("model", "MODEL"),
+}
 
 
 class _Notes(logging.Handler):
@@ -77,6 +87,7 @@ def _main(argv=None) -> int:
             check_attn_name(backend)
         if getattr(args, "early_check", None) is not None:
             args.early_check(args)
+        _resolve_model_names(args)
         diff_transformer._load()  # what `import diff_transformer` does outside the command (the Auto classes)
         if backend is not None:
             check_attn_implementation(backend)
@@ -98,6 +109,16 @@ def _main(argv=None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _resolve_model_names(args) -> None:
+    """The models ARGS names (`MODEL_ARGUMENTS`), each an existing path or a Hub id, else one `UserError` line."""
+    from diff_transformer.checkpoints.names import resolve_model
+
+    attribute, label = MODEL_ARGUMENTS.get(args.command, (None, None))
+    names = getattr(args, attribute, None) if attribute else None
+    for name in names if isinstance(names, list) else [names] if names is not None else []:
+        resolve_model(name, name=label)
 
 
 def run_as_process(argv=None) -> int:
