@@ -20,7 +20,7 @@ from diff_transformer.errors import UserError, as_one_line, library_failure, one
 
 COMMANDS = (demo, convert, generate, inspect, merge, train, serve, niah, plan)
 # The argument naming the model each command reads, and the name its messages give it: resolved before torch loads
-# (`checkpoints.names.resolve_model`, the first step of `checkpoints.open`), so a mistyped path is the same line, at once.
+# (`checkpoints.names.resolve_model`, the first step of `checkpoints.open`): a mistyped path is the same line, at once.
 MODEL_ARGUMENTS = {
     "convert": ("src", "SRC"),
     "generate": ("model", "MODEL"),
