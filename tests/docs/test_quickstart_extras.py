@@ -13,6 +13,7 @@ import configparser
 import importlib.metadata
 import json
 import re
+from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -100,8 +101,26 @@ def docs_commands() -> list[list[str]]:
     return commands
 
 
+def stand_in_models(commands, cwd) -> None:
+    """An empty directory in CWD for each model a command names (`cli.MODEL_ARGUMENTS`), made by earlier steps of
+    the docs: the name resolves, so the command goes on to check its packages (before it opens the model)."""
+    from diff_transformer import cli
+
+    parser = cli.build_parser()
+    for argv in commands:
+        if {"--help", "-h", "--version"} & set(argv):
+            continue  # argparse answers these itself
+        args, _ = parser.parse_known_args(argv)
+        attribute, _ = cli.MODEL_ARGUMENTS.get(args.command, (None, None))
+        names = getattr(args, attribute, None) if attribute else None
+        for name in names if isinstance(names, list) else [names] if names else []:
+            if not Path(name).is_absolute() and not name.startswith("hf://"):
+                (cwd / name).mkdir(parents=True, exist_ok=True)
+
+
 def missing_packages(blocked, commands, cwd) -> dict[str, str]:
     """{command: the line that names a missing package} of COMMANDS run with BLOCKED modules missing."""
+    stand_in_models(commands, cwd)
     results = run_json(
         RUN,
         json.dumps(blocked),

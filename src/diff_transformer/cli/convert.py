@@ -59,7 +59,15 @@ def add_parser(commands) -> None:
         "auto (CUDA if present). A GPU samples other text than the CPU, so the V1 start differs from a CPU run's",
     )
     add_quiet_option(convert)
-    convert.set_defaults(func=run)
+    convert.set_defaults(func=run, early_check=_check_device_option)
+
+
+def _check_device_option(args) -> None:
+    """--device before SRC is even resolved (a GPU's name needs torch: the default, cpu, is known without it)."""
+    if args.device != "cpu":
+        from diff_transformer.conversion.device import check_device
+
+        args.device = check_device(args.device)
 
 
 def run(args) -> int:
