@@ -24,8 +24,9 @@ def tiny_model(diff_version: int, seed: int = 0, **overrides) -> DiffForCausalLM
     return model
 
 
-def save_train_checkpoint(path, text_path, diff_version: int = 2) -> None:
-    """A tiny Diff model with the shipped tokenizer, and some held-out text: input for `diff-transformer train`."""
+def save_train_checkpoint(path, text_path, diff_version: int = 2, **overrides) -> None:
+    """A tiny Diff model (OVERRIDES: its config's) with the shipped tokenizer, and some held-out text: input for
+    `diff-transformer train`."""
     from importlib.resources import files
 
     from transformers import AutoTokenizer
@@ -33,7 +34,7 @@ def save_train_checkpoint(path, text_path, diff_version: int = 2) -> None:
     assets = files("diff_transformer") / "assets"
     tokenizer = AutoTokenizer.from_pretrained(str(assets / "tiny-llama"))
     special = {name: getattr(tokenizer, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    tiny_model(diff_version, vocab_size=len(tokenizer), **special).save_pretrained(path)
+    tiny_model(diff_version, vocab_size=len(tokenizer), **special, **overrides).save_pretrained(path)
     tokenizer.save_pretrained(path)
     with open(text_path, "w", encoding="utf-8") as f:
         f.write((assets / "heldout.txt").read_text(encoding="utf-8")[:3000])  # ~26 blocks of 32 tokens

@@ -1,0 +1,82 @@
+"""`diff-transformer train --parallelism fsdp --bf16 on` under torchrun (2 ranks, gloo): FSDP2 with its
+MixedPrecisionPolicy (bf16 weights in the forward and backward, fp32 master weights and gradient reduction), for V2,
+V1 and a Motif-shaped V1 (grouped noise heads, PolyNorm), against one process training the same global batches.
+
+Tolerance, as in tests/training/test_numerics.py: the unit is the bf16 error one process makes, measured in the same
+test as the distance of its `--bf16 on` loss (B) from its fp32 loss (C). The sharded run (A) rounds the same values to
+bf16 (its weights, where autocast rounds them at each matmul), so |A - C| is about |B - C| and
+|A - B| <= |A - C| + |B - C|: 3 |B - C| allows |A - C| twice B's error, plus an fp32 floor. A loss is one mean over
+64 tokens, whose rounding errors partly cancel, so one step's |B - C| can understate the scale (V1's first step: 3e-5,
+where its later steps show 1.6e-4): the unit is the largest |B - C| of the run, for every step. Later steps compare
+trajectories that AdamW (lr 1e-3) has moved by the rounding of the earlier gradients, which stays within it here.
+Measured on the CPU (load 4): |A - B| at most 3.2e-4 against bounds of 5.5e-4 to 1.1e-3.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from diff_transformer import cli
+from diff_transformer.training.parallel import Layout, distributed_config
+from tests.distributed.dist_common import save_train_checkpoint
+from tests.helpers import REPOSITORY
+
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+COMMON = [
+    "--quiet", "--report-to", "none", "--block-size", "32", "--eval-fraction", "0", "--max-steps", str(STEPS),
+    "--logging-steps", "1", "--lr", "1e-3", "--seed", "3", "--save-steps", "100",
+]  # fmt: skip
+MODELS = {
+    "v2": dict(diff_version=2),
+    "v1": dict(diff_version=1),
+    "motif-v1": dict(diff_version=1, num_noise_heads=2, head_dim=8, hidden_act="poly_norm"),
+}
+
+
+def losses(output: Path) -> list[float]:
+    history = json.loads((output / "trainer_state.json").read_text())["log_history"]
+    return [entry["loss"] for entry in history if "loss" in entry]
+
+
+def environment():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return {k: v for k, v in env.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+
+
+def test_the_bf16_policy_is_asked_for_exactly_when_sharding():
+    """FSDP2's MixedPrecisionPolicy with --bf16 on and a sharded layout; never without bf16, nor for one rank."""
+    sharded, whole = Layout(fsdp=2, replicas=1, tp=1), Layout(fsdp=1, replicas=1, tp=1)
+    assert distributed_config(sharded, bf16=True).fsdp_mixed_precision is True
+    assert distributed_config(sharded, bf16=False).fsdp_mixed_precision is False
+    assert distributed_config(whole, bf16=True).fsdp_mixed_precision is False
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_fsdp_bf16_trains_as_one_process_does_within_bf16_rounding(tmp_path, kind):
+    model, text = tmp_path / "model", tmp_path / "train.txt"
+    save_train_checkpoint(model, text, **MODELS[kind])
+    data = [str(model), "--data", str(text), *COMMON]
+    single = {}
+    for bf16 in ("on", "off"):
+        out = tmp_path / f"single-{bf16}"
+        assert cli.main(["train", *data, "--output", str(out), "--batch-size", "2", "--bf16", bf16]) == 0
+        single[bf16] = losses(out)
+    sharded = tmp_path / "fsdp"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += ["-m", "diff_transformer.cli", "train", *data, "--output", str(sharded), "--batch-size", "1"]
+    command += ["--parallelism", "fsdp", "--bf16", "on"]
+    result = subprocess.run(command, cwd=REPOSITORY, env=environment(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    a, b, c = losses(sharded), single["on"], single["off"]
+    assert len(a) == len(b) == len(c) == STEPS
+    unit = max(abs(x - y) for x, y in zip(b, c))
+    assert unit > 0, "--bf16 on computed in fp32"  # the unit must be bf16's error, not zero
+    for step in range(STEPS):
+        assert abs(a[step] - b[step]) <= 3 * unit + 1e-5 * abs(c[step]), (step, a, b, c)
