@@ -399,11 +399,11 @@ def _scratch_models(seed: int, out: Path, shown: Path | None) -> int:
         path = out / f"diff-v{version}"
         model.save_pretrained(path)
         reloaded = AutoModelForCausalLM.from_pretrained(path).eval()
+        with torch.no_grad():  # also the first forward, whose one-time set-up the tokens/s below would count
+            same = torch.equal(model(prompt).logits, reloaded(prompt).logits)
         start = time.perf_counter()
         generated = reloaded.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)
         seconds = time.perf_counter() - start
-        with torch.no_grad():
-            same = torch.equal(model(prompt).logits, reloaded(prompt).logits)
         params = sum(p.numel() for p in reloaded.parameters())
         where = (
             shown / path.name if shown is not None else "a temporary directory (removed at exit; --output keeps it)"
