@@ -594,6 +594,7 @@ def test_cli_errors_name_the_problem(workdir, tmp_path, capsys):
     cases = [
         ([str(tmp_path / "llama"), "--data", text], "convert it first"),
         ([model, "--data", str(tmp_path / "missing.txt")], "does not exist"),
+        ([model, "--data", str(tmp_path)], f"is a directory: name its files (e.g. {tmp_path / '*.txt'}, which"),
         ([model, "--data", str(tmp_path / "empty.txt")], "fewer than one block"),
         ([model, "--data", str(tmp_path / "bad.jsonl")], "no string field 'text'"),
         ([model, "--data", text, "--block-size", "65"], "exceeds the model's context (64"),

@@ -38,6 +38,11 @@ def _read_text(path: Path) -> str:
 def require_files(paths, kind: str = "data") -> None:
     """Refuse the first of `paths` that is not a file, before any time goes into tokenising the others."""
     for path in paths:
+        if Path(path).is_dir():
+            example = Path(path) / "*.txt"
+            raise TrainingError(
+                f"{kind} file {path} is a directory: name its files (e.g. {example}, which the shell expands)"
+            )
         if not Path(path).is_file():
             raise TrainingError(f"{kind} file {path} does not exist (or is not a file)")
 
