@@ -320,9 +320,10 @@ def test_pinned_servers_list_their_models_and_refuse_others(models, references, 
         two.stop()
 
 
-def test_serve_help_is_the_package_s_own(capsys):
+def test_serve_help_is_the_package_s_own(capsys, monkeypatch):
     """`serve --help`: our options first, then a short note of what goes to transformers (every option the note names
-    is one of transformers' `Serve`: a canary for renames)."""
+    is one of transformers' `Serve`: a canary for renames), its paragraphs filled to the terminal's width (they were
+    the source's 116-column lines)."""
     import inspect
     import re
 
@@ -330,6 +331,7 @@ def test_serve_help_is_the_package_s_own(capsys):
 
     from diff_transformer import cli
 
+    monkeypatch.setenv("COLUMNS", "72")  # argparse reads the width from the terminal, else from COLUMNS
     with pytest.raises(SystemExit) as exit_:
         cli.main(["serve", "--help"])
     assert exit_.value.code == 0
@@ -340,6 +342,8 @@ def test_serve_help_is_the_package_s_own(capsys):
     named = set(re.findall(r"--([a-z][a-z-]+)", out.split("Every other option")[1])) - {"transformers-help"}
     accepted = {name.replace("_", "-") for name in inspect.signature(Serve.__init__).parameters} - {"self"}
     assert named and named <= accepted, named - accepted
+    note = out.split("Every other option")[1]
+    assert max(map(len, note.splitlines())) <= 72 - 2 and note.count("\n\n") >= 1  # argparse keeps 2 columns free
 
 
 def test_a_model_loads_off_the_event_loop():

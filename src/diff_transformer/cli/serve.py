@@ -27,6 +27,17 @@ refused (HTTP 400, OpenAI's error body); a model that does not exist, or other t
 the queue bound above answers 429 with Retry-After (the work ahead), a body past the byte bound above 413."""
 
 
+class ParagraphsHelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, except that the description and epilog keep their paragraphs (blank lines), each
+    refilled to the terminal's width (RawDescriptionHelpFormatter kept the source's 116-column lines)."""
+
+    def _fill_text(self, text, width, indent):
+        import textwrap
+
+        fill = textwrap.TextWrapper(width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)
+        return "\n\n".join(fill.fill(" ".join(paragraph.split())) for paragraph in text.split("\n\n"))
+
+
 def help_parser() -> argparse.ArgumentParser:
     """The options of `diff-transformer serve` as `--help` shows them (`_own_options` parses them: everything else in
     ARGV goes to transformers, so argparse must not take a value of theirs for MODEL)."""
@@ -39,7 +50,7 @@ def help_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible server for Diff models: transformers' own server (transformers serve) with\n"
         "the Diff classes, every generation bounded by the model's context, and errors clients can read.",
         epilog=PASSED_THROUGH,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=ParagraphsHelpFormatter,
         add_help=False,
     )
     parser.add_argument(
