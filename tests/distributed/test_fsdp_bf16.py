@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 from diff_transformer import cli
-from diff_transformer.training.parallel import Layout, distributed_config
 from tests.distributed.dist_common import save_train_checkpoint
 from tests.helpers import REPOSITORY
 
@@ -50,12 +49,32 @@ def environment():
     return {k: v for k, v in env.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
 
 
-def test_the_bf16_policy_is_asked_for_exactly_when_sharding():
-    """FSDP2's MixedPrecisionPolicy with --bf16 on and a sharded layout; never without bf16, nor for one rank."""
-    sharded, whole = Layout(fsdp=2, replicas=1, tp=1), Layout(fsdp=1, replicas=1, tp=1)
-    assert distributed_config(sharded, bf16=True).fsdp_mixed_precision is True
-    assert distributed_config(sharded, bf16=False).fsdp_mixed_precision is False
-    assert distributed_config(whole, bf16=True).fsdp_mixed_precision is False
+def test_the_sharded_forward_computes_in_bf16_and_keeps_fp32_masters(tmp_path):
+    """What the losses below cannot tell apart (a sharded run that dropped bf16 would be as close to one process's
+    bf16 run as fp32 is): with train's DistributedConfig and --bf16 on, a layer's projection sees bf16 weights and
+    inputs, while the sharded master weights and their gradients stay fp32; with --bf16 off, fp32 throughout."""
+    from tests.helpers.tiny import tiny_model
+
+    models = []
+    for kind, config in MODELS.items():
+        version = config["diff_version"]
+        overrides = {k: v for k, v in config.items() if k != "diff_version"}
+        tiny_model(version, **overrides).save_pretrained(tmp_path / kind)
+        models.append(f"{kind}={tmp_path / kind}")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += [str(REPOSITORY / "tests" / "distributed" / "fsdp_bf16_dtypes.py"), str(tmp_path / "out"), *models]
+    env = {**environment(), "PYTHONPATH": os.pathsep.join([str(REPOSITORY / "src"), str(REPOSITORY)])}
+    result = subprocess.run(command, cwd=REPOSITORY, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    for rank in (0, 1):
+        record = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())
+        assert record["world_size"] == 2
+        for kind in MODELS:
+            on, off = record["results"][f"{kind}.bf16=True"], record["results"][f"{kind}.bf16=False"]
+            assert (on["weight"], on["input"]) == ("torch.bfloat16", "torch.bfloat16"), (kind, on)
+            assert on["master"] == on["grads"] == ["torch.float32"], (kind, on)
+            assert (off["weight"], off["input"]) == ("torch.float32", "torch.float32"), (kind, off)
+            assert off["master"] == off["grads"] == ["torch.float32"], (kind, off)
 
 
 @pytest.mark.parametrize("kind", MODELS)
