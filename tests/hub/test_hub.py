@@ -442,6 +442,17 @@ def test_serve_loads_hub_models_through_the_road_at_their_revision_and_never_unp
             assert distances[revision] < 1e-5 and min(distances.values()) == distances[revision], distances
             assert sorted(distances.values())[1] > 1e-2, distances
 
+        # The checks read the revision that loads: main's out-of-range generation_config.json refuses main only.
+        checked = HfApi().create_repo("served-generation-revisions").repo_id
+        tiny_model(2).push_to_hub(checked)
+        HfApi().create_branch(checked, branch="good")
+        HfApi().upload_file(
+            repo_id=checked, path_or_fileobj=b'{"temperature": -1.0}', path_in_repo="generation_config.json"
+        )
+        assert type(manager._load_model(f"{checked}@good")).__name__ == "DiffForCausalLM"
+        with pytest.raises(Exception, match="generation_config.json"):
+            manager._load_model(f"{checked}@main")
+
         folder = tmp_path / "pickled"
         tiny_model(2).save_pretrained(folder)
         tokenizer.save_pretrained(folder)  # the processor loads first: the refusal must come from the weights

@@ -110,6 +110,34 @@ def test_trust_remote_code_still_serves_a_diff_model_with_the_package_s_classes(
         assert type(model) is DiffForCausalLM and model.config.diff_version == int(name[1]), name
 
 
+def test_a_load_failure_s_advice_fits_its_cause(models, tmp_path):
+    """A load that fails for a reason other than the files (here an attention backend that is not installed) is a
+    400 with transformers' reason and no "re-download it" advice (which the road gave every failure); a checkpoint
+    whose weights file is missing still gets it. Meanwhile a Llama (not a Diff model) loads as transformers' server
+    loads it."""
+    import shutil
+
+    from transformers import LlamaForCausalLM
+
+    from diff_transformer.checkpoints.loading import from_pretrained
+    from diff_transformer.errors import UserError
+
+    flash = serving_models.diff_model_manager(ServeSettings(quiet=True))(
+        device="cpu", model_timeout=-1, attn_implementation="flash_attention_2"
+    )
+    with pytest.raises(Exception) as caught:
+        flash.acquire(f"{models['v2']}@main")
+    message = caught.value.detail["message"]
+    assert caught.value.status_code == 400 and "flash" in message.lower() and "re-download" not in message, message
+    broken = tmp_path / "broken"
+    shutil.copytree(models["v2"], broken)
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(UserError, match="check that it is a complete checkpoint, or re-download it"):
+        from_pretrained(str(broken), "MODEL 'broken'")
+    llama = serving_models.diff_model_manager(ServeSettings(quiet=True))(device="cpu", model_timeout=-1)
+    assert type(llama._load_model(f"{fixtures.TINY_LLAMA}@main")) is LlamaForCausalLM
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """One server for the module, holding one model at a time."""

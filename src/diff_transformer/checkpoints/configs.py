@@ -127,15 +127,15 @@ def check_model_config(config, where: str, *, build: bool = True) -> None:
         ) from None
 
 
-def check_generation_config(location: str, where: str) -> None:
-    """MODEL's generation_config.json (if any), its types (`schema.GENERATION_FIELDS`) and ranges
-    (`generation.config.GENERATION_RANGES`) checked before the weights load."""
+def check_generation_config(location: str, where: str, revision: str | None = None) -> None:
+    """MODEL's generation_config.json (if any; a Hub model's at REVISION), its types (`schema.GENERATION_FIELDS`) and
+    ranges (`generation.config.GENERATION_RANGES`) checked before the weights load."""
     from transformers import GenerationConfig
 
     if Path(location).is_dir():
         refuse_special_files(Path(location))
     try:
-        generation = GenerationConfig.from_pretrained(location)
+        generation = GenerationConfig.from_pretrained(location, revision=revision or "main")
     except OSError:
         return  # none: generate() uses the model config's defaults
     except Exception as exc:

@@ -301,9 +301,13 @@ def from_pretrained(location: str, shown: str, **kwargs):
         # tests/hub/test_hub.py::test_a_hub_repo_with_only_pickled_weights_is_refused_not_unpickled.
         if kwargs["use_safetensors"] and isinstance(exc, OSError) and "loaded with `safetensors`" in message:
             raise CheckpointError(f"{shown} has no safetensors weights, only pickles; {PICKLE_REFUSAL}") from None
-        raise CheckpointError(
-            f"cannot load {shown} ({message}): check that it is a complete checkpoint, or re-download it."
-        ) from None
+        from safetensors import SafetensorError
+
+        if isinstance(exc, (OSError, SafetensorError)):  # a file missing, unreadable or cut short
+            raise CheckpointError(
+                f"cannot load {shown} ({message}): check that it is a complete checkpoint, or re-download it."
+            ) from None
+        raise CheckpointError(f"cannot load {shown}: {message}") from None
 
 
 __all__ = ["check_config_against_weights", "check_diff_checkpoint", "from_pretrained"]

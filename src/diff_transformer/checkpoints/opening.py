@@ -52,7 +52,7 @@ class Checkpoint:
             return AutoConfig.from_pretrained(self.location)
         except Exception as exc:
             raise CheckpointError(
-                f"cannot read the config of MODEL {self.name} ({' '.join(str(exc).split())[:200]})."
+                f"cannot read the config of {self.label} {self.name} ({' '.join(str(exc).split())[:200]})."
             ) from None
 
     @property
@@ -82,16 +82,19 @@ class Checkpoint:
         return model
 
 
-def open_checkpoint(name, base: str | None = None, *, tokenizer: bool = True, label: str = "MODEL") -> Checkpoint:
+def open_checkpoint(
+    name, base: str | None = None, *, tokenizer: bool = True, label: str = "MODEL", revision: str | None = None
+) -> Checkpoint:
     """NAME (a directory, `org/model` or `hf://id` on the Hub, a PEFT adapter directory; BASE: the adapter's base when
     its files do not name one that exists) resolved once and checked before anything loads: each local config.json
-    against its safetensors (`check_diff_checkpoint`), generation_config.json's ranges, and (with `tokenizer`) the
-    tokenizer loaded. Every problem is one `CheckpointError` line naming LABEL and the fix."""
+    against its safetensors (`check_diff_checkpoint`), generation_config.json's ranges (a Hub model's at REVISION),
+    and (with `tokenizer`) the tokenizer loaded. Every problem is one `CheckpointError` line naming LABEL and the
+    fix."""
     source = adapters.resolve(name, base, name=label)
     shown = str(name)
     if source.local is not None:
         check_diff_checkpoint(source.local, name=label if source.adapter is None else "base model")
-    check_generation_config(source.location, f"{label} {shown}")
+    check_generation_config(source.location, f"{label} {shown}", revision)
     found = None
     if tokenizer:
         from transformers import AutoTokenizer

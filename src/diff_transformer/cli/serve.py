@@ -21,7 +21,7 @@ Every other option goes to transformers' server (`transformers serve`) unchanged
 --model-timeout, --log-level, --enable-cors, --default-seed: --transformers-help lists them all.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. `stop` (up to 4 strings
-of 1-256 characters) ends the answer before the stop string, streaming or not; n > 1 and out-of-range fields are
+of 1-256 characters) ends the answer before the stop string, streaming or not; n above 1 and out-of-range fields are
 refused (HTTP 400, OpenAI's error body); a model that does not exist, or other than a pinned server's MODEL, answers
 404, one that cannot be loaded 400, a local directory with an @revision 400 (it has none); a request past
 the queue bound above answers 429 with Retry-After (the work ahead), a body past the byte bound above 413."""

@@ -7,8 +7,8 @@ architectures that transformers ships: `transformers serve --trust-remote-code` 
 checkpoint with "module transformers has no attribute DiffForCausalLM"; and it loads a Hub repo's pickled weights.
 `diff-transformer serve` (`cli/serve.py`, the command) imports diff_transformer (which registers the Auto classes),
 installs what follows (`patches.install`: every patch of transformers' server is a row of one table,
-`patches.PATCHES`, applied from one `ServeSettings`), among them a model manager that loads each model through the
-one road every command takes (`checkpoints.open(...).load()`: safetensors only, the Auto classes), and then runs
+`patches.PATCHES`, applied from one `ServeSettings`), among them a model manager that loads a Diff model through the
+one road every command takes (`checkpoints.open(...).load()`: safetensors only, the package's classes), and then runs
 transformers' `serve` command in this process with the same options (`diff-transformer serve --help`).
 
 What transformers' server does not bound, this package does (`server.bounded_generation`, the "uvicorn" patch):

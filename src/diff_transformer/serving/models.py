@@ -1,6 +1,6 @@
 """The models `diff-transformer serve` answers for, as clients see them: `/v1/models`, a model that does not exist
 (404) or does not load (400) answered at once with one line, a pinned server's other names refused, a model loaded
-in a worker thread, each model loaded through the one road from a name to a model (`checkpoints.open`)."""
+in a worker thread, each Diff model loaded through the one road from a name to a model (`checkpoints.open`)."""
 
 from pathlib import Path
 
@@ -236,16 +236,19 @@ def diff_model_manager(settings=None):
             return model, processor, release
 
         def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
-            """The model through the one road from a name to a model (`checkpoints.open(...).load()`, as every command
-            loads one) with the server's options: safetensors only (transformers' loader unpickled a Hub repo's
-            pytorch_model.bin), the generation fields as `generate` has them, a causal LM's class from the Auto
-            classes. A GGUF file loads as transformers loads it."""
-            if gguf_file is not None:
+            """A Diff checkpoint through the one road from a name to a model (`checkpoints.open(...).load()`, as every
+            command loads one) with the server's options: safetensors only (transformers' loader unpickled a Hub
+            repo's pytorch_model.bin), the package's classes, the generation fields as `generate` has them. Any other
+            model (a Llama, a decision or speech model, a GGUF file) loads as transformers' server loads it."""
+            from transformers import PretrainedConfig
+
+            model_id, _, revision = model_id_and_revision.partition("@")
+            raw = {} if gguf_file else PretrainedConfig.get_config_dict(model_id, revision=revision or None)[0]
+            if raw.get("model_type") != "diff":
                 return ModelManager._load_model(self, model_id_and_revision, tqdm_class, progress_callback, gguf_file)
             from .. import checkpoints
 
-            model_id, _, revision = model_id_and_revision.partition("@")
-            checkpoint = checkpoints.open(model_id, tokenizer=False, label="model")
+            checkpoint = checkpoints.open(model_id, tokenizer=False, label="model", revision=revision or None)
             options = {"revision": revision or None, "tqdm_class": tqdm_class, "device_map": self.device}
             options |= {"dtype": self.dtype, "attn_implementation": self.attn_implementation}
             options["trust_remote_code"] = self.trust_remote_code  # the Auto classes still pick the package's Diff

@@ -178,7 +178,8 @@ PATCHES = (
         "transformers.cli.serving.model_manager.ModelManager",
         "per-model locks (two models built at once corrupt each other), unload under a request's feet, no bound on "
         "loaded models, 500s for a missing model, /v1/models without our models; models loaded by class name from "
-        "the transformers package (no custom-code class) and from pickles: here through `checkpoints.open`",
+        "the transformers package (no custom-code class) and from pickles: a Diff model loads through "
+        "`checkpoints.open`",
         "Serve imports ModelManager from its module when it starts; ModelManager.__init__'s keywords and the "
         "attributes it keeps them in (device, dtype, attn_implementation, trust_remote_code, "
         "get_quantization_config()), _load_processor(id, gguf_file), _load_model(id, tqdm_class, progress_callback, "

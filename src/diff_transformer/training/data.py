@@ -39,7 +39,7 @@ def require_files(paths, kind: str = "data") -> None:
     """Refuse the first of `paths` that is not a file, before any time goes into tokenising the others."""
     for path in paths:
         if Path(path).is_dir():
-            example = Path(path) / "*.txt"
+            example = Path(path) / ("*.jsonl" if kind == "chat data" else "*.txt")
             raise TrainingError(
                 f"{kind} file {path} is a directory: name its files (e.g. {example}, which the shell expands)"
             )
