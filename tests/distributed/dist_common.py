@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,19 @@ from tests.helpers.tiny import tiny_config  # 4 heads over 2 KV groups: GQA, bot
 
 
 SEQ_LEN = 16
+
+
+def launch_environment() -> dict[str, str]:
+    """This process's environment for a torchrun launch from a test: one thread a rank, and none of the variables of a
+    torchrun the test itself may run under."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return {k: v for k, v in env.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+
+
+def train_losses(output: Path) -> list[float]:
+    """The training losses a `diff-transformer train` run logged (its trainer_state.json), step by step."""
+    history = json.loads((Path(output) / "trainer_state.json").read_text())["log_history"]
+    return [entry["loss"] for entry in history if "loss" in entry]
 
 
 def tiny_model(diff_version: int, seed: int = 0, **overrides) -> DiffForCausalLM:

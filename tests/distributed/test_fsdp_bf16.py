@@ -16,12 +16,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from diff_transformer import cli
-from tests.distributed.dist_common import save_train_checkpoint
+from tests.distributed.dist_common import launch_environment, save_train_checkpoint, train_losses
 from tests.helpers import REPOSITORY
 
 
@@ -39,16 +38,6 @@ MODELS = {
 }
 
 
-def losses(output: Path) -> list[float]:
-    history = json.loads((output / "trainer_state.json").read_text())["log_history"]
-    return [entry["loss"] for entry in history if "loss" in entry]
-
-
-def environment():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return {k: v for k, v in env.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-
-
 def test_the_sharded_forward_computes_in_bf16_and_keeps_fp32_masters(tmp_path):
     """What the losses below cannot tell apart (a sharded run that dropped bf16 would be as close to one process's
     bf16 run as fp32 is): with train's DistributedConfig and --bf16 on, a layer's projection sees bf16 weights and
@@ -63,7 +52,7 @@ def test_the_sharded_forward_computes_in_bf16_and_keeps_fp32_masters(tmp_path):
         models.append(f"{kind}={tmp_path / kind}")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     command += [str(REPOSITORY / "tests" / "distributed" / "fsdp_bf16_dtypes.py"), str(tmp_path / "out"), *models]
-    env = {**environment(), "PYTHONPATH": os.pathsep.join([str(REPOSITORY / "src"), str(REPOSITORY)])}
+    env = {**launch_environment(), "PYTHONPATH": os.pathsep.join([str(REPOSITORY / "src"), str(REPOSITORY)])}
     result = subprocess.run(command, cwd=REPOSITORY, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     for rank in (0, 1):
@@ -86,14 +75,16 @@ def test_fsdp_bf16_trains_as_one_process_does_within_bf16_rounding(tmp_path, kin
     for bf16 in ("on", "off"):
         out = tmp_path / f"single-{bf16}"
         assert cli.main(["train", *data, "--output", str(out), "--batch-size", "2", "--bf16", bf16]) == 0
-        single[bf16] = losses(out)
+        single[bf16] = train_losses(out)
     sharded = tmp_path / "fsdp"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     command += ["-m", "diff_transformer.cli", "train", *data, "--output", str(sharded), "--batch-size", "1"]
     command += ["--parallelism", "fsdp", "--bf16", "on"]
-    result = subprocess.run(command, cwd=REPOSITORY, env=environment(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        command, cwd=REPOSITORY, env=launch_environment(), capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
-    a, b, c = losses(sharded), single["on"], single["off"]
+    a, b, c = train_losses(sharded), single["on"], single["off"]
     assert len(a) == len(b) == len(c) == STEPS
     unit = max(abs(x - y) for x, y in zip(b, c))
     assert unit > 0, "--bf16 on computed in fp32"  # the unit must be bf16's error, not zero

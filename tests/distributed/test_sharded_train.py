@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from diff_transformer import cli
 from diff_transformer.training.resume import _complete, trainer_checkpoints
-from tests.distributed.dist_common import save_train_checkpoint
+from tests.distributed.dist_common import launch_environment, save_train_checkpoint, train_losses
 from tests.helpers import REPOSITORY
 
 
@@ -52,17 +52,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def environment():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return {k: v for k, v in env.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-
-
 def torchrun(launch: list[str], args: list[str]) -> subprocess.Popen:
     command = [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "diff_transformer.cli", "train", *args]
     return subprocess.Popen(
         command,
         cwd=REPOSITORY,
-        env=environment(),
+        env=launch_environment(),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -110,11 +105,6 @@ def finish(processes, timeout=240) -> list[tuple[int, str]]:
 def succeed(processes):
     for status, output in finish(processes):
         assert status == 0, output[-6000:]
-
-
-def losses(output: Path) -> list[float]:
-    history = json.loads((output / "trainer_state.json").read_text())["log_history"]
-    return [entry["loss"] for entry in history if "loss" in entry]
 
 
 def assert_close_weights(actual: Path, expected: Path, atol: float):
@@ -165,7 +155,7 @@ def runs(tmp_path_factory):
 
 def test_two_nodes_hsdp_equal_one_process(runs):
     root, _ = runs
-    single, hsdp = losses(root / "single"), losses(root / "hsdp")
+    single, hsdp = train_losses(root / "single"), train_losses(root / "hsdp")
     assert len(hsdp) == STEPS
     assert hsdp == pytest.approx(single, abs=LOSS_BOUND)
     assert single[-1] < single[0]  # it trained
@@ -196,13 +186,13 @@ def test_two_nodes_hsdp_equal_one_process(runs):
 def test_killed_rank_resumes_to_the_same_weights(runs):
     root, step = runs
     assert 0 < step < STEPS
-    assert losses(root / "killed") == losses(root / "hsdp")  # same world size, same order of sums: exact
+    assert train_losses(root / "killed") == train_losses(root / "hsdp")  # same world size, same order of sums: exact
     assert_close_weights(root / "killed", root / "hsdp", atol=0)
 
 
 def test_resume_on_another_world_size_reshards(runs):
     root, step = runs
-    resumed = losses(root / "resharded")
+    resumed = train_losses(root / "resharded")
     assert len(resumed) == STEPS  # the history up to the checkpoint, then the steps run on 2 processes
-    assert resumed == pytest.approx(losses(root / "hsdp"), abs=LOSS_BOUND)
+    assert resumed == pytest.approx(train_losses(root / "hsdp"), abs=LOSS_BOUND)
     assert_close_weights(root / "resharded", root / "hsdp", WEIGHT_BOUND)
