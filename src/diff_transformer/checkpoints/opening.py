@@ -25,6 +25,7 @@ class Checkpoint:
     source: adapters.Source
     tokenizer: Any = None
     label: str = "MODEL"  # what messages call it: the option or argument it came from, "model" in a request
+    revision: str | None = None  # a Hub model's branch, tag or commit (None: main); its config and weights load there
 
     @property
     def location(self) -> str:
@@ -49,7 +50,7 @@ class Checkpoint:
         register_auto_classes()  # AutoConfig reads Diff configs
 
         try:
-            return AutoConfig.from_pretrained(self.location)
+            return AutoConfig.from_pretrained(self.location, revision=self.revision or "main")
         except Exception as exc:
             raise CheckpointError(
                 f"cannot read the config of {self.label} {self.name} ({' '.join(str(exc).split())[:200]})."
@@ -64,8 +65,11 @@ class Checkpoint:
         `"repetition_penalty": 2` of a hand-written generation_config.json is the float 2.0 transformers' processors
         take); for an adapter, its base with the adapter on it (merged into the weights with `merge`, trainable with
         `trainable`; `prepare(base)`, e.g. for 4-bit training, runs before the adapter goes on). KWARGS go to
-        `from_pretrained` (dtype, attn_implementation, device_map, quantization_config...)."""
+        `from_pretrained` (dtype, attn_implementation, device_map, quantization_config...), at the revision opened."""
         from ..generation.config import float_generation_fields
+
+        if self.revision is not None:
+            kwargs.setdefault("revision", self.revision)
 
         if self.adapter is None:
             model = from_pretrained(self.location, f"{self.label} {self.name!r}", **kwargs)
@@ -100,7 +104,7 @@ def open_checkpoint(
         from transformers import AutoTokenizer
 
         found = adapters.load_tokenizer(AutoTokenizer, source.tokenizer, source.tokenizer_local, shown)
-    return Checkpoint(shown, source, found, label)
+    return Checkpoint(shown, source, found, label, revision)
 
 
 __all__ = ["Checkpoint", "open_checkpoint"]

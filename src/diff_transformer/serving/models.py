@@ -243,13 +243,14 @@ def diff_model_manager(settings=None):
             from transformers import PretrainedConfig
 
             model_id, _, revision = model_id_and_revision.partition("@")
-            raw = {} if gguf_file else PretrainedConfig.get_config_dict(model_id, revision=revision or None)[0]
+            revision = revision or None
+            raw = {} if gguf_file else PretrainedConfig.get_config_dict(model_id, revision=revision)[0]
             if raw.get("model_type") != "diff":
                 return ModelManager._load_model(self, model_id_and_revision, tqdm_class, progress_callback, gguf_file)
             from .. import checkpoints
 
-            checkpoint = checkpoints.open(model_id, tokenizer=False, label="model", revision=revision or None)
-            options = {"revision": revision or None, "tqdm_class": tqdm_class, "device_map": self.device}
+            checkpoint = checkpoints.open(model_id, tokenizer=False, label="model", revision=revision)
+            options = {"tqdm_class": tqdm_class, "device_map": self.device}
             options |= {"dtype": self.dtype, "attn_implementation": self.attn_implementation}
             options["trust_remote_code"] = self.trust_remote_code  # the Auto classes still pick the package's Diff
             quantization = self.get_quantization_config()
