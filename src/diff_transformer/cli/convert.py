@@ -63,7 +63,8 @@ def add_parser(commands) -> None:
 
 
 def _check_device_option(args) -> None:
-    """--device before SRC is even resolved (a GPU's name needs torch: the default, cpu, is known without it)."""
+    """--device before SRC is even resolved (a GPU's name needs torch: the default, cpu, is known without it); the
+    converter checks it again for callers of its functions (`conversion.options.checked_options`)."""
     if args.device != "cpu":
         from diff_transformer.conversion.device import check_device
 
@@ -74,9 +75,7 @@ def run(args) -> int:
     import json
 
     from diff_transformer.conversion import convert_to_diff
-    from diff_transformer.conversion.device import check_device
 
-    args.device = check_device(args.device)  # before anything loads or downloads
     out = convert_to_diff(
         args.src,
         args.out,
