@@ -13,9 +13,11 @@ V1/V2 head layout of bench_gpu.py) are Llama-3.2-1B's. `--tiny` runs the same co
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -61,10 +63,20 @@ def shard(model, mesh, bf16: bool):
 
 
 def measure(name, size, device, mesh, batch, seq, steps, bf16):
+    """One model's steps. Its peak is its own: FSDP2's hooks put a sharded model in reference cycles, which only the
+    garbage collector frees, so the previous model is collected (and checked gone) before this one is built; the
+    bytes still allocated at the start are recorded beside the peak."""
+    gc.collect()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    resident = torch.cuda.memory_allocated() if cuda else None
     model = shard(build(name, size, device), mesh, bf16).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    alive = weakref.ref(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
     ids = torch.randint(3, size["vocab"], (batch, seq), device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     times = []
     for step in range(steps + 2):  # two warm-up steps
         sync()
@@ -76,15 +88,16 @@ def measure(name, size, device, mesh, batch, seq, steps, bf16):
         sync()
         if step >= 2:
             times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    peak = torch.cuda.max_memory_allocated() if cuda else None
     params = sum(p.numel() for p in model.parameters())
-    del model, optimizer
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    last_loss = float(loss)
+    del model, optimizer, loss
+    gc.collect()
+    if alive() is not None:
+        raise RuntimeError(f"{name} is still referenced after its steps: the next model's peak would include it")
     step_s = bench_common.median(times)
     return {"params": params, "step_s": step_s, "tokens_per_s": batch * seq / step_s, "peak_bytes": peak,
-            "loss": float(loss)}  # fmt: skip
+            "resident_bytes_at_start": resident, "loss": last_loss}  # fmt: skip
 
 
 def main(argv=None):

@@ -158,3 +158,27 @@ def test_fused_v1_on_cuda_matches_eager(strategies, dtype, heads):
         twin.eval(), model.eval()
         kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
         assert torch.equal(twin.generate(ids, **kwargs), model.generate(ids, **kwargs))
+
+
+@CUDA
+def test_fused_v1_compiles_for_training_and_for_generate_compile():
+    """torch.compile(model) for a training step (bench_gpu's train_compile) and generate --compile's fullgraph decoding
+    (decode_static), with the fused kernel inside the graphs, against the eager model in fp32. An H200 run found both
+    broken: inductor could not lower the bool mask's byte view, and dynamo could not trace the launch table lookup."""
+    from diff_transformer.generation.call import compile_kwargs
+
+    model = tiny_model(1, num_attention_heads=4, num_key_value_heads=2).cuda()
+    twin = fused_twin(model).cuda()
+    ids, mask = (t.cuda() for t in padded_batch(model))
+    twin.train(), model.train()
+    loss = torch.compile(twin)(ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    expected = model(ids, attention_mask=mask, labels=ids).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected, **CUDA_TOLERANCE[torch.float32])
+    grads = dict(model.named_parameters())
+    for name, p in twin.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-2, atol=1e-4, msg=name)
+    twin.eval(), model.eval()
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(twin.generate(ids, **kwargs, **compile_kwargs("cuda")), model.generate(ids, **kwargs))

@@ -285,6 +285,41 @@ def test_select_path():
     assert kernels.select_path(1, 16, 4, packed=True) == "prefill"
 
 
+@pytest.mark.parametrize("kind", sorted(op_module.CUDA_CONFIGS))
+def test_the_launch_configuration_traces_under_a_fullgraph_compile(kind):
+    """generate --compile compiles the decoding step with fullgraph=True, so everything the op runs in Python must
+    trace; the launch table lookup once did not (min(..., default=) under dynamo; found on an H200). Head dims below,
+    between, at and above the table's keys, for a CUDA device (the CPU returns before the table)."""
+    cuda = torch.device("cuda")  # a device object only: no GPU is needed to trace the lookup
+    block_ds = [op_module._block_d(head_dim) for head_dim in (16, 64, 100, 128, 256, 512)]
+
+    def launch_configs(x):
+        return x + 1, [op_module._config(kind, cuda, block_d, torch.bfloat16) for block_d in block_ds]
+
+    _, traced = torch.compile(launch_configs, fullgraph=True, backend="eager")(torch.zeros(1))
+    table = op_module.CUDA_CONFIGS[kind]  # the smallest tile class that holds the head, else the largest
+    expected = [table[min([k for k in table if k >= block_d] or [max(table)])] for block_d in block_ds]
+    assert traced == launch_configs(torch.zeros(1))[1] == expected
+
+
+def test_a_bool_mask_reaches_the_kernels_as_the_same_bytes_eager_or_compiled():
+    """The kernels read a bool mask as bytes at the strides the op passes. Eager reinterprets it in place; a compiled
+    graph converts it (inductor could not lower the view on CUDA). Both must give the kernel the same bytes at the
+    strides it is told, an expanded (stride 0) batch included."""
+    torch.manual_seed(0)
+    q, k = torch.zeros(2, 4, 8, 16), torch.zeros(2, 2, 8, 16)
+    mask = (torch.rand(1, 1, 8, 8) > 0.5).expand(2, 1, 8, 8)  # (B, 1, N, L), batch stride 0 as from sdpa_mask
+
+    def as_the_kernel_reads_it(m):
+        p = op_module._Problem(q, k, k, 1.0, False, m, None, None)
+        return p.mask.as_strided((2, 1, 8, 8), p.mask_strides) + 0, p.mask.dtype  # base pointer + the strides
+
+    eager, eager_dtype = as_the_kernel_reads_it(mask)
+    compiled, compiled_dtype = torch.compile(as_the_kernel_reads_it, fullgraph=True)(mask)
+    assert eager_dtype == compiled_dtype == torch.uint8
+    assert torch.equal(eager, mask.to(torch.uint8)) and torch.equal(compiled, mask.to(torch.uint8))
+
+
 @needs_triton
 @pytest.mark.parametrize(
     "change,message",

@@ -91,7 +91,10 @@ def _config(kind: str, device: torch.device, block_d: int, dtype: torch.dtype) -
     if dtype == torch.float32:
         return (16, *_CUDA_FP32_CONFIG[1:]) if kind == "decode" else _CUDA_FP32_CONFIG
     table = CUDA_CONFIGS[kind]
-    return table[min((k for k in table if k >= block_d), default=max(table))]
+    # No min(..., default=): dynamo cannot trace it, and generate --compile's fullgraph stops there
+    # (tests/kernels/test_kernels.py::test_the_launch_configuration_traces_under_a_fullgraph_compile).
+    fitting = [k for k in table if k >= block_d]
+    return table[min(fitting) if fitting else max(table)]
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -130,7 +133,12 @@ class _Problem:
             self.mask_kind, self.mask, self.mask_strides = 0, cu_seqlens if self.varlen else query, (0, 0, 0, 0)
         else:
             self.mask_kind = 1 if mask.dtype == torch.bool else 2
-            self.mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+            if mask.dtype == torch.bool:
+                # The kernels read bytes. Eager reinterprets the bool mask in place. Inductor (torch 2.11, CUDA) cannot
+                # lower that view (torch.iinfo(torch.bool) fails; bench_gpu's train_compile on an H200), so a
+                # compiled graph converts instead, a copy it can fuse; its strides are read below.
+                mask = mask.to(torch.uint8) if torch.compiler.is_compiling() else mask.view(torch.uint8)
+            self.mask = mask
             s_b, s_h, s_n, s_l = mask.stride()
             self.mask_strides = (s_b if mask.shape[0] > 1 else 0, s_h if mask.shape[1] > 1 else 0, s_n, s_l)
         self.seq_arg = cu_seqlens if self.varlen else query  # a dummy pointer when not packed
