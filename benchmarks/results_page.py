@@ -16,8 +16,8 @@ Sections (marker name: the JSON it reads, the script that writes it):
 * bench_model: results_cpu.json, `benchmarks/bench_model.py` (CPU, Llama / DiffLlama / V1 / V2);
 * decode_compiled: results_cpu_decode_compiled.json, `benchmarks/bench_model.py` run for its decode sections only
   (eager and compiled decoding, every model compiled in the same run);
-* bench_gpu: results_gpu.json and results_gpu_tuned_tiles.json, `benchmarks/bench_gpu.py` (one GPU; `--run` does
-  not re-run it: it needs a GPU, see benchmarks/gpu_checks.sh);
+* bench_gpu: results_gpu.json, results_gpu_tuned_tiles.json and results_gpu_compiled.json, `benchmarks/bench_gpu.py`
+  (one GPU; `--run` does not re-run it: it needs a GPU, see benchmarks/gpu_checks.sh);
 * bench_convert: results_convert.json, `benchmarks/bench_convert.py`;
 * bench_vllm: results_vllm.json and any results_vllm_*.json (`--source` runs), `benchmarks/bench_vllm.py` (run from
   the vLLM environment, or with `--vllm-python`);
@@ -232,8 +232,9 @@ def _gpu_table(name: str, note: str) -> list[str]:
         cells = []
         for c in configs:
             row = rows.get(c)
-            if row is None:
-                cells.append("-")
+            if row is None:  # not run, or run and failed (its error is in the results' Markdown)
+                status = entry["configs"].get(c, {}).get("status", "")
+                cells.append("failed" if status.startswith("error") else "-")
                 continue
             work = models.get(c.split("/")[0], {}).get("work", {}).get(metric)
             ref_work = models.get("llama", {}).get("work", {}).get(metric)
@@ -252,7 +253,8 @@ def _gpu_table(name: str, note: str) -> list[str]:
 def bench_gpu() -> str:
     first = _gpu_table("results_gpu.json", "the fused kernel's tiles before tuning")
     second = _gpu_table("results_gpu_tuned_tiles.json", "the fused kernel's tuned tiles (sections attention, train)")
-    return "\n".join([*first, "", *second])
+    third = _gpu_table("results_gpu_compiled.json", "benchmarks/gpu_checks.sh's eager and compiled sections")
+    return "\n".join([*first, "", *second, "", *third])
 
 
 def bench_convert() -> str:
