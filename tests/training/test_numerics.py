@@ -16,6 +16,7 @@ gradients is at most 2 lr |gA - gB| / (max(|gA|, |gB|) + ε); plus 4 ulps of the
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from transformers import TrainerCallback
 
 import diff_transformer.integrations.cpu_attention as cpu
@@ -51,8 +52,12 @@ OPTIONS = {  # id -> train options; the bf16 ones are compared within the bf16 b
     "bf16-eager": [*BF16, "--attn-implementation", "eager"],
     "bf16-map-first": [*BF16, "--attn-implementation", "diff_map_first"],
     "eager": ["--attn-implementation", "eager"],
+    # torch.compile through Trainer; aot_eager traces forward and backward as inductor would and runs the traced ops
+    # (inductor itself: tests/training/test_train.py::test_train_compile_with_inductor)
+    "compile": ["--compile-backend", "aot_eager"],
+    "bf16-compile": [*BF16, "--compile-backend", "aot_eager"],
 }
-QUICK = {("v1", "bf16"), ("v2", "bf16"), ("motif-v1", "bf16")}  # the crash this matrix was written for
+QUICK = {("v1", "bf16"), ("v2", "bf16"), ("motif-v1", "bf16"), ("v1", "compile")}  # bf16: the crash it was written for
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +93,23 @@ def one_step(workdir, tmp_path_factory, monkeypatch, model, options, plain):
         record = RecordGrads()
         trainer.add_callback(record)
         before = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        torch._dynamo.reset()  # each compiled run starts from no graphs (dynamo's recompile limit is per code object)
+        counters.clear()
         trainer.train()
+    graphs = counters["stats"]["unique_graphs"]
     after = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     dtype = next(p.dtype for p in trainer.model.parameters() if p.requires_grad and p.dim() == 2)
     loss = torch.tensor([trainer.state.log_history[0]["loss"]], dtype=torch.float64)
-    _steps[key] = result = dict(loss=loss, grads=record.grads, before=before, after=after, ran=ran, dtype=dtype)
+    _steps[key] = result = dict(
+        loss=loss,
+        grads=record.grads,
+        before=before,
+        after=after,
+        ran=ran,
+        dtype=dtype,
+        graphs=graphs,
+        lambdas={k: v for k, v in trainer.state.log_history[0].items() if k.startswith("lambda")},
+    )
     return result
 
 
@@ -113,12 +130,22 @@ def test_one_step_equals_the_plain_path(workdir, tmp_path_factory, monkeypatch, 
     shipped = one_step(workdir, tmp_path_factory, monkeypatch, model, options, plain=False)
     plain = one_step(workdir, tmp_path_factory, monkeypatch, model, options, plain=True)
     assert plain["ran"] == []
+    # compiled: the whole forward as one graph (a graph break would make more); otherwise nothing compiled
+    assert shipped["graphs"] == plain["graphs"] == (1 if "--compile-backend" in options else 0)
+    # λ's log, which V2 gathers by forward hooks (traced into the graph when compiled): the same keys, and in fp32 the
+    # same values within the fp32 path tolerance (bf16 rounds λ's statistics too)
+    assert shipped["lambdas"].keys() == plain["lambdas"].keys() and len(shipped["lambdas"]) >= 5
+    for key, value in plain["lambdas"].items():
+        in_fp32 = "--bf16" not in options and "bfloat16" not in options
+        assert not in_fp32 or shipped["lambdas"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     eager = "eager" in options
     in_bf16 = options[:2] == BF16 or "bfloat16" in options
     if eager:  # no differential function: the plain calls are the path; compared with sdpa's plain calls below
         assert shipped["ran"] == []
         plain = one_step(workdir, tmp_path_factory, monkeypatch, model, options[:-2], plain=True)
-    elif "bfloat16" in options:  # bf16 weights: V1 attends through the padded sdpa calls, V2 through its plain ones
+    elif "bfloat16" in options or "--compile-backend" in options:
+        # bf16 weights, or a compiled graph (transformers then builds the causal mask instead of sdpa's is_causal):
+        # V1 attends through the padded sdpa calls, V2 through its plain ones
         assert set(shipped["ran"]) == ({CpuStrategy.PADDED_WIDE_VALUE} if model != "v2" else {None})
     else:  # fp32 q and k, under autocast too: the blocked function, the one this matrix guards
         assert set(shipped["ran"]) == {CpuStrategy.BLOCKED_DIFF_MAP}

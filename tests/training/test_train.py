@@ -348,6 +348,31 @@ def test_gradient_checkpointing_changes_nothing_but_memory(workdir, tmp_path):
         torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.slow  # inductor generates and compiles C++ for the forward and the backward (~20 s per model here)
+@pytest.mark.parametrize("version", [1, 2])
+def test_train_compile_with_inductor(workdir, tmp_path, version):
+    """`train --compile`: Trainer compiles the model with inductor (the default backend), which trains as the eager
+    model does within fp32 reassociation (inductor fuses and reorders sums: the project's fp32 path tolerance, 1e-4),
+    and the final checkpoint has the eager run's tensor names (no `_orig_mod.` prefix) and loads with the Auto class.
+    The traced-graph checks (one graph, no recompiles, every model kind) are tests/training/test_numerics.py's."""
+    steps = ["--max-steps", "2", "--eval-fraction", "0", "--logging-steps", "1", "--batch-size", "2"]
+    runs = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        trainer = trainer_for(workdir, version, tmp_path / name, *steps, *extra)
+        assert trainer.args.torch_compile == bool(extra)
+        assert trainer.args.torch_compile_backend == ("inductor" if extra else None)
+        trainer.train()
+        trainer.save_model()
+        runs[name] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(runs["eager"]) == 2
+    assert runs["compiled"] == pytest.approx(runs["eager"], rel=1e-4)
+    eager, compiled = (load_file(tmp_path / name / "model.safetensors") for name in ("eager", "compiled"))
+    assert compiled.keys() == eager.keys()
+    for name, tensor in eager.items():
+        torch.testing.assert_close(compiled[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+    assert isinstance(AutoModelForCausalLM.from_pretrained(tmp_path / "compiled"), DiffForCausalLM)
+
+
 @pytest.mark.slow  # two torchrun launches; test_distributed.py runs `train` under torchrun too (also slow)
 @pytest.mark.parametrize("version, extra", [(2, []), (1, ["--diff-only-steps", "1"])], ids=["v2", "v1-diff-only"])
 def test_torchrun_ddp_equals_one_process_with_the_global_batch(workdir, tmp_path, version, extra):
@@ -603,6 +628,7 @@ def test_cli_errors_name_the_problem(workdir, tmp_path, capsys):
         ([model, "--data", text, "--load-in-4bit"], "needs --lora"),
         ([model, "--data", text, "--lora", "--diff-only-steps", "2"], "do not combine"),
         ([model, "--data", text, "--resume"], "no checkpoint-N directory"),
+        ([model, "--data", text, "--compile-backend", "inductr"], "--compile-backend inductr is not a torch.compile"),
     ]
     for argv, message in cases:
         assert cli.main(["train", *argv, "--output", str(tmp_path / "out"), "--quiet"]) == 2, argv

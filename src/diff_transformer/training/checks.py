@@ -110,7 +110,19 @@ def check_args(args, config) -> int:
         _check_report_to(args.report_to)
     if args.load_in_4bit:
         require(["bitsandbytes"], "qlora", "--load-in-4bit")
+    if args.compile_backend is not None:
+        _check_compile_backend(args.compile_backend)
     return block_size
+
+
+def _check_compile_backend(name: str) -> None:
+    import torch._dynamo
+
+    if name not in torch._dynamo.list_backends(exclude_tags=()):  # debugging backends and registered ones included
+        raise TrainingError(
+            f"--compile-backend {name} is not a torch.compile backend: use inductor (the default), aot_eager, eager "
+            "or cudagraphs, or a name that torch._dynamo.list_backends() lists"
+        )
 
 
 # --report-to name -> (module that makes it available, what to install)

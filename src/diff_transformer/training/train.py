@@ -214,6 +214,8 @@ def training_arguments(args, has_eval: bool, resuming: bool, sharded: bool = Fal
         # DDP under torchrun (it would train one independent copy per process).
         use_cpu=not torch.accelerator.is_available(),
         activation_checkpointing=args.gradient_checkpointing or None,
+        torch_compile=args.compile or args.compile_backend is not None,
+        torch_compile_backend=args.compile_backend,  # None: Trainer's default for the device (inductor)
         logging_steps=args.logging_steps,
         logging_first_step=True,
         eval_strategy="steps" if has_eval and args.eval_steps else "no",
