@@ -389,6 +389,33 @@ def run_phase(
     return census, flops.get_total_flops() + census.triton_flops
 
 
+def saved_bytes_per_layer(config_name: str, geometry: dict) -> int:
+    """Bytes autograd keeps for the backward in one decoder layer, in a training forward of `geometry["seq"]` tokens
+    on the GPU's code path (`CudaDispatchMode`): the distinct storages the saved tensors hold (a view shares its
+    base's), parameters left out, of the 2-layer model minus the 1-layer one. Its growth per token is what
+    `diff-transformer plan` predicts as a layer's activations (tests/training/test_plan.py)."""
+    totals = []
+    for layers in (1, 2):
+        model = build(config_name, geometry, layers)
+        parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+        storages, kept = {}, []  # kept: the saved tensors stay alive, so no storage address is reused
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if storage._cdata not in parameters and storage._cdata not in storages:
+                storages[storage._cdata] = storage.nbytes()
+                kept.append(tensor)
+            return tensor
+
+        ids = torch.zeros(1, geometry["seq"], dtype=torch.long, device="meta")
+        unpacked = mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda position_ids: None)
+        model.train()
+        with CudaDispatchMode(), unpacked, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model(input_ids=ids, labels=ids, use_cache=False)
+        totals.append(sum(storages.values()))
+    return totals[1] - totals[0]
+
+
 def census_config(config_name: str, geometry: dict, cuda_sdpa: bool = True, where: bool = False) -> dict:
     """Per decoder layer, per phase: ops, bytes, FLOPs, the per-op histogram (ops and bytes) and the skipped
     metadata ops, as the census of 2 layers minus that of 1; with `where`, "sites": "op @ source line" -> calls."""

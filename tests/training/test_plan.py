@@ -15,6 +15,7 @@ from diff_transformer.training.plan import (
     Layout,
     Training,
     activation_bytes,
+    activation_bytes_per_token,
     chunk_rows,
     load_config,
     local_shapes,
@@ -22,7 +23,7 @@ from diff_transformer.training.plan import (
     plan_memory,
     state_bytes,
 )
-from tests.helpers import REPOSITORY
+from tests.helpers import REPOSITORY, load_script
 from tests.helpers.processes import launch
 from tests.helpers.tiny import tiny_config
 
@@ -128,6 +129,39 @@ def test_activations_shrink_with_checkpointing_and_tensor_parallelism():
         assert activation_bytes(config, Training(seq_len=128)) == 2 * full  # linear in the tokens
     v1, v2 = (activation_bytes(tiny_config(v), Training(seq_len=64)) for v in (1, 2))
     assert v1 != v2  # V1 keeps double-width values and the sub-layer norm's input, V2 its two maps and λ
+
+
+@pytest.mark.parametrize(
+    "version, kv_heads", [(1, 4), (1, 16), (2, 4), (2, 8)], ids=["v1-gqa", "v1-no-gqa", "v2-gqa", "v2-h-kv-groups"]
+)
+def test_activations_are_what_autograd_keeps_on_a_gpu_s_code_path(version, kv_heads):
+    """The planner's bytes per token of one layer against autograd's saved tensors, counted on the meta device with
+    sdpa and RMSNorm dispatched as on CUDA (benchmarks/census.py; bf16 weights, as FSDP2's bf16 policy computes), a
+    2-layer model minus a 1-layer one, per token (64 more tokens: what a layer keeps whatever the length, e.g. V1's
+    λ scalars, drops out): equal to the byte, with and without V1's GQA (its memory-efficient kernel then expands K
+    and V to the query heads). Census geometry: 16 query heads of 64, so V1 has H = 8 and H_kv = kv_heads / 2, V2
+    H = 8 and H_kv = kv_heads."""
+    census = load_script(REPOSITORY / "benchmarks" / "census.py")
+    name = f"v{version}/sdpa"
+    geometry = dict(census.TINY, kv_heads=kv_heads)
+    counted = [census.saved_bytes_per_layer(name, dict(geometry, seq=seq)) for seq in (64, 128)]
+    planned = activation_bytes_per_token(
+        census.build(name, geometry, 1).config, Training(dtype=torch.bfloat16, bf16=False)
+    )
+    assert planned["layer_whole"] + planned["layer_split"] == (counted[1] - counted[0]) / 64
+
+
+def test_sharded_bf16_runs_are_planned_as_fsdp2_s_mixed_precision_computes():
+    """train turns --bf16 on into FSDP2's MixedPrecisionPolicy when it shards (training/parallel.py): bf16 weights in
+    the layers, so a bf16 residual stream, where DDP's autocast keeps it float32 (float32 weights)."""
+    config, training = tiny_config(2), Training(seq_len=64)
+    sharded = plan_memory(config, Layout(1, 2, "fsdp"), training).activations
+    replicated = plan_memory(config, Layout(1, 2, "ddp"), training).activations
+    assert replicated == activation_bytes(config, training)
+    assert sharded == activation_bytes(config, Training(seq_len=64, dtype=torch.bfloat16)) < replicated
+    assert plan_memory(config, Layout(1, 2, "fsdp"), Training(seq_len=64, bf16=False)).activations == activation_bytes(
+        config, Training(seq_len=64, bf16=False)
+    )
 
 
 def test_plan_command_prints_the_table_and_refuses_bad_input(capsys, refused, tmp_path):

@@ -10,8 +10,9 @@ What each rank holds (Trainer's AdamW, `torch.optim.AdamW`):
 * gradients: one per trainable weight, its dtype;
 * optimizer: AdamW's two moments (exp_avg, exp_avg_sq), each like its parameter, and one float32 `step` per parameter
   tensor: 4 + 4 + 8 = 16 bytes per parameter with float32 weights, 2 + 2 + 4 = 8 with bfloat16 ones;
-* activations: what the backward pass keeps per token (`activation_bytes_per_token`, derived from the layer shapes;
-  an estimate, not counted from a run), for micro-batch x sequence length tokens;
+* activations: what the backward pass keeps per token on a GPU's code path (`activation_bytes_per_token`, from the
+  layer shapes; with bf16 weights exactly what autograd saves, counted in the tests), for micro-batch x sequence
+  length tokens;
 * transient (FSDP/HSDP): the unsharded parameters of the layer being computed and the one prefetched, and one layer's
   unsharded gradients, in the compute dtype.
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -189,31 +190,38 @@ def element_bytes(name: str, dtype: torch.dtype, strict=(), fp16_kept=()) -> int
 
 
 def activation_bytes_per_token(config, training: Training) -> dict:
-    """Bytes per token the backward pass keeps, per decoder layer and for the head. Elements per token of one layer,
-    with attention through sdpa/flash (the maps are recomputed, never stored), from the shapes in modeling_diff:
+    """Bytes per token the backward pass keeps, per decoder layer and for the head, on a GPU's code path (sdpa's fused
+    kernels: the maps are recomputed, never stored). Counted, not guessed: with bf16 weights (what FSDP2's bf16 policy
+    computes in) this is exactly what autograd saves per layer on that path, for V1 and V2 with and without GQA
+    (tests/training/test_plan.py counts it on the meta device with benchmarks/census.py's CUDA dispatch). r: the
+    residual stream's bytes (float32 weights keep it float32 under autocast), c: the compute dtype's.
 
-    * the residual input and the two norms' inputs: 3D (in the residual stream's dtype: float32 weights keep it float32
-      under autocast, 4 bytes), the normed inputs the projections read: 2D;
-    * attention: q (2H·d: q1 and q2), k and v (V1: 2H_kv·d each; V2: H_kv·d each) and the output before o_proj (V1:
-      H·2d, V2: H·d) with, for V1, the sub-layer norm's input (H·2d) and, for V2, the two maps' outputs (2H·d) and
-      λ per head (H);
+    * each of the two RMSNorms: its input upcast to float32 (4 bytes; the residual itself when that is float32), the
+      normalized values in the residual's dtype (r), the weighted product the projections read (c): D each, and
+      float32 1/rms (1);
+    * attention: V2's one flash call over its 2H query heads keeps q and the output (2H·d each), k and v (H_kv·d
+      each) and the log-sum-exp (2H, float32); then the output combined with λ, which o_proj reads (H·d), and λ (H).
+      V1's values are 2d wide, so sdpa takes the memory-efficient kernel, which has no GQA: k and v are expanded to
+      the 2H query heads (2H·d and 2H·2d), beside q (2H·d), the output (2H·2d) and the log-sum-exp; then the
+      sub-layer norm's input and o_proj's input (H·2d each);
     * MLP: gate and up outputs, the activation and the product: 4I.
 
     With gradient checkpointing a layer keeps only its input (D in the residual dtype) and one layer is recomputed at a
     time. The head keeps the logits (V, compute dtype), their float32 copy for the loss and its log-softmax (V float32
     each). Returned per token: a layer's part every tp rank keeps, its part tp splits, a checkpointed layer's input,
-    the head's."""
+    the head's. A Motif-shaped V1 (grouped noise heads) is planned as the V1 of its head counts."""
     c = training.compute_bytes
     residual = 4 if training.dtype == torch.float32 else c
     D, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
     H, kv = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or D // H
+    lse = 2 * H * 4  # float32, one per query head
     if int(getattr(config, "diff_version", 2)) == 1:
-        attention = 2 * H * d + 2 * kv * d + 2 * kv * d + 2 * H * d + 2 * H * d
+        attention = (2 * H * d + 2 * H * d + 2 * H * 2 * d + 2 * H * 2 * d + H * 2 * d + H * 2 * d) * c + lse
     else:
-        attention = 2 * H * d + kv * d + kv * d + 2 * H * d + H + H * d
-    whole = 3 * D * residual + 2 * D * c  # every tp rank keeps these (no sequence parallelism)
-    split = (attention + 4 * inter) * c  # heads and MLP columns: each tp rank keeps 1/tp
+        attention = (2 * H * d + kv * d + kv * d + 2 * H * d + H * d + H) * c + lse
+    whole = 2 * ((4 + residual + c) * D + 4)  # two norms; every tp rank keeps these (no sequence parallelism)
+    split = attention + 4 * inter * c  # heads and MLP columns: each tp rank keeps 1/tp
     return {"layer_whole": whole, "layer_split": split, "checkpoint": D * residual, "head": vocab * (c + 4 + 4)}
 
 
@@ -234,8 +242,13 @@ def plan_memory(config, layout: Layout, training: Training, model=None) -> Plan:
     check_layout(config, layout)
     model = meta_model(config) if model is None else model
     state = state_bytes(model, layout, training)
-    per_token = activation_bytes_per_token(config, training)
-    activations = activation_bytes(config, training, layout.tp)
+    computed = training
+    if training.bf16 and layout.shards > 1:
+        # train's sharded runs turn --bf16 into FSDP2's MixedPrecisionPolicy (training/parallel.py): the layers see
+        # bf16 weights, so the residual stream is bf16 too, not autocast's float32
+        computed = replace(training, dtype=torch.bfloat16)
+    per_token = activation_bytes_per_token(config, computed)
+    activations = activation_bytes(config, computed, layout.tp)
     transient = 0
     if layout.shards > 1:  # FSDP2: two layers' parameters gathered (one computed, one prefetched), one layer's grads
         layer = sum(p.numel() for p in model.model.layers[0].parameters()) // layout.tp
