@@ -1,21 +1,20 @@
 #!/bin/bash
-# What a lent GPU runs in one device call (issue 48 "Speed 3"; H100 or H200, about 9 minutes with the compiles): the
-# fused V1 model's and convert --device's CUDA tests, one FSDP2 training step of 1B-shaped Llama, V1 and V2
-# (fsdp_step.log), then bench_gpu.py's training, prefill and decoding, eager and compiled (decode_static: generate
-# --compile's static cache + fullgraph compile, CUDA graphs), for Llama, DiffLlama, V1 (sdpa and diff_triton) and V2,
-# and last the census's predictions (benchmarks/results/census.json, counted on any machine) beside the measured
-# ratios. The steps nothing else measures come first. Each step has its own time limit, so a slow one cannot eat the
-# next, and bench_gpu.py's --time-budget records what did not fit as "skipped: time budget" (it assumes 90 s per
-# compile until one is timed: BENCH_S=210 leaves no room for decode_static, so raise BENCH_S and COMPILE_S when the
-# device time allows; 2026-11-28 the compiled sections took a second call of ~7 minutes). Everything goes under $OUT,
-# at most 8 files (what one device call brings back): summary.txt, tests.log, fsdp_step.log, bench.log,
-# bench_compile.log, census_vs_measured.txt and bench/results_gpu.{json,md}.
+# What a lent GPU runs (issue 48 "Speed 3"; H100 or H200), in two device calls. The first (about 6 minutes): the fused
+# V1 model's and convert --device's CUDA tests, one FSDP2 training step of 1B-shaped Llama, V1 and V2 (fsdp_step.log),
+# bench_gpu.py's eager training, prefill and decoding for Llama, DiffLlama, V1 (sdpa and diff_triton) and V2, and the
+# census's predictions (benchmarks/results/census.json, counted on any machine) beside the measured ratios. The second,
+# PART=compiled (about 8 minutes): bench_gpu.py's compiled training and decoding (decode_static: generate --compile's
+# static cache + fullgraph compile, CUDA graphs), which one call cannot also hold. Each step has its own time limit,
+# so a slow one cannot eat the next, and bench_gpu.py's --time-budget records what did not fit as "skipped: time
+# budget" (it assumes 90 s per compile until one is timed). Everything goes under $OUT, at most 8 files (what one
+# device call brings back): summary.txt, the steps' logs, census_vs_measured.txt and bench/results_gpu.{json,md}.
 # Run from the repository root:
 #     OUT=/tmp/gpu bash benchmarks/gpu_checks.sh
-# Environment: TESTS_S, FSDP_S, BENCH_S, COMPILE_S (step limits, seconds), REPS, MODELS; SWEEP=1 adds the kernel's
-# launch sweep at head_dim 64 and 128 (4 more files and ~3 minutes: leave other steps out then).
-# Wheels the GPU image lacks (this package pins transformers and peft; the image's huggingface_hub 1.x suffices) travel
-# in .whl/ (see docs/development.md).
+#     OUT=/tmp/gpu PART=compiled bash benchmarks/gpu_checks.sh
+# Environment: PART, TESTS_S, FSDP_S, BENCH_S, COMPILE_S (step limits, seconds), REPS, MODELS; SWEEP=1 adds the
+# kernel's launch sweep at head_dim 64 and 128 (4 more files and ~3 minutes: leave other steps out then).
+# Wheels the GPU image lacks (this package pins transformers, peft and tokenizers; the image's huggingface_hub 1.x
+# suffices) travel in .whl/ (see docs/development.md).
 set -u
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT/bench"
@@ -39,21 +38,25 @@ step() {  # step NAME SECONDS COMMAND...: one log per step, its exit status in s
 }
 BENCH=(python3 benchmarks/bench_gpu.py --models "${MODELS:-llama,diffllama,v1,v2}" --backends sdpa,diff_triton
     --reps "${REPS:-3}" --out-dir "$OUT/bench")
-# and convert --device cuda: V1's calibration and --verify on the GPU (tests/conversion/test_device.py)
-step tests "${TESTS_S:-100}" python3 -m pytest -q -p no:cacheprovider -k cuda tests/kernels/test_fused_model.py \
-    tests/conversion/test_device.py
-# One FSDP2 training step (fully_shard per layer + root, bf16 MixedPrecisionPolicy, AdamW) of 1B-shaped Llama, V1 and
-# V2, tokens/s and the ratio to Llama in the same run (issue 54); its JSON is printed into fsdp_step.log.
-step fsdp_step "${FSDP_S:-120}" python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
-    benchmarks/bench_fsdp_step.py --out /tmp/fsdp_step.json --print-json
-# Eager training, prefill and decoding, then compiled decoding (two inductor compiles per configuration: batch 1, 32).
-BENCH_S=${BENCH_S:-210}
-step bench "$BENCH_S" "${BENCH[@]}" --sections train,prefill,decode,decode_static --overwrite \
-    --compile-configs llama/sdpa,v1/sdpa,v2/sdpa,v1/diff_triton --time-budget $((BENCH_S - 30))
-# Compiled training last, Llama and V1 first: what its budget leaves is recorded as skipped.
-COMPILE_S=${COMPILE_S:-70}
-step bench_compile "$COMPILE_S" "${BENCH[@]}" --sections train_compile --merge \
-    --compile-configs llama/sdpa,v1/sdpa,v1/diff_triton,v2/sdpa --time-budget $((COMPILE_S - 15))
+if [ "${PART:-eager}" = compiled ]; then
+    # The second call: training under torch.compile and decoding as generate --compile runs it (static cache,
+    # fullgraph, CUDA graphs), each configuration compiled once or twice (~40-70 s each on an H200).
+    COMPILE_S=${COMPILE_S:-480}
+    step bench_compile "$COMPILE_S" "${BENCH[@]}" --sections train_compile,decode_static --overwrite \
+        --compile-configs llama/sdpa,v2/sdpa,v1/sdpa,v1/diff_triton --time-budget $((COMPILE_S - 30))
+else
+    # and convert --device cuda: V1's calibration and --verify on the GPU (tests/conversion/test_device.py); the
+    # fused V1's compiled training step and generate --compile (two inductor compiles and a CUDA-graph capture)
+    step tests "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider -k cuda tests/kernels/test_fused_model.py \
+        tests/conversion/test_device.py
+    # One FSDP2 training step (fully_shard per layer + root, bf16 MixedPrecisionPolicy, AdamW) of 1B-shaped Llama, V1
+    # and V2, tokens/s and the ratio to Llama in the same run (issue 54); its JSON is printed into fsdp_step.log.
+    step fsdp_step "${FSDP_S:-120}" python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
+        benchmarks/bench_fsdp_step.py --out /tmp/fsdp_step.json --print-json
+    # Eager training, prefill and decoding.
+    BENCH_S=${BENCH_S:-210}
+    step bench "$BENCH_S" "${BENCH[@]}" --sections train,prefill,decode --overwrite --time-budget $((BENCH_S - 30))
+fi
 if [ "${SWEEP:-0}" = 1 ]; then
     step sweep64 100 python3 benchmarks/bench_kernel.py --sweep --head-dim 64 --out "$OUT/kernel64.json"
     step sweep128 100 python3 benchmarks/bench_kernel.py --sweep --head-dim 128 --out "$OUT/kernel128.json"

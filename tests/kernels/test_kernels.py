@@ -304,8 +304,8 @@ def test_the_launch_configuration_traces_under_a_fullgraph_compile(kind):
 
 def test_a_bool_mask_reaches_the_kernels_as_the_same_bytes_eager_or_compiled():
     """The kernels read a bool mask as bytes at the strides the op passes. Eager reinterprets it in place; a compiled
-    graph converts it (inductor could not lower the view on CUDA). Both must give the kernel the same bytes at the
-    strides it is told, an expanded (stride 0) batch included."""
+    graph converts it (inductor could not lower the view on CUDA: the traced graph is checked for the conversion).
+    Both must give the kernel the same bytes at the strides it is told, an expanded (stride 0) batch included."""
     torch.manual_seed(0)
     q, k = torch.zeros(2, 4, 8, 16), torch.zeros(2, 2, 8, 16)
     mask = (torch.rand(1, 1, 8, 8) > 0.5).expand(2, 1, 8, 8)  # (B, 1, N, L), batch stride 0 as from sdpa_mask
@@ -315,9 +315,15 @@ def test_a_bool_mask_reaches_the_kernels_as_the_same_bytes_eager_or_compiled():
         return p.mask.as_strided((2, 1, 8, 8), p.mask_strides) + 0, p.mask.dtype  # base pointer + the strides
 
     eager, eager_dtype = as_the_kernel_reads_it(mask)
-    compiled, compiled_dtype = torch.compile(as_the_kernel_reads_it, fullgraph=True)(mask)
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    recorder = EagerAndRecordGraphs()
+    compiled, compiled_dtype = torch.compile(as_the_kernel_reads_it, fullgraph=True, backend=recorder)(mask)
     assert eager_dtype == compiled_dtype == torch.uint8
     assert torch.equal(eager, mask.to(torch.uint8)) and torch.equal(compiled, mask.to(torch.uint8))
+    # the traced graph converts (`.to(torch.uint8)`) and never reinterprets the bool bytes (`.view(torch.uint8)`)
+    calls = [(node.target, node.args[1:]) for node in recorder.graphs[0].graph.nodes if node.op == "call_method"]
+    assert ("to", (torch.uint8,)) in calls and ("view", (torch.uint8,)) not in calls, calls
 
 
 @needs_triton

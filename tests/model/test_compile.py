@@ -2,7 +2,8 @@
 makes: one graph for the whole forward (fullgraph: a graph break fails), compiled once over several optimizer steps
 (no recompiles), and the losses and gradients of the eager model. `aot_eager` traces the forward and the backward as
 inductor would, then runs the traced ops themselves, so only the order of a few fp32 sums may differ (here they are
-equal bit for bit): tolerances of a few fp32 ulps of the values compared, grown over the steps. Inductor on a GPU:
+equal bit for bit): the loss within 1e-6 relative (8 ulps), each gradient within 1e-5 of its largest element, room
+for three SGD steps of reassociation. Inductor on a GPU:
 tests/kernels/test_fused_model.py's CUDA test."""
 
 import pytest
@@ -48,8 +49,7 @@ def test_a_compiled_training_step_is_one_graph_compiled_once_with_eager_s_number
     model = tiny_model(attn_implementation="sdpa", **overrides).train()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     compiled_losses, compiled_grads = train(model, compiled, ids, mask)
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-    assert not counters["recompiles"], dict(counters["recompiles"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # a recompile or a break adds a graph
     for step in range(STEPS):
         torch.testing.assert_close(compiled_losses[step], losses[step], rtol=1e-6, atol=0)
         for name, grad in grads[step].items():

@@ -629,6 +629,8 @@ def test_cli_errors_name_the_problem(workdir, tmp_path, capsys):
         ([model, "--data", text, "--lora", "--diff-only-steps", "2"], "do not combine"),
         ([model, "--data", text, "--resume"], "no checkpoint-N directory"),
         ([model, "--data", text, "--compile-backend", "inductr"], "--compile-backend inductr is not a torch.compile"),
+        # torch registers it, accelerate (through which Trainer compiles) does not take it
+        ([model, "--data", text, "--compile-backend", "aot_eager_decomp_partition"], "use inductor (the default)"),
     ]
     for argv, message in cases:
         assert cli.main(["train", *argv, "--output", str(tmp_path / "out"), "--quiet"]) == 2, argv

@@ -116,9 +116,13 @@ def check_args(args, config) -> int:
 
 
 def _check_compile_backend(name: str) -> None:
+    """A backend torch has registered and accelerate's `DynamoBackend` names (Trainer compiles through accelerate,
+    which refuses any other name with a ValueError of its own)."""
     import torch._dynamo
+    from accelerate.utils import DynamoBackend
 
-    if name not in torch._dynamo.list_backends(exclude_tags=()):  # debugging backends and registered ones included
+    usable = name.upper() in DynamoBackend.__members__ and name.upper() != "NO"
+    if not usable or name not in torch._dynamo.list_backends(exclude_tags=()):
         raise TrainingError(
             f"--compile-backend {name} is not a torch.compile backend: use inductor (the default), aot_eager, eager "
             "or cudagraphs, or a name that torch._dynamo.list_backends() lists"
