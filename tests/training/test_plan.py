@@ -16,6 +16,7 @@ from diff_transformer.training.plan import (
     Training,
     activation_bytes,
     activation_bytes_per_token,
+    autocast_copy_bytes,
     chunk_rows,
     load_config,
     local_shapes,
@@ -157,11 +158,51 @@ def test_sharded_bf16_runs_are_planned_as_fsdp2_s_mixed_precision_computes():
     config, training = tiny_config(2), Training(seq_len=64)
     sharded = plan_memory(config, Layout(1, 2, "fsdp"), training).activations
     replicated = plan_memory(config, Layout(1, 2, "ddp"), training).activations
-    assert replicated == activation_bytes(config, training)
+    copies = autocast_copy_bytes(meta_model(config), Layout(1, 2, "ddp"), training)  # autocast's, unsharded only
+    assert copies > 0 and replicated == activation_bytes(config, training) + copies
     assert sharded == activation_bytes(config, Training(seq_len=64, dtype=torch.bfloat16)) < replicated
     assert plan_memory(config, Layout(1, 2, "fsdp"), Training(seq_len=64, bf16=False)).activations == activation_bytes(
         config, Training(seq_len=64, bf16=False)
     )
+
+
+@pytest.mark.parametrize("version, tied", [(1, False), (2, False), (2, True)])
+def test_autocast_s_weight_copies_are_what_autograd_keeps(version, tied):
+    """Under bf16 autocast with float32 weights every matmul saves the bf16 copy of its weight for the backward: the
+    planner's `autocast_copy_bytes` equals the bytes of the saved bf16 tensors that are exactly a weight cast to bf16
+    (found by value, on the CPU's autocast, 23 tokens: no activation has a weight's shape), the tied head included;
+    none with bf16 weights, without autocast, or when FSDP2 shards."""
+    import diff_transformer.modeling_diff as modeling
+    from tests.helpers.tiny import tiny_model
+
+    model = tiny_model(version, attn_implementation="sdpa", tie_word_embeddings=tied).train()
+    weights = {name: p.detach().to(torch.bfloat16) for name, p in model.named_parameters()}
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen, copies = set(), 0
+
+    def pack(tensor):
+        nonlocal copies
+        storage = tensor.untyped_storage()
+        if tensor.dtype == torch.bfloat16 and storage.data_ptr() not in parameters | seen:
+            seen.add(storage.data_ptr())
+            as_weight = [tensor, tensor.t()] if tensor.dim() == 2 else [tensor]
+            if any(w.shape == t.shape and torch.equal(w, t) for w in weights.values() for t in as_weight):
+                copies += storage.nbytes()
+        return tensor
+
+    ids = torch.randint(3, 97, (1, 23))
+    plain = {"differential_attention_function": lambda *args: None}  # the GPU's path: sdpa calls, no CPU function
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in plain.items():
+            patch.setattr(modeling, name, value)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=ids, labels=ids)
+    planned = autocast_copy_bytes(meta_model(model.config), Layout(1, 1, "ddp"), Training())
+    assert copies > 0 and planned == copies
+    meta = meta_model(model.config)
+    assert autocast_copy_bytes(meta, Layout(1, 2, "fsdp"), Training()) == 0
+    assert autocast_copy_bytes(meta, Layout(1, 1, "ddp"), Training(bf16=False)) == 0
+    assert autocast_copy_bytes(meta, Layout(1, 1, "ddp"), Training(dtype=torch.bfloat16)) == 0
 
 
 def test_plan_command_prints_the_table_and_refuses_bad_input(capsys, refused, tmp_path):

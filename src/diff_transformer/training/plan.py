@@ -236,6 +236,31 @@ def activation_bytes(config, training: Training, tp: int = 1) -> int:
     return (kept + per_token["head"]) * training.micro_batch * training.seq_len
 
 
+def autocast_copy_bytes(model, layout: Layout, training: Training) -> int:
+    """Bytes of the bf16 copies autocast makes of float32 weights for its matmuls, which autograd keeps for the
+    backward (each matmul saves the weight it multiplied): every `nn.Linear` weight, the head's included, tp-local
+    (counted in the tests). With gradient checkpointing only the head's and the recomputed layer's: a checkpointed
+    forward saves none (from the mechanism, not counted). None unless autocast runs over float32 weights unsharded:
+    FSDP2's bf16 policy hands the layers bf16 weights itself and frees them after each layer (`transient`)."""
+    if not (training.bf16 and training.dtype == torch.float32) or layout.shards > 1:
+        return 0
+    numel = {
+        id(param): math.prod(shape) for (_, shape, _), param in zip(local_shapes(model, layout), model.parameters())
+    }
+    copies = [
+        (name, numel[id(module.weight)])
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and id(module.weight) in numel
+    ]
+    if training.gradient_checkpointing:
+        copies = [
+            (name, n)
+            for name, n in copies
+            if not name.startswith("model.layers.") or name.startswith("model.layers.0.")
+        ]
+    return training.compute_bytes * sum(n for _, n in copies)
+
+
 def plan_memory(config, layout: Layout, training: Training, model=None) -> Plan:
     """Per-rank bytes of CONFIG's model (MODEL: its `meta_model`, built if not given) trained as TRAINING asks on
     LAYOUT (the rank holding the most)."""
@@ -248,7 +273,7 @@ def plan_memory(config, layout: Layout, training: Training, model=None) -> Plan:
         # bf16 weights, so the residual stream is bf16 too, not autocast's float32
         computed = replace(training, dtype=torch.bfloat16)
     per_token = activation_bytes_per_token(config, computed)
-    activations = activation_bytes(config, computed, layout.tp)
+    activations = activation_bytes(config, computed, layout.tp) + autocast_copy_bytes(model, layout, training)
     transient = 0
     if layout.shards > 1:  # FSDP2: two layers' parameters gathered (one computed, one prefetched), one layer's grads
         layer = sum(p.numel() for p in model.model.layers[0].parameters()) // layout.tp
