@@ -2,6 +2,7 @@
 against a converted checkpoint, bytes per parameter as Trainer's AdamW keeps them, shards as torch splits them, and
 each rank's weights + gradients + AdamW moments against what FSDP2 actually leaves on 2 gloo ranks."""
 
+import contextlib
 import json
 import math
 
@@ -133,9 +134,11 @@ def test_activations_shrink_with_checkpointing_and_tensor_parallelism():
 
 
 @pytest.mark.parametrize(
-    "version, kv_heads", [(1, 4), (1, 16), (2, 4), (2, 8)], ids=["v1-gqa", "v1-no-gqa", "v2-gqa", "v2-h-kv-groups"]
+    "config_name, kv_heads",
+    [("v1/sdpa", 4), ("v1/sdpa", 16), ("v2/sdpa", 4), ("v2/sdpa", 8), ("v1/diff_triton", 4), ("v1/diff_triton", 16)],
+    ids=["v1-gqa", "v1-no-gqa", "v2-gqa", "v2-h-kv-groups", "v1-fused-gqa", "v1-fused-no-gqa"],
 )
-def test_activations_are_what_autograd_keeps_on_a_gpu_s_code_path(version, kv_heads):
+def test_activations_are_what_autograd_keeps_on_a_gpu_s_code_path(config_name, kv_heads):
     """The planner's bytes per token of one layer against autograd's saved tensors, counted on the meta device with
     sdpa and RMSNorm dispatched as on CUDA (benchmarks/census.py; bf16 weights, as FSDP2's bf16 policy computes), a
     2-layer model minus a 1-layer one, per token (64 more tokens: what a layer keeps whatever the length, e.g. V1's
@@ -143,12 +146,13 @@ def test_activations_are_what_autograd_keeps_on_a_gpu_s_code_path(version, kv_he
     and V to the query heads). Census geometry: 16 query heads of 64, so V1 has H = 8 and H_kv = kv_heads / 2, V2
     H = 8 and H_kv = kv_heads."""
     census = load_script(REPOSITORY / "benchmarks" / "census.py")
-    name = f"v{version}/sdpa"
     geometry = dict(census.TINY, kv_heads=kv_heads)
-    counted = [census.saved_bytes_per_layer(name, dict(geometry, seq=seq)) for seq in (64, 128)]
-    planned = activation_bytes_per_token(
-        census.build(name, geometry, 1).config, Training(dtype=torch.bfloat16, bf16=False)
-    )
+    box = [census.Census()]  # diff_triton: the op's own Python on meta, its Triton launches recorded, not run
+    fused = census.counted_triton(lambda: box[0]) if config_name.endswith("diff_triton") else contextlib.nullcontext()
+    with fused:
+        counted = [census.saved_bytes_per_layer(config_name, dict(geometry, seq=seq)) for seq in (64, 128)]
+    training = Training(dtype=torch.bfloat16, bf16=False, attn_implementation=config_name.split("/")[1])
+    planned = activation_bytes_per_token(census.build(config_name, geometry, 1).config, training)
     assert planned["layer_whole"] + planned["layer_split"] == (counted[1] - counted[0]) / 64
 
 
@@ -218,6 +222,19 @@ def test_plan_command_prints_the_table_and_refuses_bad_input(capsys, refused, tm
     assert cli.main(["plan", str(TINY_LLAMA), "--diff-version", "1", "--nodes", "2", "--gpus-per-node", "2"]) == 0
     out = capsys.readouterr().out
     assert "| fsdp |" in out and "| tp |" not in out and "not planned: tp: " in out
+    # V1's fused kernel keeps K and V as projected: fewer activations than sdpa's expanded ones
+    activations = {}
+    for backend in ("sdpa", "diff_triton"):
+        argv = ["plan", str(TINY_LLAMA), "--diff-version", "1", "--strategy", "ddp", "--attn-implementation", backend]
+        argv += ["--micro-batch", "64", "--seq-len", "4096"]  # GiB to one decimal: the tiny model needs many tokens
+        assert cli.main(argv) == 0
+        activations[backend] = float(
+            capsys.readouterr().out.split("| ddp |")[1].split("|")[3]
+        )  # weights, grads, AdamW, activations
+    assert activations["diff_triton"] < activations["sdpa"]
+    with pytest.raises(SystemExit) as exited:  # argparse's own refusal: usage and one error line, exit 2
+        cli.main(["plan", str(TINY_LLAMA), "--attn-implementation", "flash"])
+    assert exited.value.code == 2 and "invalid choice: 'flash'" in capsys.readouterr().err
     refused(["plan", tmp_path / "missing"], "does not exist")
     refused(["plan", TINY_LLAMA, "--strategy", "hsdp"], "--nodes 2")
     refused(["plan", TINY_LLAMA, "--strategy", "tp", "--gpus-per-node", "4"], "cannot split")

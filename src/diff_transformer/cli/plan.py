@@ -61,6 +61,12 @@ def add_parser(commands) -> None:
     plan.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in the backward")
     plan.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="train --dtype")
     plan.add_argument("--bf16", choices=("on", "off"), default="on", help="bf16 autocast (train --bf16)")
+    plan.add_argument(
+        "--attn-implementation",
+        choices=("sdpa", "diff_triton"),
+        default="sdpa",
+        help="train --attn-implementation: sdpa, or V1's fused kernel diff_triton (keeps K and V unexpanded)",
+    )
     plan.add_argument("--gpu-memory", type=memory_size, default="80GiB", help="memory of one GPU, e.g. 80GiB")
     add_quiet_option(plan)
     plan.set_defaults(func=run)
@@ -89,6 +95,7 @@ def run(args) -> int:
         dtype=getattr(torch, args.dtype),
         bf16=args.bf16 == "on",
         gradient_checkpointing=args.gradient_checkpointing,
+        attn_implementation=args.attn_implementation,
     )
     rows, skipped = [], []
     for strategy in strategies:

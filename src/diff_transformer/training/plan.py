@@ -73,6 +73,7 @@ class Training:
     dtype: torch.dtype = torch.float32  # of the loaded weights (train --dtype)
     bf16: bool = True  # autocast (train --bf16)
     gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"  # train --attn-implementation: "sdpa" or V1's fused "diff_triton"
 
     @property
     def compute_bytes(self) -> int:
@@ -203,7 +204,10 @@ def activation_bytes_per_token(config, training: Training) -> dict:
       each) and the log-sum-exp (2H, float32); then the output combined with λ, which o_proj reads (H·d), and λ (H).
       V1's values are 2d wide, so sdpa takes the memory-efficient kernel, which has no GQA: k and v are expanded to
       the 2H query heads (2H·d and 2H·2d), beside q (2H·d), the output (2H·2d) and the log-sum-exp; then the
-      sub-layer norm's input and o_proj's input (H·2d each);
+      sub-layer norm's input and o_proj's input (H·2d each). V1 under "diff_triton" (the fused kernel: GQA without
+      copies, both maps in one pass) keeps q (2H·d), k and v as projected (2H_kv·d each), the combined output, the
+      second map's output and o_proj's input (H·2d each) and both maps' log-sum-exps (2H, float32); V2 runs sdpa
+      under it;
     * MLP: gate and up outputs, the activation and the product: 4I.
 
     With gradient checkpointing a layer keeps only its input (D in the residual dtype) and one layer is recomputed at a
@@ -216,7 +220,9 @@ def activation_bytes_per_token(config, training: Training) -> dict:
     H, kv = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or D // H
     lse = 2 * H * 4  # float32, one per query head
-    if int(getattr(config, "diff_version", 2)) == 1:
+    if int(getattr(config, "diff_version", 2)) == 1 and training.attn_implementation == "diff_triton":
+        attention = (2 * H * d + 2 * kv * d + 2 * kv * d + 3 * H * 2 * d) * c + lse
+    elif int(getattr(config, "diff_version", 2)) == 1:
         attention = (2 * H * d + 2 * H * d + 2 * H * 2 * d + 2 * H * 2 * d + H * 2 * d + H * 2 * d) * c + lse
     else:
         attention = (2 * H * d + kv * d + kv * d + 2 * H * d + H * d + H) * c + lse
