@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -20,6 +22,30 @@ def launch_environment() -> dict[str, str]:
     torchrun the test itself may run under."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     return {k: v for k, v in env.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+
+
+TRAIN_STEPS = 3
+# `diff-transformer train` options of the sharded-against-one-process tests: 3 logged steps, no evaluation, no
+# checkpoint, a fixed seed.
+TRAIN_OPTIONS = [
+    "--quiet", "--report-to", "none", "--block-size", "32", "--eval-fraction", "0", "--max-steps", str(TRAIN_STEPS),
+    "--logging-steps", "1", "--lr", "1e-3", "--seed", "3", "--save-steps", "100",
+]  # fmt: skip
+
+
+def torchrun_fsdp_train(data: list[str], output: Path, *options: str, env: dict | None = None):
+    """`diff-transformer train DATA --output OUTPUT --batch-size 1 --parallelism fsdp OPTIONS` under torchrun, 2 ranks
+    on this machine (ENV: `launch_environment()` by default), asserted to succeed; the finished process."""
+    from tests.helpers import REPOSITORY
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += ["-m", "diff_transformer.cli", "train", *data, "--output", str(output), "--batch-size", "1"]
+    command += ["--parallelism", "fsdp", *options]
+    result = subprocess.run(
+        command, cwd=REPOSITORY, env=env or launch_environment(), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    return result
 
 
 def train_losses(output: Path) -> list[float]:

@@ -20,22 +20,19 @@ import sys
 import pytest
 
 from diff_transformer import cli
-from tests.distributed.dist_common import launch_environment, save_train_checkpoint, train_losses
+from tests.distributed.dist_common import (
+    TRAIN_OPTIONS,
+    TRAIN_STEPS,
+    launch_environment,
+    save_train_checkpoint,
+    torchrun_fsdp_train,
+    train_losses,
+)
 from tests.helpers import REPOSITORY
+from tests.helpers.tiny import MODEL_KINDS
 
 
 pytestmark = pytest.mark.slow
-
-STEPS = 3
-COMMON = [
-    "--quiet", "--report-to", "none", "--block-size", "32", "--eval-fraction", "0", "--max-steps", str(STEPS),
-    "--logging-steps", "1", "--lr", "1e-3", "--seed", "3", "--save-steps", "100",
-]  # fmt: skip
-MODELS = {
-    "v2": dict(diff_version=2),
-    "v1": dict(diff_version=1),
-    "motif-v1": dict(diff_version=1, num_noise_heads=2, head_dim=8, hidden_act="poly_norm"),
-}
 
 
 def test_the_sharded_forward_computes_in_bf16_and_keeps_fp32_masters(tmp_path):
@@ -45,7 +42,7 @@ def test_the_sharded_forward_computes_in_bf16_and_keeps_fp32_masters(tmp_path):
     from tests.helpers.tiny import tiny_model
 
     models = []
-    for kind, config in MODELS.items():
+    for kind, config in MODEL_KINDS.items():
         version = config["diff_version"]
         overrides = {k: v for k, v in config.items() if k != "diff_version"}
         tiny_model(version, **overrides).save_pretrained(tmp_path / kind)
@@ -58,7 +55,7 @@ def test_the_sharded_forward_computes_in_bf16_and_keeps_fp32_masters(tmp_path):
     for rank in (0, 1):
         record = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())
         assert record["world_size"] == 2
-        for kind in MODELS:
+        for kind in MODEL_KINDS:
             on, off = record["results"][f"{kind}.bf16=True"], record["results"][f"{kind}.bf16=False"]
             assert (on["weight"], on["input"]) == ("torch.bfloat16", "torch.bfloat16"), (kind, on)
             assert on["master"] == on["grads"] == ["torch.float32"], (kind, on)
@@ -66,27 +63,21 @@ def test_the_sharded_forward_computes_in_bf16_and_keeps_fp32_masters(tmp_path):
             assert off["master"] == off["grads"] == ["torch.float32"], (kind, off)
 
 
-@pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.parametrize("kind", MODEL_KINDS)
 def test_fsdp_bf16_trains_as_one_process_does_within_bf16_rounding(tmp_path, kind):
     model, text = tmp_path / "model", tmp_path / "train.txt"
-    save_train_checkpoint(model, text, **MODELS[kind])
-    data = [str(model), "--data", str(text), *COMMON]
+    save_train_checkpoint(model, text, **MODEL_KINDS[kind])
+    data = [str(model), "--data", str(text), *TRAIN_OPTIONS]
     single = {}
     for bf16 in ("on", "off"):
         out = tmp_path / f"single-{bf16}"
         assert cli.main(["train", *data, "--output", str(out), "--batch-size", "2", "--bf16", bf16]) == 0
         single[bf16] = train_losses(out)
     sharded = tmp_path / "fsdp"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    command += ["-m", "diff_transformer.cli", "train", *data, "--output", str(sharded), "--batch-size", "1"]
-    command += ["--parallelism", "fsdp", "--bf16", "on"]
-    result = subprocess.run(
-        command, cwd=REPOSITORY, env=launch_environment(), capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    torchrun_fsdp_train(data, sharded, "--bf16", "on")
     a, b, c = train_losses(sharded), single["on"], single["off"]
-    assert len(a) == len(b) == len(c) == STEPS
+    assert len(a) == len(b) == len(c) == TRAIN_STEPS
     unit = max(abs(x - y) for x, y in zip(b, c))
     assert unit > 0, "--bf16 on computed in fp32"  # the unit must be bf16's error, not zero
-    for step in range(STEPS):
+    for step in range(TRAIN_STEPS):
         assert abs(a[step] - b[step]) <= 3 * unit + 1e-5 * abs(c[step]), (step, a, b, c)

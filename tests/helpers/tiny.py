@@ -18,6 +18,15 @@ TINY_SIZES = dict(
 )
 
 
+# The model kinds the converter makes, as overrides of `tiny_config`: V2, V1, and a Motif-shaped V1 (grouped noise
+# heads, PolyNorm).
+MODEL_KINDS = {
+    "v2": dict(diff_version=2),
+    "v1": dict(diff_version=1),
+    "motif-v1": dict(diff_version=1, num_noise_heads=2, head_dim=8, hidden_act="poly_norm"),
+}
+
+
 def tiny_config(diff_version=2, **overrides):
     values = dict(
         TINY_SIZES,

@@ -10,14 +10,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from tests.helpers.tiny import tiny_model
+from tests.helpers.tiny import MODEL_KINDS, tiny_model
 
 
-MODEL_KINDS = {
-    "v2": dict(diff_version=2),
-    "v1": dict(diff_version=1),
-    "motif-v1": dict(diff_version=1, num_noise_heads=2, head_dim=8, hidden_act="poly_norm"),
-}
 STEPS = 3
 
 
