@@ -350,6 +350,12 @@ def build(config_name: str, geometry: dict, layers: int):
     return model
 
 
+def unpacked_batch():
+    """Without a cache, transformers looks for packed sequences in position_ids (a host read, which meta cannot do;
+    once per forward, not per layer): told there are none, as a plain batch has."""
+    return mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda position_ids: None)
+
+
 def run_phase(
     model, phase: str, seq: int, census_box: list, cuda_sdpa: bool = True, where: bool = False
 ) -> tuple[Census, int]:
@@ -364,11 +370,9 @@ def run_phase(
     census_box[0] = census
     if phase == "train":
         model.train()
+        # anomaly mode keeps each node's forward stack for `where`
         anomaly = torch.autograd.set_detect_anomaly(True, check_nan=False) if where else contextlib.nullcontext()
-        # Without a cache, transformers looks for packed sequences in position_ids (a host read, which meta cannot
-        # do; once per forward, not per layer): told there are none, as a plain batch has.
-        unpacked = mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda position_ids: None)
-        with sdpa(), flops, census, anomaly, unpacked:  # anomaly mode keeps each node's forward stack for `where`
+        with sdpa(), flops, census, anomaly, unpacked_batch():
             out = model(input_ids=ids, labels=ids, use_cache=False)  # as bench_gpu's training step
             out.loss.backward()
         model.zero_grad(set_to_none=True)
@@ -408,9 +412,8 @@ def saved_bytes_per_layer(config_name: str, geometry: dict) -> int:
             return tensor
 
         ids = torch.zeros(1, geometry["seq"], dtype=torch.long, device="meta")
-        unpacked = mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda position_ids: None)
         model.train()
-        with CudaDispatchMode(), unpacked, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with CudaDispatchMode(), unpacked_batch(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(input_ids=ids, labels=ids, use_cache=False)
         totals.append(sum(storages.values()))
     return totals[1] - totals[0]

@@ -220,9 +220,10 @@ def activation_bytes_per_token(config, training: Training) -> dict:
     H, kv = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or D // H
     lse = 2 * H * 4  # float32, one per query head
-    if int(getattr(config, "diff_version", 2)) == 1 and training.attn_implementation == "diff_triton":
+    v1 = int(getattr(config, "diff_version", 2)) == 1
+    if v1 and training.attn_implementation == "diff_triton":
         attention = (2 * H * d + 2 * kv * d + 2 * kv * d + 3 * H * 2 * d) * c + lse
-    elif int(getattr(config, "diff_version", 2)) == 1:
+    elif v1:
         attention = (2 * H * d + 2 * H * d + 2 * H * 2 * d + 2 * H * 2 * d + H * 2 * d + H * 2 * d) * c + lse
     else:
         attention = (2 * H * d + kv * d + kv * d + 2 * H * d + H * d + H) * c + lse
