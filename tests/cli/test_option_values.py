@@ -96,7 +96,12 @@ COMMANDS = {
             "--logging-steps",
             "--text-field",
             "--attn-implementation",
+            "--compile-backend",
         ],  # fmt: skip
+    ),
+    "plan": (
+        ["plan", "{model}", "--quiet"],
+        ["--nodes", "--gpus-per-node", "--micro-batch", "--seq-len", "--gpu-memory", "--attn-implementation"],
     ),
     "train-chat": (  # the shipped tiny Llama: it has a tokenizer and a chat template
         ["train", "{source}", "--any-model", "--chat-data", "{chat}", "--output", "out/run", "--max-steps", "1"]

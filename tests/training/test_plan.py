@@ -89,7 +89,8 @@ def test_bytes_per_parameter_follow_what_trainer_keeps():
 @pytest.mark.parametrize("rows, world", [(97, 2), (96, 2), (3, 4), (48, 3), (1, 8), (10, 4)])
 def test_shards_split_as_torch_chunk_splits_them(rows, world):
     chunks = [len(c) for c in torch.arange(rows).chunk(world)]
-    assert chunk_rows(rows, world) == chunks + [0] * (world - len(chunks))
+    assert [chunk_rows(rows, world, rank) for rank in range(world)] == chunks + [0] * (world - len(chunks))
+    assert chunk_rows(rows, world, 0) == max(chunks)  # why state_bytes counts rank 0 as the rank holding the most
 
 
 def test_sharding_strategies_divide_the_model_state():

@@ -110,11 +110,12 @@ def meta_model(config):
         return getattr(modeling_diff, (config.architectures or ["DiffForCausalLM"])[0])(config)
 
 
-def chunk_rows(rows: int, world: int) -> list[int]:
-    """Rows of each rank's chunk when `rows` are split as `torch.chunk` (and so FSDP2's `fully_shard`) splits dim 0:
-    ceil(rows / world) each, fewer or none for the last ranks."""
+def chunk_rows(rows: int, world: int, rank: int) -> int:
+    """Rows of RANK's chunk when `rows` are split as `torch.chunk` (and so FSDP2's `fully_shard`) splits dim 0:
+    ceil(rows / world) each, fewer or none for the last ranks. Rank 0's chunk is the largest of every tensor, so
+    rank 0 holds the most state: no count ever loops over the world."""
     size = math.ceil(rows / world) if rows else 0
-    return [max(0, min(size, rows - r * size)) for r in range(world)]
+    return max(0, min(size, rows - rank * size))
 
 
 # transformers' tensor-parallel styles (transformers/distributed/tensor_parallel.py) by the weight dim they split
@@ -158,18 +159,13 @@ def state_bytes(model, layout: Layout, training: Training, rank: int | None = No
         (shape[0] if shape else 1, math.prod(shape[1:]), element_bytes(name, training.dtype, strict, fp16_kept))
         for name, shape, _ in local_shapes(model, layout)
     ]
-    if rank is None:  # the tp ranks of one shard hold the same shapes: one of each shard index is enough
-        shard_ranks = range(layout.shards)
-    else:
-        shard_ranks = [(rank // layout.tp) % layout.shards if layout.tp > 1 else rank % layout.shards]
-    best = 0
-    for shard_rank in shard_ranks:
-        weights = sum(chunk_rows(rows, layout.shards)[shard_rank] * row * size for rows, row, size in tensors)
-        best = max(best, weights)
+    # the tp ranks of one shard hold the same shapes; shard index 0 holds the largest chunk of every tensor
+    shard_rank = 0 if rank is None else (rank // layout.tp) % layout.shards if layout.tp > 1 else rank % layout.shards
+    weights = sum(chunk_rows(rows, layout.shards, shard_rank) * row * size for rows, row, size in tensors)
     return {
-        "weights": best,
-        "gradients": best,
-        "optimizer": 2 * best,
+        "weights": weights,
+        "gradients": weights,
+        "optimizer": 2 * weights,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
 
