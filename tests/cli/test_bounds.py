@@ -255,6 +255,7 @@ def test_serve_refuses_a_model_without_tokenizer_or_with_a_hostile_config(refuse
     refused(["serve", model], HOSTILE["vocab"][2])
 
 
+@pytest.mark.slow  # 10-25 s (server starts, subprocesses): the full suite runs it, the quick loop does not
 def test_serve_answers_400_for_what_it_cannot_bound_and_stays_responsive(tmp_path):
     """A model whose chat template runs without end answers 400 (one line) after the bound, while /health answers at
     once throughout; a hostile config and a missing tokenizer answer 400; SIGTERM during a render ends the server

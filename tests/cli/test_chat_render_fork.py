@@ -70,6 +70,7 @@ def test_a_render_building_gigabytes_in_one_call_is_stopped_in_its_child(name):
     assert render_chat(plain, CHATS[0], add_generation_prompt=True)
 
 
+@pytest.mark.slow  # 10-25 s (server starts, subprocesses): the full suite runs it, the quick loop does not
 def test_the_kill_grows_with_the_conversation_and_still_stops_a_hostile_template(monkeypatch):
     """Issue 56: a forked render was killed at a fixed 3 s, so a long legitimate conversation on a loaded machine
     could be killed for its length. Its bound is now RENDER_SECONDS plus FORK_SECONDS_PER_MI_CHARS per Mi characters

@@ -157,6 +157,7 @@ def test_continuous_batching_matches_generate(servers, models, references, name)
     assert (text, tokens) == references(name, CHATS[2], repetition_penalty=1.0) and chunks > 1
 
 
+@pytest.mark.slow  # 10-25 s (server starts, subprocesses): the full suite runs it, the quick loop does not
 def test_max_tokens_is_bounded_and_sigterm_stops_a_busy_server(models, tmp_path):
     """Issue 21: `max_tokens: 100000000` generated without end (past the context, after the client left, through
     SIGTERM). Now every generation stops at the model's context, and SIGTERM ends the server within seconds."""
@@ -282,6 +283,7 @@ def test_models_list_unknown_models_and_refused_fields(servers, models, tmp_path
     assert response.choices[0].message.content
 
 
+@pytest.mark.slow  # 10-25 s (server starts, subprocesses): the full suite runs it, the quick loop does not
 def test_pinned_servers_list_their_models_and_refuse_others(models, references, tmp_path):
     """`serve MODEL` answers for MODEL (requests may omit it); `serve A B` for A and B, both listed by /v1/models
     before any request has loaded them. Any other name is a 404 (as `serve --help` says; the pinned server answered
@@ -697,6 +699,7 @@ def test_one_copy_per_local_model_and_at_most_max_loaded_models(models, tmp_path
         manager.shutdown()
 
 
+@pytest.mark.slow  # 10-25 s (server starts, subprocesses): the full suite runs it, the quick loop does not
 def test_a_busy_server_answers_429_and_serves_one_copy_of_a_local_model(models, tmp_path):
     """Issue 46: a 3-token request waited 101 s behind 16 long ones. With --max-queued-requests 1, a request that
     arrives while a stream is generating is answered at once with 429, Retry-After and OpenAI's error body, and is

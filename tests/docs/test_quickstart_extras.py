@@ -15,6 +15,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -137,6 +138,7 @@ def missing_packages(blocked, commands, cwd) -> dict[str, str]:
     return found
 
 
+@pytest.mark.slow  # 10-25 s (server starts, subprocesses): the full suite runs it, the quick loop does not
 def test_the_quickstart_installs_what_the_docs_commands_need(tmp_path):
     extras = quickstart_extras()
     commands = docs_commands()

@@ -104,6 +104,7 @@ def test_the_three_models_have_equal_parameter_counts(mn):
     assert configs["v1"].num_attention_heads == args.heads // 2 and configs["v2"].num_attention_heads == args.heads
 
 
+@pytest.mark.slow  # 10-25 s (server starts, subprocesses): the full suite runs it, the quick loop does not
 def test_script_trains_evaluates_and_writes_its_outputs(mn, tmp_path):
     small = ["--length", "128", "--min-length", "128", "--hidden-size", "32", "--intermediate-size", "64",
              "--layers", "2", "--steps", "2", "--batch-size", "2", "--eval-per-cell", "1", "--eval-batch", "5",
