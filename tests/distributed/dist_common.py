@@ -2,8 +2,10 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -22,6 +24,80 @@ def launch_environment() -> dict[str, str]:
     torchrun the test itself may run under."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     return {k: v for k, v in env.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(launch: list[str], args: list[str], env: dict | None = None) -> subprocess.Popen:
+    """`diff-transformer train ARGS` under torchrun with LAUNCH's options, started (stdout and stderr together; ENV:
+    `launch_environment()` by default)."""
+    from tests.helpers import REPOSITORY
+
+    command = [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "diff_transformer.cli", "train", *args]
+    return subprocess.Popen(
+        command,
+        cwd=REPOSITORY,
+        env=env or launch_environment(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def two_nodes(args: list[str], env: dict | None = None) -> list[subprocess.Popen]:
+    """The launch of docs/training.md's multi-node template, node 0 and node 1 on this machine."""
+    port = free_port()
+    return [
+        torchrun(
+            [
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                f"test{port}",
+            ],
+            args,
+            env,
+        )  # fmt: skip
+        for node in (0, 1)
+    ]
+
+
+def finish(processes, timeout=240) -> list[tuple[int, str]]:
+    """(status, output) of each process, all read at once: a node whose pipe fills while another is waited for would
+    block its ranks, and so every rank, in the next collective. One still running after TIMEOUT is killed."""
+
+    def wait(process):
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            output, _ = process.communicate()
+        return process.returncode, output
+
+    with ThreadPoolExecutor(len(processes)) as pool:
+        return list(pool.map(wait, processes))
+
+
+def succeed(processes) -> list[str]:
+    """Each process finished with status 0 (else its output's end): their outputs."""
+    outputs = []
+    for status, output in finish(processes):
+        assert status == 0, output[-6000:]
+        outputs.append(output)
+    return outputs
 
 
 TRAIN_STEPS = 3

@@ -16,9 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -29,8 +26,7 @@ from safetensors.torch import load_file
 
 from diff_transformer import cli
 from diff_transformer.training.resume import _complete, trainer_checkpoints
-from tests.distributed.dist_common import launch_environment, save_train_checkpoint, train_losses
-from tests.helpers import REPOSITORY
+from tests.distributed.dist_common import finish, save_train_checkpoint, succeed, torchrun, train_losses, two_nodes
 
 
 pytestmark = pytest.mark.slow
@@ -44,67 +40,6 @@ COMMON = [
 # the float noise Adam can magnify stays far below the bound (the sharded and single-process sums differ ~1e-7).
 LOSS_BOUND = 1e-5
 WEIGHT_BOUND = 2e-5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(launch: list[str], args: list[str]) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "diff_transformer.cli", "train", *args]
-    return subprocess.Popen(
-        command,
-        cwd=REPOSITORY,
-        env=launch_environment(),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def two_nodes(args: list[str]) -> list[subprocess.Popen]:
-    """The launch of docs/training.md's multi-node template, node 0 and node 1 on this machine."""
-    port = free_port()
-    return [
-        torchrun(
-            [
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(node),
-                "--nproc-per-node",
-                "2",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{port}",
-                "--rdzv-id",
-                f"test{port}",
-            ],
-            args,
-        )  # fmt: skip
-        for node in (0, 1)
-    ]
-
-
-def finish(processes, timeout=240) -> list[tuple[int, str]]:
-    results = []
-    for process in processes:
-        try:
-            output, _ = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            output, _ = process.communicate()
-        results.append((process.returncode, output))
-    return results
-
-
-def succeed(processes):
-    for status, output in finish(processes):
-        assert status == 0, output[-6000:]
 
 
 def assert_close_weights(actual: Path, expected: Path, atol: float):
