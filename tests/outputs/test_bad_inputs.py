@@ -794,8 +794,15 @@ def test_train_does_not_write_over_a_directory_of_the_users(refused, workdir, tm
     out.mkdir()
     (out / "README.md").write_text("my notes")  # the final save writes a model card README.md
     argv = train_argv(workdir, out, "--max-steps", "1")
-    refused(argv, "holds files that no training run wrote (README.md)", notes=True)
+    # the run writes a README.md: --overwrite would be refused too, so the line says to move it, and not --overwrite
+    err = refused(argv, "holds README.md, which no training run wrote and the run writes", "move them", notes=True)
+    assert "--overwrite" not in err
+    refused([*argv, "--overwrite"], "README.md", "Move them out", notes=True)
     assert (out / "README.md").read_text() == "my notes" and sorted(p.name for p in out.iterdir()) == ["README.md"]
+    (out / "README.md").rename(out / "notes.txt")  # a name the run never writes: --overwrite trains beside it
+    refused(argv, "holds files that no training run wrote (notes.txt)", "--overwrite to train beside them", notes=True)
+    assert cli.main([str(a) for a in argv] + ["--overwrite"]) == 0
+    assert (out / "notes.txt").read_text() == "my notes" and (out / "model.safetensors").is_file()
 
 
 def test_overwrite_never_follows_a_checkpoint_link(refused, workdir, tmp_path, capsys):

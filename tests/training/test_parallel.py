@@ -2,6 +2,7 @@
 does not take) is one `error:` line and exit status 2, before the model loads and with nothing written. The sharded
 runs themselves are in tests/distributed/test_sharded_train.py (torchrun)."""
 
+import re
 import types
 
 import pytest
@@ -84,3 +85,13 @@ def test_a_sharded_checkpoint_is_resumed_by_a_sharded_run_only(tmp_path):
         check_checkpoint_fits(sharded, model, lora=False, sharded=False)
     with pytest.raises(TrainingError, match=r"is a whole .* resume it with --parallelism ddp"):
         check_checkpoint_fits(whole, model, lora=False, sharded=True)
+
+
+@pytest.mark.parametrize("choice", ["fsdp", "hsdp", "tp", "tp+fsdp"])
+def test_a_sharded_parallelism_in_a_plain_process_asks_for_torchrun(monkeypatch, choice):
+    """Without torchrun (no WORLD_SIZE) it would train one whole copy, sharded over nothing."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(TrainingError, match=f"--parallelism {re.escape(choice)} shards over the processes torchrun"):
+        plan_layout(options(choice), tiny_config(2))
+    launched(monkeypatch, 1, 1)  # torchrun with one process: its choice
+    assert plan_layout(options("fsdp"), tiny_config(2)) == Layout(1, 1, 1)

@@ -213,6 +213,11 @@ def check_option_values(args) -> None:
     `checks.check_args`."""
     if args.block_size is not None and args.block_size < 2:
         raise TrainingError(f"--block-size {args.block_size} must be at least 2")
+    if args.resume == "auto" and args.overwrite:
+        raise TrainingError(
+            "--resume continues the run in --output and --overwrite starts it over: pass one of them (or --resume "
+            "PATH --overwrite to continue another run's checkpoint in place of the run in --output)"
+        )
     if args.warmup_steps is not None and args.warmup_ratio is not None:
         raise TrainingError("give --warmup-steps or --warmup-ratio, not both")
     if args.warmup_ratio is not None and not 0 <= args.warmup_ratio < 1:
@@ -259,8 +264,16 @@ def check_option_values(args) -> None:
         raise TrainingError(f"--save-total-limit {args.save_total_limit} must be at least 1 (omit it to keep all)")
     if not (math.isfinite(args.eval_fraction) and 0 <= args.eval_fraction < 1):
         raise TrainingError(f"--eval-fraction {args.eval_fraction} must be in [0, 1)")
-    if args.lora and (args.lora_r < 1 or args.lora_alpha < 1):
-        raise TrainingError(f"--lora-r {args.lora_r} and --lora-alpha {args.lora_alpha} must be at least 1")
+    if args.eval_fraction == 0 and not args.eval_data:  # Trainer would skip them without a word: nothing held out
+        for flag, given in (("--eval-steps", args.eval_steps is not None), ("--eval-on-start", args.eval_on_start)):
+            if given:
+                raise TrainingError(
+                    f"{flag} evaluates on held-out blocks, and --eval-fraction 0 holds none out: pass an "
+                    f"--eval-fraction above 0 or --eval-data FILE, or drop {flag}"
+                )
+    for flag, value in (("--lora-r", args.lora_r), ("--lora-alpha", args.lora_alpha)):
+        if args.lora and value < 1:
+            raise TrainingError(f"{flag} {value} must be at least 1")
 
 
 def parse_train_args(argv=None) -> argparse.Namespace:

@@ -167,13 +167,16 @@ def _add_to_log(state, logs: dict, values: dict) -> None:
 
 class RunSettingsCallback(TrainerCallback, ExportableState):
     """Stores in every checkpoint's trainer_state.json (`stateful_callbacks`) the settings that decide which tokens
-    make up each block (or chat example), so that `--resume` can refuse to continue a run with other blocks."""
+    make up each block (or chat example), so that `--resume` can refuse to continue a run with other blocks; and
+    `run` (`resume.run_identity`: the data, the held-out split, the global batch, the seed), which a resume may
+    change but is then no longer the run the checkpoint was part of."""
 
-    def __init__(self, block_size: int, bos: bool, chat: bool = False):
-        self.block_size, self.bos, self.chat = block_size, bos, chat
+    def __init__(self, block_size: int, bos: bool, chat: bool = False, run: dict | None = None):
+        self.block_size, self.bos, self.chat, self.run = block_size, bos, chat, run or {}
 
     def state(self) -> dict:
-        return {"args": {"block_size": self.block_size, "bos": self.bos, "chat": self.chat}, "attributes": {}}
+        settings = {"block_size": self.block_size, "bos": self.bos, "chat": self.chat, "run": self.run}
+        return {"args": settings, "attributes": {}}
 
 
 LAMBDA_SUMMARY = ("lambda_mean", "lambda_min", "lambda_max")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 from ..checkpoints.adapters import Source
@@ -78,13 +79,22 @@ def check_output(args, source: Source) -> Path:
                 f"--output {output} holds a model ({model[0]}) that no training run wrote, and the final save would "
                 "overwrite it: choose another --output, or pass --overwrite to replace it"
             )
-        if others:  # the final save writes README.md, config.json, tokenizer files... over whatever is there
-            shown = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
+        written = [name for name in others if _matches(name, TRAIN_WRITES)]
+        if written:  # the final save writes README.md, config.json, tokenizer files...: --overwrite refuses them too
             raise TrainingError(
-                f"--output {output} holds files that no training run wrote ({shown}), which the run's files could "
-                "overwrite: choose a new or empty --output, or pass --overwrite to write into it anyway"
+                f"--output {output} holds {_listed(written)}, which no training run wrote and the run writes: move "
+                "them out of it, or choose a new or empty --output"
+            )
+        if others:
+            raise TrainingError(
+                f"--output {output} holds files that no training run wrote ({_listed(others)}): choose a new or "
+                "empty --output, or pass --overwrite to train beside them (they stay untouched)"
             )
     return output
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
 def check_args(args, config) -> int:
@@ -106,6 +116,13 @@ def check_args(args, config) -> int:
         raise TrainingError("--diff-only-steps needs a Diff model")
     if args.lambda_warmup_steps and config.model_type != "diff":
         raise TrainingError("--lambda-warmup-steps needs a Diff model (it ramps in differential attention's λ)")
+    if args.lambda_warmup_steps and config.diff_version == 2 and getattr(config, "conversion", None):
+        print(  # a choice, not an error (the ramp still trains), but it gives up the conversion's exact start
+            "note: --lambda-warmup-steps on a converted V2: its first steps use λ x 0, not the λ its exact start "
+            "needs, so the run does not begin from the source model's function",
+            file=sys.stderr,
+            flush=True,
+        )
     if args.report_to is not None:  # None: TensorBoard if installed (report_targets)
         _check_report_to(args.report_to)
     if args.load_in_4bit:

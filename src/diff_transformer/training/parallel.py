@@ -63,6 +63,12 @@ def plan_layout(args, config) -> Layout | None:
                 flag = "--" + option.replace("_", "-")
                 raise TrainingError(f"{flag} belongs to a sharded --parallelism (fsdp, hsdp, tp, tp+fsdp): drop it")
         return None
+    if "WORLD_SIZE" not in os.environ:  # a plain process: it would train one whole copy, sharded over nothing
+        raise TrainingError(
+            f"--parallelism {choice} shards over the processes torchrun starts, and this is a plain process: launch "
+            "it with torchrun (torchrun --nproc-per-node N -m diff_transformer.cli train ..., docs/training.md), "
+            "or drop --parallelism"
+        )
     for flag, given in (("--lora", args.lora), ("--load-in-4bit", args.load_in_4bit)):
         if given:
             raise TrainingError(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import zipfile
 from pathlib import Path
 
@@ -153,6 +154,17 @@ def resolve_resume(args, block_size: int) -> str | None:
     if settings.get("bos", not args.no_bos) != (not args.no_bos):
         flag = "without --no-bos" if settings["bos"] else "with --no-bos"
         raise TrainingError(f"--resume {checkpoint}: that run packed its blocks {flag}: resume it the same way")
+    changed = _changed_run(settings.get("run"), run_identity(args))
+    if (
+        changed
+    ):  # Trainer resumes with any data and batch: said, not refused (more data, or a larger batch, is a choice)
+        print(
+            f"note: --resume {checkpoint} continues a run that had other {changed}: it goes on from the checkpoint, "
+            "but is no longer the run the checkpoint was part of (a changed held-out split may train on blocks held "
+            "out before)",
+            file=sys.stderr,
+            flush=True,
+        )
     step = state.get("global_step", 0)
     if args.max_steps is not None and step >= args.max_steps:
         raise TrainingError(
@@ -160,6 +172,45 @@ def resolve_resume(args, block_size: int) -> str | None:
             "raise --max-steps to train further"
         )
     return str(checkpoint)
+
+
+def run_identity(args) -> dict:
+    """What makes a run the same run beside its blocks: the data files (names and sizes: cheap at any size), the
+    held-out split, the global batch (per-device batch x accumulation x processes: resharding keeps it), the seed."""
+    from .parallel import world_sizes
+
+    def files(paths):
+        return [[Path(p).name, Path(p).stat().st_size if Path(p).is_file() else None] for p in paths or []]
+
+    data = getattr(args, "chat_data", None) or args.data
+    return {
+        "data": files(data),
+        "eval_data": files(args.eval_data),
+        "eval_fraction": None if args.eval_data else args.eval_fraction,
+        "global_batch": args.batch_size * args.grad_accum * world_sizes()[0],
+        "seed": args.seed,
+    }
+
+
+_RUN_NAMES = {  # run_identity's keys as the user sets them
+    "data": "--data files",
+    "eval_data": "--eval-data files",
+    "eval_fraction": "--eval-fraction",
+    "global_batch": "global batch (--batch-size x --grad-accum x processes)",
+    "seed": "--seed",
+}
+
+
+def _changed_run(saved, now: dict) -> str:
+    """The settings of NOW that differ from the SAVED run's (nothing for a checkpoint from before they were saved)."""
+    if not isinstance(saved, dict):
+        return ""
+    changed = [
+        f"{_RUN_NAMES[key]} ({saved[key]!r}, now {now[key]!r})"
+        for key in now
+        if key in saved and saved[key] != now[key]
+    ]
+    return "; ".join(changed)
 
 
 def _check_resume_target(checkpoint: Path, output: Path, overwrite: bool) -> None:
@@ -371,6 +422,14 @@ def _incomplete(checkpoint: Path) -> str | None:
                 pass
         except Exception:
             return f"{path.name} is truncated or corrupt"
+    # Trainer resumes without a missing optimizer.pt, scheduler.pt or rng_state (fresh Adam moments, the schedule
+    # from its start): a different run than the one saved, so they must all be there (a sharded run's moments are
+    # under sharded/, beside optimizer_param_groups.json)
+    needed = ["scheduler.pt"] if sharded else ["optimizer.pt", "scheduler.pt"]
+    missing = [name for name in needed if not (checkpoint / name).is_file()]
+    missing += [] if any(checkpoint.glob("rng_state*.pth")) else ["rng_state.pth"]
+    if missing:
+        return f"no {', '.join(missing)}"
     for path in sorted(checkpoint.iterdir()):  # optimizer.pt, scheduler.pt, rng_state.pth: zip archives when whole
         if path.suffix in (".pt", ".pth") and not zipfile.is_zipfile(path):
             return f"{path.name} is truncated or corrupt"
