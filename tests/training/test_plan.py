@@ -5,6 +5,8 @@ each rank's weights + gradients + AdamW moments against what FSDP2 actually leav
 import contextlib
 import json
 import math
+import re
+import shlex
 
 import pytest
 import torch
@@ -69,7 +71,8 @@ def test_a_llama_config_is_planned_as_the_converter_converts_it(tmp_path, diff_v
         written["num_attention_heads"],
         written["num_key_value_heads"],
     )
-    assert plan_memory(config, Layout(1, 1, "ddp"), Training()).parameters == stored  # tied head: stored once
+    training = Training(seq_len=512)  # the tiny Llama's context
+    assert plan_memory(config, Layout(1, 1, "ddp"), training).parameters == stored  # tied head: stored once
 
 
 def test_bytes_per_parameter_follow_what_trainer_keeps():
@@ -227,7 +230,7 @@ def test_plan_command_prints_the_table_and_refuses_bad_input(capsys, refused, tm
     activations = {}
     for backend in ("sdpa", "diff_triton"):
         argv = ["plan", str(TINY_LLAMA), "--diff-version", "1", "--strategy", "ddp", "--attn-implementation", backend]
-        argv += ["--micro-batch", "64", "--seq-len", "4096"]  # GiB to one decimal: the tiny model needs many tokens
+        argv += ["--micro-batch", "512", "--seq-len", "512"]  # GiB to one decimal: the tiny model needs many tokens
         assert cli.main(argv) == 0
         activations[backend] = float(
             capsys.readouterr().out.split("| ddp |")[1].split("|")[3]
@@ -241,6 +244,82 @@ def test_plan_command_prints_the_table_and_refuses_bad_input(capsys, refused, tm
     refused(["plan", TINY_LLAMA, "--strategy", "tp", "--gpus-per-node", "4"], "cannot split")
     (tmp_path / "config.json").write_text("[1, 2]")
     refused(["plan", tmp_path], "not a config")
+
+
+def test_hsdp_with_one_gpu_per_node_is_planned_with_fsdp2_s_bf16_policy():
+    """train turns --bf16 into FSDP2's bf16 policy whenever FSDP2 spans more than one rank (replicas x shards > 1,
+    training/parallel.py), so hsdp over 2 nodes of 1 GPU computes like fsdp over 2 GPUs, sharding nothing; a 1-GPU
+    fsdp run is not sharded and autocasts like ddp."""
+    config, training = tiny_config(2), Training(seq_len=64)
+    hsdp = plan_memory(config, Layout(2, 1, "hsdp"), training)
+    fsdp = plan_memory(config, Layout(1, 2, "fsdp"), training)
+    assert (hsdp.activations, hsdp.transient) == (fsdp.activations, fsdp.transient)
+    alone, ddp = (plan_memory(config, Layout(1, 1, strategy), training) for strategy in ("fsdp", "ddp"))
+    assert hsdp.model_state == ddp.model_state  # one GPU per node: nothing sharded
+    assert (alone.activations, alone.transient) == (ddp.activations, 0) and ddp.activations > hsdp.activations
+
+
+def test_gpu_memory_needs_a_unit_and_more_than_zero(capsys):
+    """A bare number was read as bytes (`--gpu-memory 80`: "fits 7.45058e-08 GiB"); accelerate's max_memory strings
+    refuse it too. Zero said "not a memory size"."""
+    from diff_transformer import cli
+
+    for value, message in [
+        ("80", "argument --gpu-memory: 80 has no unit: write 80GiB or 80GB"),
+        ("0.5", "0.5 has no unit: write 0.5GiB or 0.5GB"),
+        ("0GiB", "'0GiB' must be more than zero"),
+        ("0", "'0' must be more than zero"),
+        ("80ib", "'80ib' is not a memory size"),  # a KeyError before
+        ("1" + "0" * 400 + "GB", "is not a memory size"),  # an OverflowError before
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["plan", str(TINY_LLAMA), "--gpu-memory", value])
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert exited.value.code == 2 and len(errors) == 1 and message in errors[0], (value, errors)
+    for value, gib in [("80GiB", "80"), ("141 GB", "131.316"), ("0.5GiB", "0.5")]:
+        assert cli.main(["plan", str(TINY_LLAMA), "--strategy", "ddp", "--gpu-memory", value]) == 0
+        assert f"fits {gib} GiB" in capsys.readouterr().out
+
+
+def test_seq_len_is_refused_past_the_model_s_context_and_defaults_within_it(capsys, refused):
+    """As train refuses a --block-size longer than max_position_embeddings and defaults to min(2048, context): the
+    shipped tiny Llama has 512 positions, so a bare `plan` on it plans 512 tokens, and 513 are refused."""
+    from diff_transformer import cli
+
+    refused(["plan", TINY_LLAMA, "--seq-len", "513"], "--seq-len 513", "(512 positions", "--seq-len 512 or less")
+    assert cli.main(["plan", str(TINY_LLAMA), "--strategy", "ddp", "--seq-len", "512"]) == 0
+    assert "micro-batch 1 x 512 tokens" in capsys.readouterr().out
+    assert cli.main(["plan", str(TINY_LLAMA), "--strategy", "ddp"]) == 0
+    assert "micro-batch 1 x 512 tokens" in capsys.readouterr().out
+    assert cli.main(["plan", str(REPOSITORY / "benchmarks" / "configs" / "llama3-1b.json"), "--strategy", "ddp"]) == 0
+    assert "micro-batch 1 x 2048 tokens" in capsys.readouterr().out  # 131072 positions: 2048
+    with pytest.raises(UserError, match="exceeds the model's context"):
+        plan_memory(load_config(TINY_LLAMA, 2), Layout(1, 1, "ddp"), Training(seq_len=513))
+
+
+PLAN_EXAMPLE = re.compile(r"```bash\n((?:diff-transformer plan [^\n]*\n)+)```\n\n```text\n(.*?)\n```", re.S)
+
+
+@pytest.mark.parametrize("page", ["docs/memory.md", "docs/training.md"])
+def test_the_docs_plan_examples_print_what_they_quote(page, capsys, monkeypatch, tmp_path):
+    """The docs' `plan` examples on real-size configs (not run by tests/docs: their configs are not in its
+    directory) print exactly the output the page shows. docs/training.md's FSDP2 section once quoted figures no
+    `plan` command printed (18.5 GiB of activations beside a one-GPU model state)."""
+    from diff_transformer import cli
+
+    config = json.loads((REPOSITORY / "benchmarks" / "configs" / "llama3-1b.json").read_text())
+    config.update(vocab_size=32000, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)  # as the page says
+    (tmp_path / "llama3-1b-32k.json").write_text(json.dumps(config))
+    (tmp_path / "benchmarks").symlink_to(REPOSITORY / "benchmarks")
+    monkeypatch.chdir(tmp_path)
+    examples = PLAN_EXAMPLE.findall((REPOSITORY / page).read_text(encoding="utf-8"))
+    assert examples, f"{page} has no plan example with its output"
+    for commands, shown in examples:
+        printed = []
+        for line in commands.splitlines():
+            assert cli.main(shlex.split(line)[1:]) == 0, line
+            printed.append(capsys.readouterr().out.rstrip("\n"))
+        assert "\n".join(printed) == shown, commands
 
 
 @pytest.mark.slow  # one 2-process torchrun launch (~1 min on a loaded 2-core machine)

@@ -2,6 +2,7 @@
 `convert` would turn it into one) on nodes x GPUs under each sharding strategy, from its config alone
 (`diff_transformer.training.plan`)."""
 
+import math
 import re
 from pathlib import Path
 
@@ -9,7 +10,7 @@ from .options import add_quiet_option
 
 
 STRATEGIES = ("ddp", "fsdp", "hsdp", "tp", "tp+fsdp")
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
 
 
@@ -22,13 +23,21 @@ def _positive(text: str) -> int:
 
 
 def memory_size(text: str) -> int:
-    """Bytes of "80GiB", "141 GB", "24GiB" (GB = 10^9, GiB = 2^30)."""
+    """Bytes of "80GiB", "141 GB", "24GiB" (GB = 10^9, GiB = 2^30). A bare number is refused, not read as bytes:
+    `--gpu-memory 80` means 80 GB or GiB to anyone who types it (accelerate's max_memory strings refuse it too)."""
     import argparse
 
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?", text.strip().upper())
-    if not match or float(match.group(1)) <= 0:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*((?:[KMGT]I?)?B)?", text.strip().upper())
+    size = float(match.group(1)) * _UNITS[match.group(2) or "B"] if match else math.inf
+    if not math.isfinite(size):  # inf: 400 digits overflow a float
         raise argparse.ArgumentTypeError(f"{text!r} is not a memory size: write it like 80GiB or 141GB")
-    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+    if size > 0 and not match.group(2):
+        raise argparse.ArgumentTypeError(
+            f"{text.strip()} has no unit: write {match.group(1)}GiB or {match.group(1)}GB"
+        )
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than zero: write the GPU's memory, e.g. 80GiB")
+    return int(size)
 
 
 def add_parser(commands) -> None:
@@ -57,7 +66,12 @@ def add_parser(commands) -> None:
     plan.add_argument(
         "--micro-batch", type=_positive, default=1, help="sequences per GPU per step (train --batch-size)"
     )
-    plan.add_argument("--seq-len", type=_positive, default=2048, help="tokens per sequence (train --block-size)")
+    plan.add_argument(
+        "--seq-len",
+        type=_positive,
+        default=None,
+        help="tokens per sequence (train --block-size; default: 2048, or the model's context if shorter)",
+    )
     plan.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in the backward")
     plan.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="train --dtype")
     plan.add_argument("--bf16", choices=("on", "off"), default="on", help="bf16 autocast (train --bf16)")
@@ -85,9 +99,17 @@ def run(args) -> int:
 
     import torch
 
-    from diff_transformer.training.plan import Layout, Training, load_config, meta_model, plan_memory
+    from diff_transformer.training.plan import (
+        Layout,
+        Training,
+        check_seq_len,
+        load_config,
+        meta_model,
+        plan_memory,
+    )
 
     config = load_config(args.model, args.diff_version)
+    args.seq_len = check_seq_len(config, args.seq_len)
     model = meta_model(config)
     training = Training(
         micro_batch=args.micro_batch,

@@ -63,6 +63,13 @@ class Layout:
             self.strategy
         ]
 
+    @property
+    def fsdp_ranks(self) -> int:
+        """Over how many ranks FSDP2 runs, sharding or replicating (1: not at all). train turns --bf16 into FSDP2's
+        bf16 MixedPrecisionPolicy exactly when this is over 1 (`training.parallel.distributed_config`: replicas x
+        fsdp > 1), e.g. hsdp with one GPU per node too; a 1-rank fsdp run is not sharded and autocasts."""
+        return {"ddp": 1, "fsdp": self.world, "hsdp": self.world, "tp": 1, "tp+fsdp": self.nodes}[self.strategy]
+
 
 @dataclass(frozen=True)
 class Training:
@@ -245,7 +252,7 @@ def autocast_copy_bytes(model, layout: Layout, training: Training) -> int:
     (counted in the tests). With gradient checkpointing only the head's and the recomputed layer's: a checkpointed
     forward saves none (from the mechanism, not counted). None unless autocast runs over float32 weights unsharded:
     FSDP2's bf16 policy hands the layers bf16 weights itself and frees them after each layer (`transient`)."""
-    if not (training.bf16 and training.dtype == torch.float32) or layout.shards > 1:
+    if not (training.bf16 and training.dtype == torch.float32) or layout.fsdp_ranks > 1:
         return 0
     numel = {
         id(param): math.prod(shape) for (_, shape, _), param in zip(local_shapes(model, layout), model.parameters())
@@ -268,17 +275,19 @@ def plan_memory(config, layout: Layout, training: Training, model=None) -> Plan:
     """Per-rank bytes of CONFIG's model (MODEL: its `meta_model`, built if not given) trained as TRAINING asks on
     LAYOUT (the rank holding the most)."""
     check_layout(config, layout)
+    check_seq_len(config, training.seq_len)
     model = meta_model(config) if model is None else model
     state = state_bytes(model, layout, training)
     computed = training
-    if training.bf16 and layout.shards > 1:
-        # train's sharded runs turn --bf16 into FSDP2's MixedPrecisionPolicy (training/parallel.py): the layers see
+    mixed = training.bf16 and layout.fsdp_ranks > 1
+    if mixed:
+        # train's FSDP2 runs turn --bf16 into FSDP2's MixedPrecisionPolicy (training/parallel.py): the layers see
         # bf16 weights, so the residual stream is bf16 too, not autocast's float32
         computed = replace(training, dtype=torch.bfloat16)
     per_token = activation_bytes_per_token(config, computed)
     activations = activation_bytes(config, computed, layout.tp) + autocast_copy_bytes(model, layout, training)
     transient = 0
-    if layout.shards > 1:  # FSDP2: two layers' parameters gathered (one computed, one prefetched), one layer's grads
+    if layout.shards > 1 or mixed:  # FSDP2: two layers' parameters gathered (or cast to bf16), one layer's grads
         layer = sum(p.numel() for p in model.model.layers[0].parameters()) // layout.tp
         transient = 3 * layer * training.compute_bytes
     parts = (state["weights"], state["gradients"], state["optimizer"], activations, transient)
@@ -299,6 +308,21 @@ def check_layout(config, layout: Layout) -> None:
                 f"{layout.tp} tensor-parallel ranks (--gpus-per-node) cannot split {count} {what} heads: use a "
                 "divisor of the head counts, or --strategy fsdp."
             )
+
+
+def check_seq_len(config, seq_len: int | None) -> int:
+    """The sequence length to plan: SEQ_LEN, or (None) 2048 capped at the model's context, as train caps its
+    --block-size default (a refused default would fail a bare `plan` on a short-context model); one longer than
+    the context is refused as train refuses that --block-size."""
+    context = getattr(config, "max_position_embeddings", None)
+    if seq_len is None:
+        return min(2048, context or 2048)
+    if context is not None and seq_len > context:
+        raise UserError(
+            f"--seq-len {seq_len} exceeds the model's context ({context} positions, max_position_embeddings): "
+            f"pass --seq-len {context} or less."
+        )
+    return seq_len
 
 
 def load_config(model_or_config, diff_version: int | None = None):
