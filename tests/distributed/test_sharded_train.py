@@ -60,7 +60,12 @@ def runs(tmp_path_factory):
     assert cli.main(["train", *data, "--output", str(root / "single"), "--batch-size", "4"]) == 0
 
     sharded = [*data, "--batch-size", "1", "--parallelism", "hsdp"]
-    succeed(two_nodes([*sharded, "--output", str(root / "hsdp"), "--save-total-limit", "2"]))
+    previous = os.umask(0o022)  # inherited by the ranks: the modes of what they write are checked against it
+    try:
+        nodes = two_nodes([*sharded, "--output", str(root / "hsdp"), "--save-total-limit", "2"])
+    finally:
+        os.umask(previous)
+    succeed(nodes)
 
     # The same run, one rank of node 1 SIGKILLed once the first sharded checkpoint is complete.
     killed = root / "killed"
@@ -111,6 +116,10 @@ def test_two_nodes_hsdp_equal_one_process(runs):
     config = json.loads((root / "hsdp" / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_diff.DiffForCausalLM"
     assert (root / "hsdp" / "modeling_diff.py").is_file() and not list((root / "hsdp").glob("_fsdp*.py"))
+    # Of a file the user creates, as convert's: not safetensors' owner-only 0600 (gathered export, DCP shards).
+    modes = {str(path): oct(path.stat().st_mode & 0o777) for path in (root / "hsdp").rglob("*") if path.is_file()}
+    assert str(root / "hsdp" / "model.safetensors") in modes and any("/sharded/" in path for path in modes)
+    assert {path: mode for path, mode in modes.items() if mode != "0o644"} == {}
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(root / "hsdp")

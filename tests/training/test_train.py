@@ -6,7 +6,10 @@ import contextlib
 import io
 import json
 import math
+import os
+import re
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from diff_transformer import DiffForCausalLM, cli
+from diff_transformer.evaluation import format_perplexity
 from diff_transformer.training.args import parse_train_args
 from diff_transformer.training.data import build_datasets, held_out_indices, pack, tokenize_files
 from diff_transformer.training.freeze import differential_parameters
@@ -139,6 +143,22 @@ def test_the_final_perplexity_names_what_it_scored(workdir, v2_run):
         "(--eval-fraction 0.25)"
     )
     assert expected in (workdir / "run-v2.stdout").read_text()
+
+
+def test_perplexity_prints_readably_however_large():
+    assert format_perplexity(1.5) == "1.500" and format_perplexity(52.049) == "52.049"
+    assert format_perplexity(52.049, 2) == "52.05" and format_perplexity(999_999.5) == "999999.500"
+    assert format_perplexity(1e12) == "1.000e+12"
+    assert format_perplexity(math.exp(700)) == "1.014e+304"  # printed as 305 digits before
+    assert format_perplexity(float("inf")) == "inf"
+
+
+def test_a_diverged_run_prints_its_perplexity_in_a_few_characters(workdir, tmp_path, capsys):
+    """--lr 10 takes the loss past 709, where exp overflows: the perplexity is inf, not exp(700)'s 305 digits."""
+    train(workdir, 2, tmp_path, "--max-steps", "3", "--lr", "10")
+    loss = json.loads((tmp_path / "eval_results.json").read_text())["eval_loss"]
+    printed = re.search(r"perplexity (\S+) on", capsys.readouterr().out).group(1)
+    assert printed == ("inf" if loss > 709.78 else format_perplexity(math.exp(loss))) and len(printed) <= 10
 
 
 def test_loss_decreases_on_repeated_text(v2_run):
@@ -523,6 +543,24 @@ def test_lora_trains_adapters_and_lambda_and_saves_the_adapter(workdir, tmp_path
         assert not torch.allclose(tuned(ids).logits, AutoModelForCausalLM.from_pretrained(workdir / "v2")(ids).logits)
 
 
+def test_every_file_train_and_merge_write_follows_the_umask(workdir, tmp_path):
+    """safetensors writes each file as a private (0600) temporary renamed into place: the weights of train, of its
+    checkpoints, of a LoRA run and of merge get the umask's mode instead, as convert's and every other file do."""
+    previous = os.umask(0o022)
+    try:
+        train(workdir, 2, tmp_path / "full", "--max-steps", "2", "--save-steps", "1")
+        train(workdir, 2, tmp_path / "lora", "--max-steps", "1", "--save-steps", "1", "--lora", "--lora-r", "4")
+        assert cli.main(["merge", str(tmp_path / "lora"), str(tmp_path / "merged"), "--quiet"]) == 0
+    finally:
+        os.umask(previous)
+    modes = {p.relative_to(tmp_path).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in tmp_path.rglob("*")}
+    weights = {f"full/{d}model.safetensors" for d in ("", "checkpoint-1/", "checkpoint-2/")}
+    weights |= {"lora/adapter_model.safetensors", "lora/checkpoint-1/adapter_model.safetensors"}
+    assert weights | {"merged/model.safetensors", "full/config.json", "lora/tokenizer.json"} <= modes.keys()
+    wrong = {p: oct(m) for p, m in modes.items() if m != (0o755 if (tmp_path / p).is_dir() else 0o644)}
+    assert wrong == {}
+
+
 def test_lora_all_linear_shorthand_reaches_peft(workdir, tmp_path):
     """`--lora-target-modules all-linear` is PEFT's shorthand (every linear layer but the LM head); argparse gives a
     one-item list, which PEFT would read as a module name and target nothing."""
@@ -627,6 +665,7 @@ def test_cli_errors_name_the_problem(workdir, tmp_path, capsys):
         ([model, "--data", text, "--eval-steps", "0"], "--eval-steps 0 must be at least 1"),
         ([model, "--data", text, "--load-in-4bit"], "needs --lora"),
         ([model, "--data", text, "--lora", "--diff-only-steps", "2"], "do not combine"),
+        ([model, "--data", text, "--lora", "--lora-r", "0"], "error: --lora-r 0 must be at least 1"),  # alone
         ([model, "--data", text, "--resume"], "no checkpoint-N directory"),
         ([model, "--data", text, "--compile-backend", "inductr"], "--compile-backend inductr is not a torch.compile"),
         # torch registers it, accelerate (through which Trainer compiles) does not take it
@@ -731,6 +770,48 @@ def test_resume_refuses_incomplete_checkpoints_other_blocks_and_finished_runs(
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint-12", "checkpoint-6"]
 
 
+@pytest.mark.parametrize("missing", ["optimizer.pt", "scheduler.pt", "rng_state.pth"])
+def test_resume_refuses_a_checkpoint_without_its_optimizer_scheduler_or_rng_state(
+    refused, workdir, v2_run, tmp_path, capsys, missing
+):
+    """Trainer would resume without them (fresh Adam moments, the schedule from its start): another run."""
+    argv, full = v2_run
+    run = tmp_path / "run"
+    shutil.copytree(full / "checkpoint-6", run / "checkpoint-6")
+    (run / "checkpoint-6" / missing).unlink()
+    resume = [workdir / "v2", "--data", workdir / "repeat.txt", "--output", run, *argv[argv.index("--quiet") :]]
+    refused(["train", *resume, "--resume"], f"checkpoint-6 is incomplete (no {missing})", notes=True)
+
+
+def test_resume_with_overwrite_is_refused_and_other_settings_are_said(refused, workdir, v2_run, tmp_path, capsys):
+    argv, full = v2_run
+    run = tmp_path / "run"
+    shutil.copytree(full / "checkpoint-6", run / "checkpoint-6")
+    resume = [workdir / "v2", "--data", workdir / "repeat.txt", "--output", run, *argv[argv.index("--quiet") :]]
+    refused(["train", *resume, "--resume", "--overwrite"], "--resume continues the run", "--overwrite starts it over")
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-6"]
+    resume[resume.index("--max-steps") + 1] = "7"
+    capsys.readouterr()
+    assert cli.main(["train", *map(str, resume), "--resume"]) == 0  # the same settings: nothing to say
+    assert "note: --resume" not in capsys.readouterr().err
+    shutil.rmtree(run)
+    shutil.copytree(full / "checkpoint-6", run / "checkpoint-6")
+    changed = [*resume, "--resume", "--batch-size", "2", "--seed", "7", "--eval-fraction", "0.5"]
+    assert cli.main(["train", *map(str, changed)]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: --resume")]
+    assert len(notes) == 1, notes
+    for said in ("global batch (--batch-size x --grad-accum x processes) (4, now 2)", "--seed (42, now 7)"):
+        assert said in notes[0], notes[0]
+    assert "--eval-fraction (0.25, now 0.5)" in notes[0] and "--data" not in notes[0]
+
+
+@pytest.mark.parametrize("flag", [["--eval-steps", "1"], ["--eval-on-start"]])
+def test_evaluation_options_without_a_held_out_set_are_refused(refused, workdir, tmp_path, capsys, flag):
+    argv = ["train", workdir / "v2", "--data", workdir / "text.txt", "--output", tmp_path / "run", *QUIET]
+    refused([*argv, "--eval-fraction", "0", *flag], f"{flag[0]} evaluates on held-out blocks", "--eval-fraction 0")
+    assert not (tmp_path / "run").exists()
+
+
 def test_resume_of_a_tied_model_reports_no_missing_lm_head(workdir, tmp_path, monkeypatch):
     import transformers.trainer
 
@@ -810,6 +891,20 @@ def test_lambda_warmup_ramps_the_logged_lambda_and_saves_plain_weights(workdir, 
         # the logged λ is the one used: 0.5 x the λ of the saved weights at step 2, that λ itself after the ramp
         assert logs[2][key] == pytest.approx(0.5 * _v1_lambda(checkpoint, layer), abs=1e-6)
         assert logs[6][key] == pytest.approx(_v1_lambda(final, layer), abs=1e-6)
+
+
+def test_lambda_warmup_on_a_converted_v2_is_said(workdir, tmp_path, capsys):
+    """A converted V2 starts exactly as its source only with λ as converted: the ramp gives that up (a note)."""
+    from tests.helpers.checkpoints import TINY_LLAMA
+
+    assert cli.main(["convert", str(TINY_LLAMA), str(tmp_path / "v2"), "--quiet"]) == 0
+    argv = ["train", str(tmp_path / "v2"), "--data", str(workdir / "text.txt"), "--output", str(tmp_path / "run")]
+    argv += [*QUIET, "--max-steps", "1", "--eval-fraction", "0", "--batch-size", "2", "--lambda-warmup-steps", "1"]
+    capsys.readouterr()
+    assert cli.main(argv) == 0
+    assert "note: --lambda-warmup-steps on a converted V2" in capsys.readouterr().err
+    train(workdir, 2, tmp_path / "plain", "--max-steps", "1", "--eval-fraction", "0", "--lambda-warmup-steps", "1")
+    assert "note: --lambda-warmup-steps" not in capsys.readouterr().err  # a V2 made as such (no conversion)
 
 
 @pytest.mark.parametrize("version", [1, 2])

@@ -31,7 +31,7 @@ def merge_adapter(
     from transformers import AutoTokenizer
 
     from ..integrations.hub import diff_model_card
-    from ..outputs.files import check_target
+    from ..outputs.files import check_target, follow_umask
     from ..outputs.records import write_manifest
     from ..outputs.staging import Staging
     from . import CUSTOM_CODE_FILES
@@ -72,6 +72,7 @@ def merge_adapter(
             )
             card.save(staging_dir / "README.md")  # before save_pretrained, which then keeps it
         model.save_pretrained(staging_dir)
+        follow_umask(staging_dir.glob("*.safetensors"))  # safetensors writes them owner-only
         if tokenizer is not None:
             tokenizer.save_pretrained(staging_dir)
         staging.seal()

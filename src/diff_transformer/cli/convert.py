@@ -102,9 +102,12 @@ def run(args) -> int:
         print(_calibrated_start(conversion))
         step0 = conversion.get("step0_heldout")
         if step0:
+            from diff_transformer.evaluation import format_perplexity
+
             print(
-                f"V1 at step 0: perplexity {step0['converted_perplexity']:.2f} against the source's "
-                f"{step0['source_perplexity']:.2f} ({step0['ratio']:.2f}x) on {_step0_tokens(step0)} of the "
+                f"V1 at step 0: perplexity {format_perplexity(step0['converted_perplexity'], 2)} against the "
+                f"source's {format_perplexity(step0['source_perplexity'], 2)} ({step0['ratio']:.2f}x) on "
+                f"{_step0_tokens(step0)} of the "
                 f"calibration text ({conversion['calibration_text']}), never fitted on; not the held-out Austen "
                 "text that the demo and --verify score."
             )
@@ -114,7 +117,7 @@ def run(args) -> int:
             closer = " (or use --v1-init calibrated-additive, which starts closer but adds its second map)"
         print(f"note: diff_version=1 is not function-preserving: continue pretraining{closer}.")
     if args.verify:
-        from diff_transformer.evaluation import heldout_description
+        from diff_transformer.evaluation import format_perplexity, heldout_description
 
         report = _verify(args, out)
         greedy = "" if report["greedy_match"] is None else f", greedy continuations match: {report['greedy_match']}"
@@ -126,7 +129,7 @@ def run(args) -> int:
             heldout = report["heldout"]
             print(
                 f"held-out perplexity on {heldout_description(heldout['tokens'])}, as the demo scores it: source "
-                f"{heldout['source']:.4f}, converted {heldout['converted']:.4f}"
+                f"{format_perplexity(heldout['source'], 4)}, converted {format_perplexity(heldout['converted'], 4)}"
             )
         if not report["expected_exact"]:  # Llama -> V1: a new model that starts near the source, not the source
             print(

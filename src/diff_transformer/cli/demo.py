@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import UserError, as_one_line, check_seed
-from ..evaluation import HELDOUT_TOKENS, heldout_description, heldout_perplexity
+from ..evaluation import HELDOUT_TOKENS, format_perplexity, heldout_description, heldout_perplexity
 from ..outputs.files import OutputError, check_target
 from ..outputs.records import write_manifest, wrote_this
 from ..outputs.staging import Staging
@@ -212,7 +212,7 @@ def _load_source(log: _Log, src: Path, heldout_text: str) -> _Loaded:
     figures.update(source_perplexity=ppl, eval_tokens=n_eval)
     log.say(
         f"    held-out perplexity on {heldout_description(n_eval)}, the first tokens of the last chapters of four "
-        f"Austen novels, unseen in training: {ppl:.4f}  (uniform: {len(tokenizer)})"
+        f"Austen novels, unseen in training: {format_perplexity(ppl, 4)}  (uniform: {len(tokenizer)})"
     )
     figures["time_load_source_s"] = time.perf_counter() - t
     log.say(f"    ({figures['time_load_source_s']:.1f} s)")
@@ -298,8 +298,8 @@ def _load_converted(log: _Log, out: Path, source: _Loaded, heldout_text: str) ->
     text_diff = max((a - b).abs().max().item() for a, b in zip(source.logits, logits, strict=False))
     log.figures.update(converted_perplexity=ppl, heldout_max_abs_logit_diff=text_diff)
     log.say(
-        f"    held-out perplexity on the same {log.figures['eval_tokens']:,} tokens: source {src_ppl:.4f}, "
-        f"converted {ppl:.4f} "
+        f"    held-out perplexity on the same {log.figures['eval_tokens']:,} tokens: source "
+        f"{format_perplexity(src_ppl, 4)}, converted {format_perplexity(ppl, 4)} "
         f"(relative difference {abs(ppl - src_ppl) / src_ppl:.1e}); max |Δlogit| on that text {text_diff:.2e}"
     )
     log.check("perplexity_equal", abs(ppl - src_ppl) <= PPL_RTOL * src_ppl)

@@ -16,6 +16,14 @@ def heldout_description(tokens: int, block_size: int = EVAL_BLOCK_SIZE) -> str:
     return f"{HELDOUT_TEXT} ({tokens:,} tokens, {windows} windows of {block_size})"
 
 
+def format_perplexity(value: float, decimals: int = 3) -> str:
+    """A perplexity as printed: DECIMALS places below 1e6, then 4 significant digits ("1.014e+304", not the 305
+    digits of a diverged run's), "inf" past float's range."""
+    if not math.isfinite(value):
+        return str(value)
+    return f"{value:.{decimals}f}" if value < 1e6 else f"{value:.3e}"
+
+
 def heldout_perplexity(
     model,
     tokenizer,

@@ -210,9 +210,12 @@ def _v1_init(conversion: dict) -> str:
     step0 = conversion.get("step0_heldout")
     quality = ""
     if step0:
+        from ..evaluation import format_perplexity
+
         quality = (
             f" At step 0 its perplexity on {step0['tokens']:,} held-out tokens of the calibration data was "
-            f"{step0['converted_perplexity']:.2f} against the source's {step0['source_perplexity']:.2f} "
+            f"{format_perplexity(step0['converted_perplexity'], 2)} against the source's "
+            f"{format_perplexity(step0['source_perplexity'], 2)} "
             f"({step0['ratio']:.2f}×)."
         )
     return layout + (

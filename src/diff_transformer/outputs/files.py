@@ -106,6 +106,22 @@ def write_new_file(path, data: str | bytes) -> None:
         raise
 
 
+def umask_mode() -> int:
+    """The mode the user's umask gives a new file (0o666 & ~umask)."""
+    umask = os.umask(0)  # no getter: read by setting, then restored
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def follow_umask(paths) -> None:
+    """Give PATHS the mode of a file the user creates (`umask_mode`): safetensors writes each file into a private
+    (0600) temporary file renamed into place, so weights saved by save_pretrained (PEFT's too) are owner-only."""
+    mode = umask_mode()
+    for path in paths:
+        if not os.path.islink(path):  # never change a link's target
+            os.chmod(path, mode)
+
+
 def find_link(directory) -> tuple[Path, str] | None:
     """The first entry under DIRECTORY (walked without following links) that a file written at its name could reach
     something outside DIRECTORY through, with what it is: a symbolic link, or a regular file with more than one hard
@@ -232,11 +248,10 @@ class OutputFiles:
             raise
 
     def install(self) -> None:
-        umask = os.umask(0)
-        os.umask(umask)
+        mode = umask_mode()
         try:
             for tmp, out in self.pending:
-                os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private: the permissions of a file the user creates
+                os.chmod(tmp, mode)  # mkstemp makes it private: the permissions of a file the user creates
                 os.replace(tmp, out)
         except OSError as exc:
             self.discard()

@@ -30,7 +30,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..checkpoints import adapters
 from ..checkpoints.opening import Checkpoint
 from ..errors import UserError, as_one_line, one_line
-from ..outputs.files import refuse_links
+from ..evaluation import format_perplexity
+from ..outputs.files import follow_umask, refuse_links
 from ..outputs.records import record_written, remove_recorded, top_level_state
 from ..outputs.staging import OutputLock
 from . import TrainingError
@@ -55,6 +56,7 @@ from .resume import (
     old_checkpoints,
     resolve_resume,
     rotate_checkpoints,
+    run_identity,
     trainer_checkpoints,
 )
 
@@ -72,7 +74,8 @@ class CausalLMTrainer(Trainer):
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         loss = output.metrics.get(f"{metric_key_prefix}_loss")
         if loss is not None:
-            output.metrics[f"{metric_key_prefix}_perplexity"] = math.exp(min(loss, 700.0))
+            # inf past float's range: a diverged run's perplexity, never a made-up finite one
+            output.metrics[f"{metric_key_prefix}_perplexity"] = math.inf if loss > 709.78 else math.exp(loss)
         return output
 
     def _save_checkpoint(self, model, trial):
@@ -101,6 +104,8 @@ class CausalLMTrainer(Trainer):
                 self.accelerator.unwrap_model(self.model).config.save_pretrained(output_dir)
             return
         super().save_model(output_dir, _internal_call)
+        if self.args.should_save:  # the final model, checkpoints, adapters and a sharded run's export alike
+            follow_umask(Path(output_dir or self.args.output_dir).glob("*.safetensors"))
 
     def _save(self, output_dir=None, state_dict=None):
         if not is_sharded(self.model) or state_dict is not None:
@@ -294,7 +299,7 @@ def build_trainer(args, checkpoint: Checkpoint | None = None) -> PreparedRun:
                     shutil.rmtree(old)
                 remove_recorded(Path(args.output))  # the checkpoints it proves too
 
-    callbacks = [RunSettingsCallback(block_size, bos=not args.no_bos, chat=bool(args.chat_data))]
+    callbacks = [RunSettingsCallback(block_size, not args.no_bos, bool(args.chat_data), run_identity(args))]
     callbacks += [DiffOnlyCallback(model, args.diff_only_steps)] if args.diff_only_steps else []
     if args.lora:
         source = checkpoint.source
@@ -409,7 +414,8 @@ def _run(args, checkpoint: Checkpoint) -> int:
             line += f" (step {start + 1}" + ("" if done == 1 else f" to {result.global_step}") + ", resumed)"
         line += f", mean training loss of this run {result.training_loss:.4f}"
         if metrics:  # named by what it scored, as every printed perplexity is (issue 57)
-            line += f"; held-out loss {metrics['eval_loss']:.4f}, perplexity {metrics['eval_perplexity']:.3f} on "
+            line += f"; held-out loss {metrics['eval_loss']:.4f}, perplexity "
+            line += f"{format_perplexity(metrics['eval_perplexity'])} on "
             line += _held_out_description(args, eval_data, unit, size)
         print(line + f"\nsaved to {args.output}", flush=True)
     return 0
