@@ -166,7 +166,11 @@ def test_loss_decreases_on_repeated_text(v2_run):
     assert sorted(logs) == list(range(1, 13))
     assert logs[12]["loss"] < logs[1]["loss"] - 1.0, (logs[1]["loss"], logs[12]["loss"])
     evals = [entry for entry in history(v2_run[1]) if "eval_loss" in entry]
-    assert [entry["step"] for entry in evals][:3] == [0, 6, 12] and evals[2]["eval_loss"] < evals[0]["eval_loss"]
+    assert [entry["step"] for entry in evals] == [0, 6, 12] and evals[2]["eval_loss"] < evals[0]["eval_loss"]
+    # the evaluation at the last step is the final one: reused, not run (and printed) a second time
+    final = json.loads((v2_run[1] / "eval_results.json").read_text())
+    assert final["eval_loss"] == evals[2]["eval_loss"]
+    assert (v2_run[1].parent / "run-v2.stdout").read_text().count("'eval_loss'") == 3
 
 
 def test_eval_perplexity_is_mean_token_nll_of_the_saved_model(workdir, v2_run):

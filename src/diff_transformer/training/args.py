@@ -118,8 +118,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     run.add_argument(
         "--compile",
         action="store_true",
-        help="torch.compile the model (Trainer's torch_compile): faster steps on a GPU, after a compile of a minute "
-        "or more at the start",
+        help="torch.compile the model (Trainer's torch_compile): faster steps on a GPU, after a compile at the start "
+        "(tens of seconds; docs/training.md)",
     )
     run.add_argument(
         "--compile-backend",
@@ -135,7 +135,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "node, replicated across nodes), tp (tensor parallel), tp+fsdp (2-D); sharded runs write DCP checkpoints",
     )
     run.add_argument(
-        "--tp-size", type=int, default=None, help="tp+fsdp: ranks per tensor-parallel group (default: per node)"
+        "--tp-size", type=int, default=None, help="tp, tp+fsdp: ranks per tensor-parallel group (default: per node)"
     )
     run.add_argument(
         "--replicas", type=int, default=None, help="hsdp: number of replicas (default: the number of nodes)"

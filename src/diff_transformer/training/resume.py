@@ -317,7 +317,7 @@ def check_checkpoint_fits(checkpoint, model, lora: bool, sharded: bool = False) 
     checkpoint = Path(checkpoint)
     if is_sharded_checkpoint(checkpoint) != sharded:
         kind, fix = (
-            ("sharded (DCP, from --parallelism fsdp/hsdp/tp)", "a sharded --parallelism")
+            ("sharded (DCP, from --parallelism fsdp/hsdp/tp)", "a sharded --parallelism on 2 or more processes")
             if not sharded
             else ("whole (from --parallelism ddp or one process)", "--parallelism ddp")
         )

@@ -356,6 +356,15 @@ def run(args) -> int:
         return _run(args, checkpoint)
 
 
+def final_evaluation(trainer) -> dict:
+    """The held-out metrics of the final model: those of --eval-steps' evaluation when it ran at the last step (the
+    same weights: a second pass would cost its time and print the same line again), else a new evaluation."""
+    last = next((entry for entry in reversed(trainer.state.log_history) if "eval_loss" in entry), None)
+    if last is not None and last.get("step") == trainer.state.global_step:
+        return {key: value for key, value in last.items() if key != "step"}
+    return trainer.evaluate()
+
+
 def _run(args, checkpoint: Checkpoint) -> int:
     trainer, resume, block_size = build_trainer(args, checkpoint)
     before = top_level_state(args.output)  # after an --overwrite cleared the old run: what this run writes is new
@@ -400,7 +409,7 @@ def _run(args, checkpoint: Checkpoint) -> int:
         adapters.write_adapter_card(args.output, base, model.config, last_lambda_summary(trainer.state.log_history))
         adapters.record_base(args.output, base_of(source), base)
     trainer.save_metrics("train", result.metrics)
-    metrics = trainer.evaluate() if eval_data is not None else {}
+    metrics = final_evaluation(trainer) if eval_data is not None else {}
     refuse_links(Path(args.output), name="--output")
     if metrics:
         trainer.save_metrics("eval", metrics)
