@@ -251,6 +251,12 @@ def check_option_values(args) -> None:
         for flag, given in (("--no-bos", args.no_bos), ("--text-field", args.text_field != "text")):
             if given:
                 raise TrainingError(f"{flag} applies to --data only: --chat-data renders with the chat template")
+    files = [*(args.data or []), *(args.eval_data or [])]
+    if args.text_field != "text" and files and not any(str(f).lower().endswith(".jsonl") for f in files):
+        raise TrainingError(
+            f"--text-field {args.text_field} names a field of .jsonl records, and no --data or --eval-data file is "
+            ".jsonl (other files are read whole as text): drop --text-field"
+        )
     if args.diff_only_steps and args.lora:
         raise TrainingError("--diff-only-steps and --lora do not combine (LoRA already trains only adapters and λ)")
     if args.load_in_4bit and not args.lora:
