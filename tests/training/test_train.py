@@ -671,6 +671,10 @@ def test_cli_errors_name_the_problem(workdir, tmp_path, capsys):
         ([model, "--data", text, "--lora", "--diff-only-steps", "2"], "do not combine"),
         ([model, "--data", text, "--lora", "--lora-r", "0"], "error: --lora-r 0 must be at least 1"),  # alone
         ([model, "--data", text, "--text-field", "content"], "--text-field content names a field of .jsonl records"),
+        (
+            [model, "--data", text, "--lora", "--lora-target-modules", "nosuch"],
+            "matches no module of the model: name some of down_proj, gate_proj, k_proj",
+        ),
         ([model, "--data", text, "--resume"], "no checkpoint-N directory"),
         ([model, "--data", text, "--compile-backend", "inductr"], "--compile-backend inductr is not a torch.compile"),
         # torch registers it, accelerate (through which Trainer compiles) does not take it

@@ -129,4 +129,10 @@ def add_lora(model, args):
                 f"PEFT has no default LoRA target modules for model_type {model.config.model_type!r}: "
                 "pass --lora-target-modules (e.g. q_proj k_proj v_proj o_proj)"
             ) from None
+        if args.lora_target_modules is not None and "target modules" in str(error).lower():
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+            raise TrainingError(
+                f"--lora-target-modules {' '.join(args.lora_target_modules)} matches no module of the model: name "
+                f"some of {', '.join(linear)} (or all-linear)"
+            ) from None
         raise TrainingError(f"LoRA: {str(error).splitlines()[0]}") from None
