@@ -12,7 +12,7 @@ from ..checkpoints.adapters import Source
 from ..checkpoints.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 from ..errors import installed, missing, require
 from ..outputs.files import check_target, refuse_links
-from ..outputs.staging import LOADER_READS, _matches, ours, refuse_users_entries, users_entries
+from ..outputs.staging import LOADER_READS, _matches, _shown, ours, refuse_users_entries, users_entries
 from . import TrainingError
 from .args import check_option_values
 from .resume import holds_run
@@ -82,19 +82,15 @@ def check_output(args, source: Source) -> Path:
         written = [name for name in others if _matches(name, TRAIN_WRITES)]
         if written:  # the final save writes README.md, config.json, tokenizer files...: --overwrite refuses them too
             raise TrainingError(
-                f"--output {output} holds {_listed(written)}, which no training run wrote and the run writes: move "
+                f"--output {output} holds {_shown(written, 4)}, which no training run wrote and the run writes: move "
                 "them out of it, or choose a new or empty --output"
             )
         if others:
             raise TrainingError(
-                f"--output {output} holds files that no training run wrote ({_listed(others)}): choose a new or "
+                f"--output {output} holds files that no training run wrote ({_shown(others, 4)}): choose a new or "
                 "empty --output, or pass --overwrite to train beside them (they stay untouched)"
             )
     return output
-
-
-def _listed(names: list[str]) -> str:
-    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
 def check_args(args, config) -> int:

@@ -17,6 +17,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from ..checkpoints.configs import read_json
 from ..checkpoints.weights import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 from ..outputs.records import forget_entry, proven, record_entry, record_flag, recorded
+from ..outputs.staging import _shown
 from ..text_input import whole_number
 from . import TrainingError
 from .callbacks import RunSettingsCallback
@@ -155,9 +156,8 @@ def resolve_resume(args, block_size: int) -> str | None:
         flag = "without --no-bos" if settings["bos"] else "with --no-bos"
         raise TrainingError(f"--resume {checkpoint}: that run packed its blocks {flag}: resume it the same way")
     changed = _changed_run(settings.get("run"), run_identity(args))
-    if (
-        changed
-    ):  # Trainer resumes with any data and batch: said, not refused (more data, or a larger batch, is a choice)
+    # Trainer resumes with any data and batch: said, not refused (more data, or a larger batch, is a choice)
+    if changed:
         print(
             f"note: --resume {checkpoint} continues a run that had other {changed}: it goes on from the checkpoint, "
             "but is no longer the run the checkpoint was part of (a changed held-out split may train on blocks held "
@@ -220,7 +220,7 @@ def _check_resume_target(checkpoint: Path, output: Path, overwrite: bool) -> Non
         return
     found = holds_run(output)
     if found:
-        shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+        shown = _shown(found, 4)
         raise TrainingError(
             f"--output {output} holds another training run ({shown}) than the one --resume {checkpoint} continues: "
             f"resume into {checkpoint.parent} (the run it belongs to) or a new --output, or pass --overwrite to "

@@ -74,8 +74,11 @@ class CausalLMTrainer(Trainer):
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         loss = output.metrics.get(f"{metric_key_prefix}_loss")
         if loss is not None:
-            # inf past float's range: a diverged run's perplexity, never a made-up finite one
-            output.metrics[f"{metric_key_prefix}_perplexity"] = math.inf if loss > 709.78 else math.exp(loss)
+            try:
+                perplexity = math.exp(loss)
+            except OverflowError:  # a diverged run's: inf, never a made-up finite one
+                perplexity = math.inf
+            output.metrics[f"{metric_key_prefix}_perplexity"] = perplexity
         return output
 
     def _save_checkpoint(self, model, trial):
